@@ -1,0 +1,40 @@
+"""nbserve: serve a language model from a Jupyter cell or a script.
+
+    srv = nbserve.launch("smollm2")   # chat UI at srv.url, OpenAI API at srv.api_base
+
+Attributes are imported lazily so that `import nbserve` stays fast (gradio alone takes seconds).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "launch": "nbserve.launch",
+    "serve": "nbserve.launch",
+    "Server": "nbserve.launch",
+    "load": "nbserve.loading",
+    "LoadedModel": "nbserve.loading.bundle",
+    "Engine": "nbserve.engine",
+    "Pool": "nbserve.pool",
+    "create_app": "nbserve.server",
+    "StepModel": "nbserve.models.base",
+    "Request": "nbserve.types",
+    "SamplingParams": "nbserve.types",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'nbserve' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_EXPORTS))
+
+
+__all__ = list(_EXPORTS)

@@ -1,0 +1,46 @@
+"""The StepModel protocol: the one seam between the engine and any model it serves.
+
+A StepModel computes logits for a batch of token rows at explicit positions, reading and
+writing a KV cache that it allocated itself, one "slot" (row of the cache) per sequence.
+The same call serves a prefill chunk (T > 1) and a decode batch (T == 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class StepModel(Protocol):
+    """What the engine needs from a model.
+
+    - `max_context`: the longest sequence (prompt + output) the model accepts.
+    - `vocab_size`: width of the logits.
+    - `make_cache(max_batch, max_context)`: allocate the KV cache once; it must offer
+      `copy_prefix(src_slot, dst_slot, length)` (used for n > 1) and `nbytes`.
+    - `forward(ids, positions, slots, cache, logit_index=None)`:
+        ids (B, T) int64 token ids, positions (B, T) int64 absolute positions of those ids,
+        slots (B,) int64 cache rows. Row b's tokens are written to the cache at
+        (slots[b], positions[b]) and attend to every cached position <= their own.
+        All rows have the same T (a decode batch, or one prefill chunk); no padding.
+        Returns logits (B, T, V); with `logit_index` (B,) only the logits of
+        position `logit_index[b]` in each row: (B, V).
+    """
+
+    max_context: int
+    vocab_size: int
+    device: torch.device
+    dtype: torch.dtype
+
+    def make_cache(self, max_batch: int, max_context: int) -> Any: ...
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        cache: Any,
+        logit_index: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...

@@ -1,0 +1,240 @@
+"""Llama-family transformer written for serving (Llama 2/3, Mistral, Qwen2, SmolLM).
+
+It implements the StepModel protocol: token ids at explicit positions in, logits out, keys and
+values kept in a KVCache it allocates once. Parameter names mirror Hugging Face's, so a HF
+state dict loads as it is and a `transformers` model's tensors can be adopted without a copy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kv_cache import KVCache
+from .config import LlamaConfig
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies (D/2,), with Llama-3 scaling applied when the config asks for it."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = cfg.rope_scaling
+    if sc:  # Llama-3: slow down low frequencies, keep high ones, blend in between
+        factor = sc["factor"]
+        low, high = sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old_ctx = sc.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        inv = torch.where(medium, blended, scaled)
+    return inv.float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int):
+        super().__init__()
+        d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.layer, self.hq, self.hkv, self.d = layer, hq, hkv, d
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=bias)
+        self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: "StepInputs",
+                cache: KVCache) -> torch.Tensor:
+        b, t, _ = x.shape
+        cos, sin = rope  # (B, T, 1, D)
+        q = self.q_proj(x).view(b, t, self.hq, self.d)
+        k = self.k_proj(x).view(b, t, self.hkv, self.d)
+        v = self.v_proj(x).view(b, t, self.hkv, self.d)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        cache.write(self.layer, step.slots, step.positions, k, v)
+        keys, values = cache.read(self.layer, step.slots, step.kv_len, step.contiguous_from)
+        # (B, H, T, D) x (B, Hkv, L, D) -> (B, H, T, D)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=step.mask, enable_gqa=self.hq != self.hkv)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.hq * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # 16-bit: normalise in float32 like the reference implementation, then scale
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, rope, step, cache):
+        x = x + self.self_attn(self.input_layernorm(x), rope, step, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class StepInputs:
+    """Per-forward values shared by every layer: slots, positions, mask, cache read length."""
+
+    __slots__ = ("slots", "positions", "kv_len", "mask", "contiguous_from")
+
+    def __init__(self, positions: torch.Tensor, slots: torch.Tensor, max_pos: int,
+                 contiguous_from: int | None):
+        self.slots, self.positions = slots, positions
+        self.kv_len = max_pos + 1
+        self.contiguous_from = contiguous_from
+        b, t = positions.shape
+        if b == 1 and t == 1:
+            self.mask = None  # one query at the last position: every cached key is visible
+        else:  # key j is visible to the query at position p iff j <= p
+            keys = torch.arange(self.kv_len, device=positions.device)
+            self.mask = (keys[None, None, None, :] <= positions[:, None, :, None])  # (B,1,T,L)
+
+
+class LlamaModel(nn.Module):
+    """The StepModel for Llama-family checkpoints. Build it with `build_llama`."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.vocab_size = cfg.vocab_size
+        self.max_context = cfg.max_position_embeddings
+        self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def make_cache(self, max_batch: int, max_context: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_hidden_layers, max_batch, max_context, c.num_key_value_heads,
+                       c.head_dim, self.device, self.dtype)
+
+    def _rope_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (self.device, self.dtype)
+        if key not in self._rope_cache:
+            inv = rope_inv_freq(self.config).to(self.device)
+            pos = torch.arange(self.max_context, device=self.device, dtype=torch.float32)
+            freqs = torch.outer(pos, inv)
+            emb = torch.cat((freqs, freqs), dim=-1)  # (max_context, D)
+            self._rope_cache = {key: (emb.cos().to(self.dtype), emb.sin().to(self.dtype))}
+        return self._rope_cache[key]
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                cache: KVCache, logit_index: torch.Tensor | None = None,
+                max_pos: int | None = None, contiguous_from: int | None = None) -> torch.Tensor:
+        """ids, positions (B, T), slots (B,) -> logits (B, T, V) or (B, V) with logit_index.
+
+        `max_pos` (the largest position, if the caller knows it) and `contiguous_from`
+        (first slot, when slots are a contiguous run) only save a device sync and a gather.
+        """
+        if max_pos is None:
+            max_pos = int(positions.max())
+        step = StepInputs(positions, slots, max_pos, contiguous_from)
+        cos_t, sin_t = self._rope_table()
+        rope = (cos_t[positions].unsqueeze(2), sin_t[positions].unsqueeze(2))  # (B, T, 1, D)
+        x = self.model.embed_tokens(ids)  # (B, T, H)
+        for layer in self.model.layers:
+            x = layer(x, rope, step, cache)
+        if logit_index is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # (B, H)
+        x = self.model.norm(x)
+        return self.lm_head(x).float()
+
+
+def build_llama(cfg: LlamaConfig, tensors: Iterable[tuple[str, torch.Tensor]],
+                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LlamaModel:
+    """Create a LlamaModel from HF-named tensors, moving each to (device, dtype) as it arrives.
+
+    Raises ValueError naming unknown or missing tensors.
+    """
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    for name, tensor in tensors:
+        if name not in params:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            raise ValueError(f"unexpected tensor {name!r} for {cfg.architecture} ({cfg.name})")
+        want = params[name].shape
+        if tuple(tensor.shape) != tuple(want):
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(want)} from the config of {cfg.name}")
+        _set_param(model, name, tensor.to(device=device, dtype=dtype))
+        seen.add(name)
+    if cfg.tie_word_embeddings or "lm_head.weight" not in seen:
+        if "lm_head.weight" not in seen:
+            model.lm_head.weight = model.model.embed_tokens.weight
+            seen.add("lm_head.weight")
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise ValueError(f"checkpoint {cfg.name} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    setattr(owner, attr, nn.Parameter(value, requires_grad=False))
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(parameters, bytes), counting tied tensors once."""
+    seen: dict[int, torch.Tensor] = {}
+    for p in model.parameters():
+        seen.setdefault(p.data_ptr(), p)
+    return (sum(p.numel() for p in seen.values()),
+            sum(p.numel() * p.element_size() for p in seen.values()))

@@ -1,0 +1,279 @@
+"""Records shared by the engine, the server and the UI: no torch, no HTTP.
+
+A caller builds a `Request` (chat messages, raw text or token ids, plus `SamplingParams`),
+hands it to a `Backend`, and reads an ordered stream of events back.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Literal, Protocol, Union, runtime_checkable
+
+# ----------------------------------------------------------------------------- errors
+
+
+class NbserveError(Exception):
+    """Base class of every error nbserve raises on purpose."""
+
+    kind = "server_error"
+
+
+class InvalidRequestError(NbserveError, ValueError):
+    """The request cannot be served as asked; `param` names the offending field."""
+
+    kind = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt (plus the tokens asked for) does not fit in the context."""
+
+    def __init__(self, prompt_tokens: int, max_context: int, param: str | None = "messages"):
+        super().__init__(
+            f"This model's maximum context length is {max_context} tokens, but the prompt has "
+            f"{prompt_tokens} tokens. Shorten the prompt or start a new conversation.",
+            param=param,
+            code="context_length_exceeded",
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_context = max_context
+
+
+class BusyError(NbserveError):
+    """The waiting queue is full; the caller should retry later."""
+
+    kind = "rate_limit_error"
+
+    def __init__(self, message: str = "The server is busy: the request queue is full. Retry soon.",
+                 retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineStoppedError(NbserveError):
+    """The engine is shutting down or not running; new requests are refused."""
+
+    kind = "service_unavailable"
+
+
+class EngineError(NbserveError):
+    """The model failed while computing this request."""
+
+    kind = "server_error"
+
+
+# ----------------------------------------------------------------------------- sampling
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop, per request.
+
+    temperature 0 means greedy. `top_k=0`, `top_p=1`, `min_p=0` switch those filters off.
+    `max_tokens=None` generates until a stop condition or the end of the context.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    max_tokens: int | None = 256
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise `InvalidRequestError` naming the first bad parameter."""
+
+        def bad(param: str, msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{param} {msg}", param=param)
+
+        def finite(name: str, value: float) -> None:
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value!r}")
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            finite(name, getattr(self, name))
+        if self.temperature < 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not -2 <= self.presence_penalty <= 2:
+            raise bad("presence_penalty", f"must be between -2 and 2, got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise bad("frequency_penalty", f"must be between -2 and 2, got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad("top_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise bad("stop", f"entries must be non-empty strings, got {s!r}")
+        if self.logit_bias:
+            for tok, bias in self.logit_bias.items():
+                if not isinstance(tok, int) or (vocab_size is not None and not 0 <= tok < vocab_size):
+                    raise bad("logit_bias", f"keys must be token ids in [0, {vocab_size}), got {tok!r}")
+                finite("logit_bias", bias)
+                if not -100 <= bias <= 100:
+                    raise bad("logit_bias", f"values must be between -100 and 100, got {bias}")
+        if vocab_size is not None:
+            for tok in self.stop_token_ids:
+                if not 0 <= tok < vocab_size:
+                    raise bad("stop_token_ids", f"must be token ids in [0, {vocab_size}), got {tok}")
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+def new_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation request. Exactly one of `messages`, `prompt`, `prompt_ids` is set.
+
+    `messages` are OpenAI-style dicts (role, content, optional tool_calls / tool_call_id / name)
+    rendered through the model's chat template; `prompt` is raw text encoded as it is.
+    """
+
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    request_id: str = field(default_factory=new_request_id)
+    # Set by whoever routes the request (pool affinity, logging); the engine ignores it.
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def check_input(self) -> None:
+        given = [x is not None for x in (self.messages, self.prompt, self.prompt_ids)]
+        if sum(given) != 1:
+            raise InvalidRequestError(
+                "a request needs exactly one of messages, prompt or prompt_ids", param="messages")
+
+
+# ----------------------------------------------------------------------------- events
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top: list[tuple[int, str, float]] = field(default_factory=list)  # (id, text, logprob)
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True)
+class Started:
+    """First event: the prompt was accepted and is being prefilled."""
+
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    prompt_ids: list[int] = field(default_factory=list)
+    type: Literal["started"] = "started"
+
+
+@dataclass(slots=True)
+class Delta:
+    """New text for choice `index` (may be empty while a stop string or UTF-8 char is pending)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    type: Literal["delta"] = "delta"
+
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@dataclass(slots=True)
+class Finished:
+    """Choice `index` is done. `usage` counts the whole request so far (all choices)."""
+
+    index: int
+    reason: FinishReason
+    usage: Usage
+    stop_matched: str | int | None = None
+    type: Literal["finished"] = "finished"
+
+
+@dataclass(slots=True)
+class ErrorEvent:
+    """The request failed; no further events follow."""
+
+    message: str
+    kind: str = "server_error"
+    request_id: str = ""
+    type: Literal["error"] = "error"
+
+
+Event = Union[Started, Delta, Finished, ErrorEvent]
+
+
+# ----------------------------------------------------------------------------- backend seam
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the server, the UI and launch depend on: an Engine or a Pool of them."""
+
+    model_name: str
+
+    def generate(self, request: Request) -> AsyncIterator[Event]:
+        """Validate (raising `InvalidRequestError`, `ContextLengthError`, `BusyError`,
+        `EngineStoppedError` before the first event) and stream the events of `request`.
+        Closing the iterator cancels the request."""
+        ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,89 @@
+"""nbserve's Llama-family model computes what transformers computes, at prefill and cached decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from nbserve.models.config import LlamaConfig
+from nbserve.models.llama import build_llama
+
+VOCAB = 300
+
+
+def _hf_model(arch: str) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    if arch == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common,
+                                                                      tie_word_embeddings=False))
+    if arch == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**common,
+                                                                          sliding_window=None))
+    extra = {}
+    if arch == "llama3":
+        extra = dict(rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=True,
+                                                                  **extra))
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "mistral"])
+def test_prefill_and_16_decode_steps_match_transformers(arch: str) -> None:
+    hf = _hf_model(arch).eval()
+    cfg_dict = hf.config.to_dict() | {"architectures": [type(hf).__name__]}
+    model = build_llama(LlamaConfig.from_hf(cfg_dict), hf.state_dict().items())
+    cache = model.make_cache(3, 128)
+    slot = torch.tensor([1])
+    seq = torch.randint(0, VOCAB, (1, 20))
+    with torch.no_grad():
+        ref = hf(seq).logits
+    out = model.forward(seq, torch.arange(20)[None], slot, cache)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+    for _ in range(16):
+        nxt = torch.randint(0, VOCAB, (1, 1))
+        seq = torch.cat([seq, nxt], dim=1)
+        with torch.no_grad():
+            ref = hf(seq).logits[:, -1]
+        pos = torch.tensor([[seq.shape[1] - 1]])
+        out = model.forward(nxt, pos, slot, cache)[:, -1]
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+def test_batched_decode_with_different_lengths_matches_single_rows() -> None:
+    hf = _hf_model("llama").eval()
+    cfg = LlamaConfig.from_hf(hf.config.to_dict() | {"architectures": ["LlamaForCausalLM"]})
+    model = build_llama(cfg, hf.state_dict().items())
+    cache = model.make_cache(4, 128)
+    prompts = [torch.randint(0, VOCAB, (1, n)) for n in (5, 17, 9)]
+    slots = [3, 0, 2]  # scattered slots: the gather path
+    for p, s in zip(prompts, slots):
+        model.forward(p, torch.arange(p.shape[1])[None], torch.tensor([s]), cache)
+    nxt = torch.randint(0, VOCAB, (3, 1))
+    pos = torch.tensor([[p.shape[1]] for p in prompts])
+    batched = model.forward(nxt, pos, torch.tensor(slots), cache)[:, 0]
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf(torch.cat([p, nxt[i:i + 1]], 1)).logits[0, -1]
+        torch.testing.assert_close(batched[i], ref, atol=1e-4, rtol=0)
+
+
+def test_unsupported_architecture_lists_the_supported_ones() -> None:
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen2ForCausalLM"):
+        LlamaConfig.from_hf({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "x")
+
+
+def test_missing_and_misshapen_tensors_are_named() -> None:
+    hf = _hf_model("llama")
+    cfg = LlamaConfig.from_hf(hf.config.to_dict() | {"architectures": ["LlamaForCausalLM"]})
+    sd = hf.state_dict()
+    partial = {k: v for k, v in sd.items() if "layers.1.mlp.up_proj" not in k}
+    with pytest.raises(ValueError, match="lacks 1 tensors.*up_proj"):
+        build_llama(cfg, partial.items())
+    bad = dict(sd)
+    bad["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(ValueError, match="model.norm.weight.*shape"):
+        build_llama(cfg, bad.items())
