@@ -55,10 +55,11 @@ class PrefillWork:
 class StepPlan:
     prefill: PrefillWork | None
     decode: list[Sequence]
+    admitted: list[Sequence] = field(default_factory=list)  # first choice of each new request
 
     @property
     def empty(self) -> bool:
-        return self.prefill is None and not self.decode
+        return self.prefill is None and not self.decode and not self.admitted
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -123,7 +124,8 @@ class Scheduler:
     def num_waiting(self) -> int:
         return sum(len(g) for g in self.waiting)
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Sequence]:
+        admitted = []
         while self.waiting and self.slots.n_free >= len(self.waiting[0]):
             group = self.waiting.popleft()
             first = group[0]
@@ -133,10 +135,12 @@ class Scheduler:
                 seq.slot, _ = self.slots.take(None)
                 seq.parent = first
             self.running.extend(group)
+            admitted.append(first)
+        return admitted
 
     def schedule(self) -> StepPlan:
         """Admit what fits, then plan one step: one prefill chunk and every decoding sequence."""
-        self._admit()
+        admitted = self._admit()
         prefill = None
         for seq in self.running:
             if seq.parent is None and seq.prefilling:
@@ -145,7 +149,7 @@ class Scheduler:
                 break
         decode = [s for s in self.running if not s.prefilling and s.output_ids]
         decode.sort(key=lambda s: s.slot)
-        return StepPlan(prefill, decode)
+        return StepPlan(prefill, decode, admitted)
 
     def finish(self, seq: Sequence, keep_cache: bool = True) -> None:
         """Remove a finished or cancelled sequence and free its slot.

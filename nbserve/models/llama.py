@@ -63,10 +63,26 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         cache.write(self.layer, step.slots, step.positions, k, v)
         keys, values = cache.read(self.layer, step.slots, step.kv_len, step.contiguous_from)
-        # (B, H, T, D) x (B, Hkv, L, D) -> (B, H, T, D)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=step.mask, enable_gqa=self.hq != self.hkv)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.hq * self.d))
+        if t == 1:
+            out = self._decode_attention(q, keys, values, step.mask)  # (B, 1, H*D)
+        else:  # (B, H, T, D) x (B, Hkv, L, D) -> (B, H, T, D)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=step.mask,
+                enable_gqa=self.hq != self.hkv).transpose(1, 2).reshape(b, t, self.hq * self.d)
+        return self.o_proj(out)
+
+    def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          mask: torch.Tensor | None) -> torch.Tensor:
+        """One query per row as two small batched matmuls: on CPU, SDPA's kernels cost
+        milliseconds of setup per call for a single query."""
+        b = q.shape[0]
+        g = self.hq // self.hkv
+        qg = q.view(b, self.hkv, g, self.d)  # (B, Hkv, G, D): query heads grouped by kv head
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) * (self.d ** -0.5)  # (B, Hkv, G, L)
+        if mask is not None:  # (B, 1, 1, L) -> broadcast over heads
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        return torch.matmul(probs, values).view(b, 1, self.hq * self.d)  # (B, 1, H*D)
 
 
 class MLP(nn.Module):

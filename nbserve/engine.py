@@ -1,0 +1,486 @@
+"""Engine: one thread owns the model and its KV cache; callers stream events from any loop.
+
+Each step: admit waiting requests, run one prefill chunk and one batched decode forward,
+sample every running sequence, and post its events to its caller (an asyncio queue via
+`call_soon_threadsafe`, or a plain thread-safe queue for the sync helpers). Closing the
+caller's iterator aborts the request: its slot is free at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Iterator
+
+import torch
+
+from .engine_stats import EngineStats
+from .loading.bundle import LoadedModel
+from .sampling import SeqSampler, sample
+from .scheduler import Scheduler, Sequence, StepPlan
+from .text import IncrementalDetokenizer, StopStringMatcher
+from .types import (
+    BusyError, ContextLengthError, Delta, EngineStoppedError, ErrorEvent, Event, Finished,
+    InvalidRequestError, Request, SamplingParams, Started, TokenLogprob, Usage,
+)
+
+log = logging.getLogger("nbserve.engine")
+Sink = Callable[[Event], None]
+
+
+@dataclass(eq=False)
+class _Choice:
+    """Per-choice text state: sampler, detokenizer, stop-string matcher."""
+
+    sampler: SeqSampler
+    detok: IncrementalDetokenizer
+    stopper: StopStringMatcher
+    last_token_time: float = 0.0
+
+
+@dataclass(eq=False)
+class _Group:
+    """One request in flight: its n sequences and where its events go."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_ids: list[int]
+    stop_ids: frozenset[int]
+    sink: Sink
+    seqs: list[Sequence] = field(default_factory=list)
+    choices: list[_Choice] = field(default_factory=list)
+    remaining: int = 0
+    completion_tokens: int = 0
+    submitted: float = 0.0
+    first_token: float = 0.0
+    admitted: bool = False
+    done: bool = False
+
+    def usage(self) -> Usage:
+        s = self.seqs[0]
+        return Usage(len(self.prompt_ids), self.completion_tokens, s.cached_prompt)
+
+
+class Engine:
+    """Continuous-batching engine for one model on one device (a `Backend`)."""
+
+    def __init__(self, model: LoadedModel | Any, *, max_batch: int = 16,
+                 max_context: int | None = None, max_queue: int = 256, prefill_chunk: int = 512,
+                 name: str | None = None, device: str | None = None, dtype: Any = None,
+                 quiet: bool = False):
+        if not isinstance(model, LoadedModel):
+            from .loading import load
+
+            model = load(model, device=device, dtype=dtype)
+        self.loaded = model
+        self.model = model.model
+        self.tokenizer = model.tokenizer
+        self.template = model.template
+        self.model_name = name or model.name
+        for arg, val, lo in (("max_batch", max_batch, 1), ("max_queue", max_queue, 1),
+                             ("prefill_chunk", prefill_chunk, 1)):
+            if not isinstance(val, int) or val < lo:
+                raise ValueError(f"{arg} must be an integer >= {lo}, got {val!r}")
+        model_ctx = int(self.model.max_context)
+        if max_context is None:
+            max_context = min(model_ctx, 4096)
+        if not 2 <= max_context <= model_ctx:
+            raise ValueError(f"max_context must be between 2 and the model's {model_ctx}, "
+                             f"got {max_context}")
+        self.max_batch, self.max_context, self.max_queue = max_batch, max_context, max_queue
+        self.prefill_chunk = prefill_chunk
+        self.vocab_size = int(self.model.vocab_size)
+        self.stop_token_ids = list(model.stop_token_ids)
+        self.cache = self.model.make_cache(max_batch, max_context)
+        self.scheduler = Scheduler(max_batch, prefill_chunk)
+        self.stats_ = EngineStats()
+        self._lock = threading.Condition()
+        self._inbox: deque[tuple[_Group, list[Sequence]]] = deque()
+        self._aborts: deque[_Group] = deque()
+        self._groups: dict[str, _Group] = {}
+        self._queued = 0  # requests submitted and not yet admitted (bounded by max_queue)
+        self._stopping = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=f"nbserve-engine-{id(self):x}",
+                                        daemon=True)
+        if not quiet:
+            log.info("KV cache: %d slots x %d tokens, %.1f MiB on %s", max_batch, max_context,
+                     self.cache.nbytes / 2**20, self.model.device)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+
+    async def generate(self, request: Request) -> AsyncIterator[Event]:
+        """Stream the events of `request`. Raises before the first event if it is refused."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def sink(ev: Event) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, ev)
+            except RuntimeError:  # the caller's loop is gone: nobody is listening
+                self.abort(request.request_id)
+
+        group = self._submit(request, sink)
+        remaining, finished = group.params.n, False
+        try:
+            while not finished:
+                ev = await events.get()
+                remaining -= isinstance(ev, Finished)
+                finished = remaining == 0 or isinstance(ev, ErrorEvent)
+                yield ev
+        finally:
+            if not finished:
+                self.abort(group.request_id)
+
+    def stream(self, request: Request) -> Iterator[Event]:
+        """Sync version of `generate`, for scripts and notebook cells. Submits at once (so a
+        refusal raises here); closing the returned iterator cancels the request."""
+        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        group = self._submit(request, events.put)
+        return self._iterate(group, events)
+
+    def _iterate(self, group: _Group, events: queue.SimpleQueue[Event]) -> Iterator[Event]:
+        remaining, finished = group.params.n, False
+        try:
+            while not finished:
+                ev = events.get()
+                remaining -= isinstance(ev, Finished)
+                finished = remaining == 0 or isinstance(ev, ErrorEvent)
+                yield ev
+        finally:
+            if not finished:
+                self.abort(group.request_id)
+
+    def complete(self, prompt: str, **params: Any) -> str:
+        """Generate a completion of raw text `prompt` and return its text (choice 0)."""
+        return self._collect(Request(prompt=prompt, params=SamplingParams(**params)))
+
+    def chat(self, messages: list[dict[str, Any]] | str, **params: Any) -> str:
+        """Answer a conversation (or one user message) and return the reply text."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        return self._collect(Request(messages=messages, params=SamplingParams(**params)))
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its slot is freed at the next step. Unknown ids are ignored."""
+        with self._lock:
+            group = self._groups.get(request_id)
+            if group is not None and not group.done:
+                self._aborts.append(group)
+                self._lock.notify()
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        return self.stats_.snapshot(
+            running=len(s.running), waiting=self._queued,
+            slots_used=self.max_batch - s.slots.n_free, slots_total=self.max_batch,
+            kv_cache_bytes=self.cache.nbytes, max_context=self.max_context,
+            device=str(self.model.device), dtype=str(self.model.dtype).replace("torch.", ""))
+
+    def health(self) -> dict[str, Any]:
+        alive = self._thread.is_alive() and not self._stopping
+        st = self.stats()
+        return {"ready": alive, "status": "ready" if alive else "stopped",
+                "running": st["running"], "waiting": st["waiting"], "replicas": 1,
+                "model": self.model_name}
+
+    def close(self) -> None:
+        """Stop the engine thread; pending requests end with an error event. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = self._stopping = True
+            self._lock.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
+        for group in list(self._groups.values()):
+            self._fail(group, "the engine was stopped", "service_unavailable")
+        self._groups.clear()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Engine({self.model_name!r}, device={self.model.device}, max_batch="
+                f"{self.max_batch}, max_context={self.max_context})")
+
+    # ------------------------------------------------------------------ submission
+
+    def prepare_prompt(self, request: Request) -> list[int]:
+        """Token ids of the request's prompt (chat template applied for messages)."""
+        request.check_input()
+        if request.prompt_ids is not None:
+            ids = list(request.prompt_ids)
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[0]!r}",
+                    param="prompt")
+        elif request.messages is not None:
+            if not request.messages:
+                raise InvalidRequestError("messages must not be empty", param="messages")
+            if self.template is None:
+                raise InvalidRequestError(
+                    f"model {self.model_name!r} has no chat template: send a raw prompt or "
+                    "pass chat_template= when loading", param="messages")
+            text = self.template.render(request.messages, tools=request.tools,
+                                        add_generation_prompt=request.add_generation_prompt)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = self.tokenizer.encode(request.prompt, add_special_tokens=True)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if len(ids) >= self.max_context:
+            raise ContextLengthError(len(ids), self.max_context,
+                                     param="messages" if request.messages else "prompt")
+        return ids
+
+    def _submit(self, request: Request, sink: Sink) -> _Group:
+        if self._stopping:
+            raise EngineStoppedError("the engine is not running (stopped or shutting down)")
+        params = request.params
+        params.validate(self.vocab_size)
+        if params.n > self.max_batch:
+            raise InvalidRequestError(
+                f"n must be at most max_batch={self.max_batch}, got {params.n}", param="n")
+        ids = self.prepare_prompt(request)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.stop_token_ids)
+        group = _Group(request.request_id, params, ids, frozenset(stop_ids), sink,
+                       remaining=params.n, submitted=time.perf_counter())
+        device = self.model.device
+        for i in range(params.n):
+            group.seqs.append(Sequence(group, i, ids))
+            group.choices.append(_Choice(
+                SeqSampler.create(params, ids, device, seed_offset=i),
+                IncrementalDetokenizer(self.tokenizer),
+                StopStringMatcher(params.stop)))
+        with self._lock:
+            if request.request_id in self._groups:
+                raise InvalidRequestError(f"request id {request.request_id!r} is in use",
+                                          param="request_id")
+            if self._queued >= self.max_queue:
+                self.stats_.rejected += 1
+                raise BusyError(f"the server is busy: {self._queued} requests are waiting "
+                                f"(max_queue={self.max_queue}); retry soon")
+            self._queued += 1
+            self._groups[request.request_id] = group
+            self._inbox.append((group, list(group.seqs)))
+            self._lock.notify()
+        return group
+
+    def _collect(self, request: Request) -> str:
+        parts: list[str] = []
+        for ev in self.stream(request):
+            if isinstance(ev, ErrorEvent):
+                raise RuntimeError(ev.message)
+            if isinstance(ev, Delta) and ev.index == 0:
+                parts.append(ev.text)
+        return "".join(parts)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._stopping or self._inbox or self._aborts
+                           or self.scheduler.running or self.scheduler.waiting):
+                    self._lock.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception:  # a bug in bookkeeping: fail everything running, keep serving
+                log.exception("engine step failed")
+                for seq in list(self.scheduler.running):
+                    self._fail(seq.group, "internal engine error", "server_error")
+
+    def step(self) -> bool:
+        """Run one engine step. Returns False when there was nothing to do."""
+        t0 = time.perf_counter()
+        self._drain()
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return False
+        for seq in plan.admitted:
+            g = seq.group
+            self._mark_admitted(g)
+            g.sink(Started(g.request_id, len(g.prompt_ids), seq.cached_prompt, g.prompt_ids))
+        model_time = sample_time = 0.0
+        if plan.decode:
+            m, s = self._run_decode(plan)
+            model_time, sample_time = model_time + m, sample_time + s
+        if plan.prefill is not None:
+            m, s = self._run_prefill(plan)
+            model_time, sample_time = model_time + m, sample_time + s
+        self.stats_.record_step(time.perf_counter() - t0, model_time, sample_time,
+                                len(plan.decode))
+        return True
+
+    def _drain(self) -> None:
+        with self._lock:
+            inbox, aborts = list(self._inbox), list(self._aborts)
+            self._inbox.clear()
+            self._aborts.clear()
+        for group, seqs in inbox:
+            self.scheduler.add(seqs)
+        for group in aborts:
+            self._end_group(group, "cancelled")
+
+    def _run_decode(self, plan: StepPlan) -> tuple[float, float]:
+        seqs = plan.decode
+        dev = self.model.device
+        slots_l = [s.slot for s in seqs]
+        pos_l = [s.computed for s in seqs]
+        ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=dev)
+        positions = torch.tensor(pos_l, device=dev).unsqueeze(1)
+        slots = torch.tensor(slots_l, device=dev)
+        contiguous = slots_l[0] if slots_l == list(range(slots_l[0], slots_l[0] + len(seqs))) \
+            else None
+        t0 = time.perf_counter()
+        try:
+            logits = self.model.forward(ids, positions, slots, self.cache,
+                                        logit_index=torch.zeros(len(seqs), dtype=torch.long,
+                                                                device=dev),
+                                        max_pos=max(pos_l), contiguous_from=contiguous)
+        except Exception as exc:
+            self._fail_step(seqs, exc)
+            return time.perf_counter() - t0, 0.0
+        t1 = time.perf_counter()
+        for s in seqs:
+            s.computed += 1
+        self.stats_.decoded += len(seqs)
+        self._sample_and_emit(seqs, logits)
+        return t1 - t0, time.perf_counter() - t1
+
+    def _run_prefill(self, plan: StepPlan) -> tuple[float, float]:
+        work = plan.prefill
+        seq = work.seq
+        dev = self.model.device
+        n = len(work.ids)
+        ids = torch.tensor([work.ids], device=dev)
+        positions = torch.arange(work.start, work.start + n, device=dev).unsqueeze(0)
+        t0 = time.perf_counter()
+        try:
+            logits = self.model.forward(ids, positions, torch.tensor([seq.slot], device=dev),
+                                        self.cache,
+                                        logit_index=torch.tensor([n - 1], device=dev),
+                                        max_pos=work.start + n - 1, contiguous_from=seq.slot)
+        except Exception as exc:
+            self._fail_step([seq], exc)
+            return time.perf_counter() - t0, 0.0
+        t1 = time.perf_counter()
+        seq.computed += n
+        self.stats_.prefilled += n
+        if not work.last:
+            return t1 - t0, 0.0
+        group: _Group = seq.group
+        self.stats_.reused += seq.cached_prompt
+        for sib in group.seqs[1:]:  # n > 1: share the prefill
+            if not sib.finished:
+                self.cache.copy_prefix(seq.slot, sib.slot, seq.computed)
+                sib.computed, sib.parent = seq.computed, None
+        live = [s for s in group.seqs if not s.finished]
+        self._sample_and_emit(live, logits.expand(len(live), -1))
+        return t1 - t0, time.perf_counter() - t1
+
+    def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        groups = [s.group for s in seqs]
+        out = sample(logits, [g.choices[s.index].sampler for g, s in zip(groups, seqs)])
+        now = time.perf_counter()
+        for seq, group, tok, lp in zip(seqs, groups, out.token_ids, out.logprobs):
+            self._emit_token(seq, group, tok, lp, now)
+
+    def _emit_token(self, seq: Sequence, group: _Group, tok: int, lp: TokenLogprob | None,
+                    now: float) -> None:
+        choice = group.choices[seq.index]
+        params = group.params
+        seq.output_ids.append(tok)
+        choice.sampler.observe(tok)
+        group.completion_tokens += 1
+        if not group.first_token:
+            group.first_token = now
+            self.stats_.ttft.append(now - group.submitted)
+        if choice.last_token_time:
+            self.stats_.itl.append(now - choice.last_token_time)
+        choice.last_token_time = now
+        reason, matched = None, None
+        text = ""
+        if tok in group.stop_ids:
+            reason, matched = "stop", tok
+        else:
+            text, matched = choice.stopper.feed(choice.detok.add([tok]))
+            if matched is not None:
+                reason = "stop"
+        if reason is None and params.max_tokens is not None and \
+                len(seq.output_ids) >= params.max_tokens:
+            reason = "length"
+        if reason is None and seq.total_len >= self.max_context:
+            reason = "length"
+        if reason is not None and matched is None:  # flush what was held back
+            tail, late = choice.stopper.feed(choice.detok.finish())
+            text += tail if late is not None else tail + choice.stopper.flush()
+        if lp is not None:
+            lp.token = self.tokenizer.decode([tok])
+            lp.bytes = list(self.tokenizer.token_bytes(tok))
+            lp.top = [(i, self.tokenizer.decode([i]), v) for i, _, v in lp.top]
+        if text or lp is not None or reason is None:
+            group.sink(Delta(seq.index, text, [tok], [lp] if lp is not None else None))
+        if reason is not None:
+            self._finish_seq(seq, group, reason, matched)
+
+    def _finish_seq(self, seq: Sequence, group: _Group, reason: str, matched: Any = None,
+                    keep_cache: bool = True) -> None:
+        if seq.finished:
+            return
+        self.scheduler.finish(seq, keep_cache=keep_cache)
+        group.remaining -= 1
+        if group.remaining == 0:
+            group.done = True
+            with self._lock:
+                self._groups.pop(group.request_id, None)
+            self.stats_.finished[reason] = self.stats_.finished.get(reason, 0) + 1
+        group.sink(Finished(seq.index, reason, group.usage(), matched))
+
+    def _mark_admitted(self, group: _Group) -> None:
+        """The request left the queue (admitted, or ended while waiting)."""
+        if not group.admitted:
+            group.admitted = True
+            with self._lock:
+                self._queued -= 1
+
+    def _end_group(self, group: _Group, reason: str) -> None:
+        self._mark_admitted(group)
+        for seq in group.seqs:
+            self._finish_seq(seq, group, reason)
+
+    def _fail(self, group: _Group, message: str, kind: str) -> None:
+        if group.done:
+            return
+        self._mark_admitted(group)
+        for seq in group.seqs:
+            self.scheduler.finish(seq, keep_cache=False)
+        group.done = True
+        group.remaining = 0
+        with self._lock:
+            self._groups.pop(group.request_id, None)
+        self.stats_.finished["error"] = self.stats_.finished.get("error", 0) + 1
+        group.sink(ErrorEvent(message, kind, group.request_id))
+
+    def _fail_step(self, seqs: list[Sequence], exc: Exception) -> None:
+        log.error("model forward failed for %d sequences: %s\n%s", len(seqs), exc,
+                  traceback.format_exc())
+        self.stats_.errors += 1
+        for seq in seqs:
+            self._fail(seq.group, f"the model failed on this request: {exc}", "server_error")

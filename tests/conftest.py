@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny random models in the Hugging Face layout, and a tiny tokenizer.
+
+Everything runs offline: hub, telemetry and analytics are switched off before any import.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
+
+sys.path.insert(0, str(Path(__file__).parent))  # `import tiny_models` from any test
+
+import pytest
+from tiny_models import make_byte_fallback_tokenizer, make_tiny_hf_dir, make_tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random tiny LlamaForCausalLM (tied embeddings), SmolLM2-style ChatML template."""
+    return make_tiny_hf_dir(tmp_path_factory.mktemp("models") / "tiny-llama", arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random tiny Qwen2ForCausalLM (q/k/v bias, untied lm_head)."""
+    return make_tiny_hf_dir(tmp_path_factory.mktemp("models") / "tiny-qwen2", arch="qwen2",
+                            tie=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_sharded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama (untied) saved in ~100 KB shards with model.safetensors.index.json."""
+    return make_tiny_hf_dir(tmp_path_factory.mktemp("models") / "tiny-sharded", arch="llama",
+                            tie=False, max_shard_size="100KB")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """nbserve Tokenizer over the tiny byte-level BPE (<|im_end|> = 2 ends a reply)."""
+    from nbserve.text import Tokenizer
+
+    return Tokenizer(make_tiny_tokenizer(), bos_token_id=None, eos_token_ids=[2])
+
+
+@pytest.fixture(scope="session")
+def byte_fallback_tokenizer():
+    """nbserve Tokenizer over a sentencepiece-style BPE with <0xAB> byte-fallback pieces."""
+    from nbserve.text import Tokenizer
+
+    return Tokenizer(make_byte_fallback_tokenizer(), bos_token_id=1, eos_token_ids=[2],
+                     add_bos_token=True)
