@@ -1,0 +1,70 @@
+"""The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers on the same file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def ours():
+    import nbserve
+
+    return nbserve.load("smollm2", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nbserve.loading.default import default_model_path
+
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32)
+    return tok, model.eval()
+
+
+def test_rendered_prompt_and_tokens_equal_transformers(ours, reference):
+    tok, _ = reference
+    text = ours.template.render(MESSAGES, add_generation_prompt=True)
+    assert text == tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert ours.tokenizer.encode(text) == tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_logits_match_and_32_greedy_tokens_identical(ours, reference):
+    tok, hf = reference
+    text = ours.template.render(MESSAGES, add_generation_prompt=True)
+    ids = ours.tokenizer.encode(text)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        ref_logits = hf(x).logits
+    model = ours.model
+    cache = model.make_cache(1, 256)
+    logits = model.forward(x, torch.arange(len(ids))[None], torch.tensor([0]), cache)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-3, rtol=0)
+
+    ref_new = []  # transformers' greedy loop with its own cache, end-of-turn not special
+    with torch.no_grad():
+        out = hf(x, use_cache=True)
+        for _ in range(32):
+            nxt = int(out.logits[0, -1].argmax())
+            ref_new.append(nxt)
+            out = hf(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
+
+    from nbserve.engine import Engine
+    from nbserve.types import Request, SamplingParams
+
+    with Engine(ours, max_batch=2, max_context=256, quiet=True) as eng:
+        got = []
+        for ev in eng.stream(Request(prompt_ids=ids, params=SamplingParams(
+                temperature=0, max_tokens=32, ignore_eos=True))):
+            got += getattr(ev, "token_ids", [])
+    assert got == ref_new
+    answer = ours.tokenizer.decode(got[:got.index(2)] if 2 in got else got)
+    assert answer == "The capital of France is Paris."
