@@ -1,0 +1,165 @@
+"""In-process engine benchmark on the default model, beside `transformers` generate, in one run.
+
+Prints: load time, parameters, weight bytes; prefill tokens/s; single-stream decode tokens/s;
+aggregate decode tokens/s at 1, 4, 16, 32 concurrent requests; transformers `generate` at
+batch 1 and a left-padded batch of 16 on the same weights and prompts; and the ratios.
+
+    python benchmarks/engine_bench.py               # full run (a few minutes on 2 cores)
+    python benchmarks/engine_bench.py --quick       # fewer levels, for a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import nbserve  # noqa: E402
+from nbserve.engine import Engine  # noqa: E402
+from nbserve.loading import summary_line  # noqa: E402
+from nbserve.models.llama import count_parameters  # noqa: E402
+from nbserve.types import Delta, Request, SamplingParams  # noqa: E402
+
+TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "owls", "the piano", "glaciers",
+          "bicycles", "honey", "lighthouses", "tea", "comets", "coral reefs", "maps", "clocks",
+          "deserts", "whales", "paper", "bridges", "tides", "bees", "castles", "rainbows",
+          "trains", "cheese", "caves", "kites", "forests", "salt", "storms", "libraries"]
+
+
+def chat_prompts(tokenizer, template, n: int) -> list[list[int]]:
+    """n different chat prompts of about 60 tokens each."""
+    out = []
+    for i in range(n):
+        topic = TOPICS[i % len(TOPICS)]
+        msg = [{"role": "user", "content": f"Write a short paragraph about {topic}, with one "
+                                           f"surprising fact that most people do not know."}]
+        out.append(tokenizer.encode(template.render(msg, add_generation_prompt=True)))
+    return out
+
+
+def params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def run_concurrent(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """All prompts at once; aggregate output tokens/s over the wall time, and TTFT."""
+    ttft: list[float] = []
+
+    async def one(ids: list[int]) -> int:
+        t0, n = time.perf_counter(), 0
+        async for ev in engine.generate(Request(prompt_ids=ids, params=params(max_tokens))):
+            if isinstance(ev, Delta):
+                if n == 0:
+                    ttft.append(time.perf_counter() - t0)
+                n += len(ev.token_ids)
+        return n
+
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*[one(p) for p in prompts])
+    wall = time.perf_counter() - t0
+    ttft.sort()
+    return {"tok_s": sum(counts) / wall, "ttft_p50": ttft[len(ttft) // 2]}
+
+
+def single_stream(engine: Engine, ids: list[int], max_tokens: int) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s) of one request alone."""
+    t0 = time.perf_counter()
+    times = []
+    for ev in engine.stream(Request(prompt_ids=ids, params=params(max_tokens))):
+        if isinstance(ev, Delta):
+            times.append(time.perf_counter())
+    prefill = len(ids) / (times[0] - t0)
+    decode = (len(times) - 1) / (times[-1] - times[0])
+    return prefill, decode
+
+
+def hf_generate(model, prompts: list[list[int]], max_tokens: int, pad_id: int) -> float:
+    """transformers generate, greedy, left-padded batch; returns output tokens/s."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad_id)
+    wall = time.perf_counter() - t0
+    return (out.shape[1] - width) * len(prompts) / wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--levels", default="1,4,16,32")
+    ap.add_argument("--quick", action="store_true", help="levels 1,4 and a batch of 4 for HF")
+    ap.add_argument("--no-transformers", action="store_true")
+    args = ap.parse_args()
+    levels = [1, 4] if args.quick else [int(x) for x in args.levels.split(",")]
+    hf_batch = 4 if args.quick else 16
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}")
+    t0 = time.perf_counter()
+    loaded = nbserve.load(args.model, verbose=False)
+    load_s = time.perf_counter() - t0
+    n_params, n_bytes = count_parameters(loaded.model)
+    print(summary_line(loaded, load_s))
+    engine = Engine(loaded, max_batch=max(levels), max_context=512, quiet=True)
+    prompts = chat_prompts(loaded.tokenizer, loaded.template, max(levels + [hf_batch]))
+    print(f"prompts: {len(prompts)} chats of {min(map(len, prompts))}-"
+          f"{max(map(len, prompts))} tokens, {args.max_tokens} new tokens each, greedy")
+
+    single_stream(engine, prompts[0], 8)  # warm-up
+    prefill, decode = single_stream(engine, prompts[0], args.max_tokens)
+    rows = [("nbserve single-stream decode", decode), ("nbserve prefill (tokens/s)", prefill)]
+    agg = {}
+    for n in levels:
+        r = asyncio.run(run_concurrent(engine, prompts[:n], args.max_tokens))
+        agg[n] = r["tok_s"]
+        rows.append((f"nbserve aggregate, {n} concurrent (TTFT p50 {r['ttft_p50']:.2f} s)",
+                     r["tok_s"]))
+    stats = engine.stats()
+    engine.close()
+
+    hf1 = hf16 = None
+    if not args.no_transformers:
+        from transformers import AutoModelForCausalLM
+
+        from nbserve.loading.default import default_model_path
+
+        if args.model != "smollm2":
+            print("transformers comparison only wired for the default model; skipping")
+        else:
+            path = default_model_path()
+            hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                      dtype=torch.float32).eval()
+            hf_generate(hf, prompts[:1], 4, 0)  # warm-up
+            hf1 = hf_generate(hf, prompts[:1], args.max_tokens, 0)
+            hf16 = hf_generate(hf, prompts[:hf_batch], args.max_tokens, 0)
+            rows += [("transformers generate, batch 1", hf1),
+                     (f"transformers generate, padded batch {hf_batch}", hf16)]
+
+    print(f"\nload {load_s:.1f} s | {n_params / 1e6:.1f}M parameters | "
+          f"{n_bytes / 2**20:.0f} MiB weights ({str(loaded.model.dtype).replace('torch.', '')})")
+    print(f"{'measure':<58} {'tokens/s':>9}")
+    for name, value in rows:
+        print(f"{name:<58} {value:>9.1f}")
+    if hf1:
+        print(f"\nratio single-stream decode / transformers batch 1: {decode / hf1:.2f}x")
+        key = hf_batch if hf_batch in agg else max(agg)
+        print(f"ratio aggregate at {key} concurrent / transformers padded batch {hf_batch}: "
+              f"{agg[key] / hf16:.2f}x")
+    split = stats["step_time_s"]
+    print(f"engine step time split: model {split['model']:.2f} s, sampling "
+          f"{split['sampling']:.2f} s, bookkeeping {split['bookkeeping']:.2f} s "
+          f"({stats['bookkeeping_fraction'] * 100:.1f}%)")
+
+
+if __name__ == "__main__":
+    main()
