@@ -127,7 +127,7 @@ class Engine:
             except RuntimeError:  # the caller's loop is gone: nobody is listening
                 self.abort(request.request_id)
 
-        group = self._submit(request, sink)
+        group = self.submit(request, sink)
         remaining, finished = group.params.n, False
         try:
             while not finished:
@@ -143,7 +143,7 @@ class Engine:
         """Sync version of `generate`, for scripts and notebook cells. Submits at once (so a
         refusal raises here); closing the returned iterator cancels the request."""
         events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        group = self._submit(request, events.put)
+        group = self.submit(request, events.put)
         return self._iterate(group, events)
 
     def _iterate(self, group: _Group, events: queue.SimpleQueue[Event]) -> Iterator[Event]:
@@ -245,7 +245,9 @@ class Engine:
                                      param="messages" if request.messages else "prompt")
         return ids
 
-    def _submit(self, request: Request, sink: Sink) -> _Group:
+    def submit(self, request: Request, sink: Sink) -> "_Group":
+        """Validate and queue `request`; events go to `sink` (called from the engine thread).
+        Raises InvalidRequestError, ContextLengthError, BusyError or EngineStoppedError."""
         if self._stopping:
             raise EngineStoppedError("the engine is not running (stopped or shutting down)")
         params = request.params

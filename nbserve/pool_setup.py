@@ -1,0 +1,259 @@
+"""Where a Pool's replicas live and how big their KV caches are.
+
+`resolve_devices` turns "auto" / a count / a list into device strings; `load_replicas` loads a
+source once per distinct device (in parallel threads) or copies a loaded model there;
+`plan_kv_caches` sizes each replica's cache from the GPU's free memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from .loading import LoadedModel, load
+
+AUTO_CONTEXT_CAP = 8192  # longest automatic max_context (pass max_context= for more)
+MIN_AUTO_BATCH = 8  # automatic sizing shortens the context before going below this many slots
+MAX_AUTO_BATCH = 256  # automatic sizing never makes more slots than this
+CPU_DEFAULT_CONTEXT = 4096  # the Engine's own default
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+def resolve_devices(devices: Any = "auto", device: str | None = None) -> list[str]:
+    """Device strings, one per replica: "auto" (every CUDA device, else one CPU replica), a
+    count, a list such as ["cuda:0", "cuda:1"] or ["cpu", "cpu"], or "cuda:0,cuda:1"."""
+    if device is not None:
+        if devices not in (None, "auto"):
+            raise ValueError(f"got devices={devices!r} and device={device!r}: pass one of them "
+                             "(devices=[...] for several replicas)")
+        devices = [device]
+    n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if devices is None or devices == "auto":
+        return [f"cuda:{i}" for i in range(n_cuda)] or ["cpu"]
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        if devices < 1:
+            raise ValueError(f"devices must be at least 1, got {devices}")
+        if n_cuda == 0:
+            return ["cpu"] * devices
+        if devices > n_cuda:
+            raise ValueError(
+                f"devices={devices} but only {n_cuda} CUDA device(s) are visible: pass "
+                f"devices={n_cuda} or fewer, or a list such as ['cuda:0', 'cuda:0'] to put "
+                "several replicas on one GPU")
+        return [f"cuda:{i}" for i in range(devices)]
+    if isinstance(devices, (str, torch.device)):
+        items: list[Any] = [d.strip() for d in str(devices).split(",") if d.strip()]
+    elif isinstance(devices, Sequence):
+        items = list(devices)
+    else:
+        raise TypeError(f"devices must be 'auto', a count or a list of devices, "
+                        f"got {type(devices).__name__}")
+    if not items:
+        raise ValueError("devices is empty: pass 'auto', a count, or e.g. ['cuda:0', 'cuda:1']")
+    return [_normalize(d, n_cuda) for d in items]
+
+
+def _normalize(d: Any, n_cuda: int) -> str:
+    try:
+        dev = torch.device(d)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {d!r}: use 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type == "cpu":
+        return "cpu"
+    if dev.type == "cuda":
+        if n_cuda == 0:
+            raise ValueError(f"device {d!r} needs CUDA, which torch {torch.__version__} does not "
+                             "see here: use devices='auto' or ['cpu', ...]")
+        index = dev.index or 0
+        if index >= n_cuda:
+            raise ValueError(f"device {d!r} does not exist: {n_cuda} CUDA device(s) are "
+                             f"visible (cuda:0 to cuda:{n_cuda - 1})")
+        return f"cuda:{index}"
+    return str(dev)
+
+
+def same_device(a: Any, b: Any) -> bool:
+    da, db = torch.device(a), torch.device(b)
+    return da.type == db.type and (da.index or 0) == (db.index or 0)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_replicas(model: Any, devices: list[str], *, dtype: Any = None,
+                  **load_options: Any) -> dict[str, LoadedModel]:
+    """One LoadedModel per distinct device, built in parallel threads.
+
+    A source (path, "smollm2", hub id) is loaded on each device (a name that may download is
+    loaded on the first device before the others). Anything else goes through `load()` once and
+    is copied to the other devices. Replicas on the same device share one
+    LoadedModel, so one copy of the weights: safe, since each Engine owns its KV cache.
+    """
+    distinct = list(dict.fromkeys(devices))
+    out: dict[str, LoadedModel] = {}
+    if isinstance(model, (str, os.PathLike)):
+        def job(d: str) -> LoadedModel:
+            return load(model, device=d, dtype=dtype, **load_options)
+
+        if not os.path.exists(model):  # "smollm2" or a hub id: the first load fills the cache
+            out[distinct[0]] = _checked(model, distinct[0], job)
+    else:
+        # a LoadedModel or a model object is adopted where it is, then copied where needed
+        first = _checked(model, distinct[0],
+                         lambda d: load(model, dtype=dtype, **load_options))
+
+        def job(d: str) -> LoadedModel:
+            return replicate(first, d)
+    todo = [d for d in distinct if d not in out]
+    with ThreadPoolExecutor(max_workers=max(len(todo), 1),
+                            thread_name_prefix="nbserve-load") as ex:
+        futures = {d: ex.submit(_checked, model, d, job) for d in todo}
+    out.update((d, fut.result()) for d, fut in futures.items())
+    return out
+
+
+def _checked(model: Any, device: str, job: Any) -> LoadedModel:
+    try:
+        return job(device)
+    except Exception as exc:
+        raise RuntimeError(f"could not prepare a replica of {_describe(model)} on {device}: "
+                           f"{exc}") from exc
+
+
+def replicate(loaded: LoadedModel, device: str) -> LoadedModel:
+    """`loaded` itself when it is on `device`; else a copy of its weights there (tokenizer and
+    template shared)."""
+    model = loaded.model
+    if same_device(getattr(model, "device", "cpu"), device):
+        return loaded
+    if isinstance(model, torch.nn.Module):
+        # deepcopy with every parameter and buffer pre-mapped to its copy on `device`, so
+        # the source tensors are never duplicated on their own device and tied weights stay tied
+        memo: dict[int, Any] = {}
+        for t in [*model.parameters(), *model.buffers()]:
+            if id(t) not in memo:
+                moved = t.detach().to(device)
+                memo[id(t)] = torch.nn.Parameter(moved, requires_grad=False) \
+                    if isinstance(t, torch.nn.Parameter) else moved
+        return dataclasses.replace(loaded, model=copy.deepcopy(model, memo))
+    if loaded.source:
+        return load(loaded.source, device=device, dtype=getattr(model, "dtype", None),
+                    verbose=False)
+    raise TypeError(f"cannot copy a {type(model).__name__} to {device}: pass the model's source "
+                    "(a path or hub id) to Pool so that each device loads its own copy")
+
+
+def _describe(model: Any) -> str:
+    return repr(str(model)) if isinstance(model, (str, os.PathLike)) else \
+        getattr(model, "name", type(model).__name__)
+
+
+# ----------------------------------------------------------------------------- KV sizing
+
+
+@dataclasses.dataclass(slots=True)
+class KVPlan:
+    """Cache size of one replica, and the memory it was sized from (CUDA only)."""
+
+    max_batch: int
+    max_context: int
+    nbytes: int
+    free_bytes: int | None = None
+    fraction: float | None = None
+
+    def describe(self, index: int, device: str) -> str:
+        size = f"{self.nbytes / 2**30:.2f} GiB" if self.nbytes >= 2**30 else \
+            f"{self.nbytes / 2**20:.1f} MiB"
+        line = (f"nbserve: replica {index} on {device}: KV cache {self.max_batch} slots x "
+                f"{self.max_context} tokens ({size}")
+        if self.free_bytes is not None:
+            line += f"; {self.fraction:g} of {self.free_bytes / 2**30:.1f} GiB free"
+        return line + ")"
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes one cached token takes in one slot (all layers, keys and values)."""
+    probe = model.make_cache(1, 2)
+    try:
+        return max(int(probe.nbytes) // 2, 1)
+    finally:
+        del probe
+
+
+def choose_kv_size(per_token: int, budget: int, model_context: int, max_batch: int | None,
+                   max_context: int | None) -> tuple[int, int]:
+    """(max_batch, max_context) whose cache fits in `budget` bytes; what is given is kept."""
+    def fit(ctx: int) -> int:
+        return budget // (per_token * ctx)
+
+    if max_batch is not None and max_context is not None:
+        need = max_batch * max_context * per_token
+        if need > budget:
+            raise ValueError(
+                f"max_batch={max_batch} x max_context={max_context} needs "
+                f"{need / 2**30:.2f} GiB of KV cache but only {budget / 2**30:.2f} GiB is "
+                "budgeted: lower max_batch or max_context, raise kv_memory_fraction, or free "
+                "GPU memory")
+        return max_batch, max_context
+    if max_context is not None:
+        batch = min(fit(max_context), MAX_AUTO_BATCH)
+    elif max_batch is not None:
+        max_context = min(model_context, AUTO_CONTEXT_CAP, fit(1) // max_batch)
+        batch = max_batch
+    else:
+        max_context = min(model_context, AUTO_CONTEXT_CAP, fit(1) // MIN_AUTO_BATCH)
+        max_context = max(max_context, min(model_context, 256))
+        batch = min(fit(max_context), MAX_AUTO_BATCH)
+    if batch < 1 or max_context < 2:
+        raise ValueError(
+            f"not enough free GPU memory for a KV cache: {budget / 2**20:.0f} MiB budgeted, "
+            f"{per_token * (max_context or 2) / 2**20:.1f} MiB needed per slot. Lower "
+            "max_context, raise kv_memory_fraction, or use a smaller model or dtype")
+    return batch, max_context
+
+
+def plan_kv_caches(loaded: dict[str, LoadedModel], devices: list[str], fraction: float,
+                   max_batch: int | None, max_context: int | None,
+                   default_batch: int = 16) -> list[KVPlan]:
+    """One plan per replica. On CUDA, replicas on one GPU split `fraction` of its free memory;
+    elsewhere `max_batch` (else `default_batch`) slots. All replicas get the same max_context."""
+    budgets: dict[str, tuple[int, int]] = {}  # device -> (free bytes, budget per replica)
+    for d in dict.fromkeys(devices):
+        if torch.device(d).type == "cuda":
+            torch.cuda.empty_cache()  # loading leaves freed blocks in torch's allocator
+            free, _ = torch.cuda.mem_get_info(torch.device(d))
+            budgets[d] = (free, int(free * fraction) // devices.count(d))
+    contexts = []
+    for d in devices:
+        m = loaded[d].model
+        ctx_limit = int(m.max_context)
+        if d in budgets:
+            contexts.append(choose_kv_size(kv_bytes_per_token(m), budgets[d][1], ctx_limit,
+                                           max_batch, max_context)[1])
+        else:
+            contexts.append(max_context or min(ctx_limit, CPU_DEFAULT_CONTEXT))
+    ctx = min(contexts)
+    plans = []
+    for d in devices:
+        m = loaded[d].model
+        if d in budgets:
+            free, budget = budgets[d]
+            per_token = kv_bytes_per_token(m)
+            batch, _ = choose_kv_size(per_token, budget, int(m.max_context), max_batch, ctx)
+            plans.append(KVPlan(batch, ctx, batch * ctx * per_token, free, fraction))
+        else:
+            batch = max_batch or default_batch
+            try:
+                nbytes = batch * ctx * kv_bytes_per_token(m)
+            except Exception:  # noqa: BLE001 - the size is only printed
+                nbytes = 0
+            plans.append(KVPlan(batch, ctx, nbytes))
+    return plans

@@ -1,0 +1,125 @@
+"""What a Pool knows about each replica, the routing order it derives, and its summaries.
+
+`route_order` is the routing policy (least loaded, with prefix affinity); `pool_stats` and
+`pool_health` add the replicas' numbers up for /stats, /metrics and /health.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from .engine import Engine
+from .engine_stats import percentile
+from .scheduler import common_prefix_len
+
+AFFINITY_TOKENS = 32  # a shared prefix this long (or half the prompt) pulls a request back
+AFFINITY_FRACTION = 0.5
+AFFINITY_MIN_TOKENS = 8  # below this, reuse saves too little to matter
+RECENT_PER_REPLICA = 64  # token lists remembered per replica for prefix affinity
+SUMMED = ("running", "waiting", "slots_used", "slots_total", "kv_cache_bytes",
+          "tokens_prefilled", "tokens_decoded", "tokens_reused", "requests_rejected",
+          "model_errors", "steps", "decode_tokens_per_s")
+
+
+@dataclass(eq=False)
+class Replica:
+    """One engine of a pool and the pool's bookkeeping about it (guarded by the pool's lock)."""
+
+    index: int
+    device: str
+    engine: Engine
+    load: int = 0  # sequences routed here and not ended (the pool's own count)
+    served: int = 0
+    healthy: bool = True
+    reason: str | None = None  # why it is unhealthy
+    errors_in_row: int = 0  # failed forward passes since the last good token
+    last_error_mark: Any = None
+    recent: deque[list[int]] = field(default_factory=lambda: deque(maxlen=RECENT_PER_REPLICA))
+    attempts: set[Any] = field(default_factory=set)  # requests in flight here
+
+    @property
+    def alive(self) -> bool:
+        thread = getattr(self.engine, "_thread", None)
+        return thread is None or thread.is_alive()
+
+    def prefix_match(self, ids: list[int]) -> int:
+        """Longest prefix `ids` shares with a token list this replica served recently."""
+        return max((common_prefix_len(ids, t) for t in self.recent), default=0)
+
+
+def route_order(live: list[Replica], ids: list[int], turn: int, n: int) -> list[Replica]:
+    """The order to try `live` replicas in: by load (ties rotate with `turn`), except that the
+    replica holding the longest prefix of `ids` goes first when it beats the least loaded one
+    by >= 32 tokens or half the prompt, and its load is <= the least + its max_batch / 2."""
+    order = sorted(live, key=lambda r: (r.load, (r.index - turn) % n))
+    least = order[0]
+    match = {r.index: r.prefix_match(ids) for r in live}
+    best = max(live, key=lambda r: (match[r.index], -r.load))
+    gain = match[best.index] - match[least.index]
+    need = max(AFFINITY_MIN_TOKENS, min(AFFINITY_TOKENS, AFFINITY_FRACTION * len(ids)))
+    if gain >= need and best.load <= least.load + best.engine.max_batch / 2:
+        order.remove(best)
+        order.insert(0, best)
+    return order
+
+
+def pool_health(replicas: list[Replica], model_name: str, closed: bool) -> dict[str, Any]:
+    """Ready while >= 1 replica is healthy; `replica_health` has one entry per replica."""
+    detail = []
+    for rep in replicas:
+        h = rep.engine.health()
+        ok = rep.healthy and bool(h.get("ready")) and not closed
+        reason = rep.reason if not rep.healthy else None if ok else h.get("status")
+        detail.append({"replica": rep.index, "device": rep.device, "healthy": ok,
+                       "reason": reason, "running": h.get("running", 0),
+                       "waiting": h.get("waiting", 0)})
+    healthy = sum(d["healthy"] for d in detail)
+    status = ("stopped" if closed else "ready" if healthy == len(detail)
+              else "degraded" if healthy else "unavailable")
+    return {"ready": healthy > 0, "status": status, "model": model_name,
+            "replicas": len(detail), "healthy_replicas": healthy,
+            "running": sum(d["running"] for d in detail),
+            "waiting": sum(d["waiting"] for d in detail), "replica_health": detail}
+
+
+def pool_stats(replicas: list[Replica], max_context: int, started: float) -> dict[str, Any]:
+    """Totals under Engine.stats() keys, plus `replicas`: one summary per replica."""
+    per, raw = [], []
+    for rep in replicas:
+        st = rep.engine.stats()
+        raw.append(st)
+        per.append({"replica": rep.index, "device": rep.device, "healthy": rep.healthy,
+                    "reason": rep.reason, "in_flight": rep.load,
+                    "requests_served": rep.served, "max_batch": rep.engine.max_batch,
+                    **{k: st.get(k) for k in SUMMED}, "max_context": st.get("max_context")})
+    total: dict[str, Any] = {k: sum(s.get(k) or 0 for s in raw) for k in SUMMED}
+    total["decode_tokens_per_s"] = round(total["decode_tokens_per_s"], 2)
+    finished: dict[str, int] = {}
+    for s in raw:
+        for reason, count in (s.get("requests_finished") or {}).items():
+            finished[reason] = finished.get(reason, 0) + count
+    times = {k: round(sum((s.get("step_time_s") or {}).get(k, 0.0) for s in raw), 4)
+             for k in ("model", "sampling", "bookkeeping")}
+    spent = sum(times.values())
+    total.update(
+        max_context=max_context, device=",".join(r.device for r in replicas),
+        dtype=raw[0].get("dtype"), requests_finished=finished, step_time_s=times,
+        bookkeeping_fraction=round(times["bookkeeping"] / spent, 4) if spent else 0.0,
+        ttft_s=_merged("ttft", replicas, raw), itl_s=_merged("itl", replicas, raw),
+        uptime_s=round(time.time() - started, 1),
+        healthy_replicas=sum(r.healthy for r in replicas), replicas=per)
+    return total
+
+
+def _merged(name: str, replicas: list[Replica], raw: list[dict[str, Any]]) -> dict[str, Any]:
+    """p50/p95 over every replica's latency window (the worst replica's if windows are hidden)."""
+    windows = [getattr(getattr(r.engine, "stats_", None), name, None) for r in replicas]
+    if all(w is not None for w in windows):
+        values = [v for w in windows for v in list(w)]
+        return {"p50": percentile(values, 50), "p95": percentile(values, 95)}
+    got = [s.get(f"{name}_s") or {} for s in raw]
+    return {q: max((g[q] for g in got if g.get(q) is not None), default=None)
+            for q in ("p50", "p95")}
