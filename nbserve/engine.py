@@ -9,6 +9,7 @@ caller's iterator aborts the request: its slot is free at the next step.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import queue
 import threading
@@ -98,6 +99,7 @@ class Engine:
         self.vocab_size = int(self.model.vocab_size)
         self.stop_token_ids = list(model.stop_token_ids)
         self.cache = self.model.make_cache(max_batch, max_context)
+        self._hints = accepts_hints(self.model.forward)
         self.scheduler = Scheduler(max_batch, prefill_chunk)
         self.stats_ = EngineStats()
         self._lock = threading.Condition()
@@ -352,10 +354,10 @@ class Engine:
             else None
         t0 = time.perf_counter()
         try:
+            hints = dict(max_pos=max(pos_l), contiguous_from=contiguous) if self._hints else {}
             logits = self.model.forward(ids, positions, slots, self.cache,
                                         logit_index=torch.zeros(len(seqs), dtype=torch.long,
-                                                                device=dev),
-                                        max_pos=max(pos_l), contiguous_from=contiguous)
+                                                                device=dev), **hints)
         except Exception as exc:
             self._fail_step(seqs, exc)
             return time.perf_counter() - t0, 0.0
@@ -375,10 +377,11 @@ class Engine:
         positions = torch.arange(work.start, work.start + n, device=dev).unsqueeze(0)
         t0 = time.perf_counter()
         try:
+            hints = dict(max_pos=work.start + n - 1, contiguous_from=seq.slot) \
+                if self._hints else {}
             logits = self.model.forward(ids, positions, torch.tensor([seq.slot], device=dev),
-                                        self.cache,
-                                        logit_index=torch.tensor([n - 1], device=dev),
-                                        max_pos=work.start + n - 1, contiguous_from=seq.slot)
+                                        self.cache, logit_index=torch.tensor([n - 1], device=dev),
+                                        **hints)
         except Exception as exc:
             self._fail_step([seq], exc)
             return time.perf_counter() - t0, 0.0
@@ -486,3 +489,13 @@ class Engine:
         self.stats_.errors += 1
         for seq in seqs:
             self._fail(seq.group, f"the model failed on this request: {exc}", "server_error")
+
+
+def accepts_hints(forward: Callable[..., Any]) -> bool:
+    """Whether a StepModel's forward takes the optional `max_pos` / `contiguous_from` hints."""
+    try:
+        inspect.signature(forward).bind(0, 0, 0, 0, logit_index=None, max_pos=0,
+                                        contiguous_from=None)
+        return True
+    except (TypeError, ValueError):
+        return False

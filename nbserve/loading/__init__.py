@@ -33,19 +33,24 @@ def resolve_dtype(dtype: Any, device: str | torch.device) -> torch.dtype:
 
 
 def load(source: Any, *, device: str | None = None, dtype: Any = None,
-         verbose: bool = True) -> LoadedModel:
+         verbose: bool = True, tokenizer: Any = None, chat_template: Any = None,
+         max_context: int | None = None) -> LoadedModel:
     """Load a model to serve from `source` and print one summary line.
 
     `source`: "smollm2" (the default model), a HF checkpoint directory, a .gguf file, a
-    Hugging Face hub id (needs `huggingface_hub`), or a LoadedModel (returned as is).
+    Hugging Face hub id (needs `huggingface_hub`), or a LoadedModel (returned as is). A model
+    object (transformers model, StepModel, torch module) goes to `nbserve.models.adopt.adopt`
+    with `tokenizer`, `chat_template` and `max_context`; it is served where it is, not copied.
     """
     if isinstance(source, LoadedModel):
         return source
     if not isinstance(source, (str, os.PathLike)):
-        raise TypeError(
-            f"cannot load a model from {type(source).__name__}: pass 'smollm2', a HF checkpoint "
-            "directory, a .gguf file or a hub id (a torch module goes to nbserve.launch(model, "
-            "tokenizer=...))")
+        from ..models.adopt import adopt, check_placement
+
+        loaded = adopt(source, tokenizer, chat_template=chat_template, max_context=max_context,
+                       verbose=verbose)
+        check_placement(loaded.model, device, None if dtype is None else resolve_dtype(dtype, "cpu"))
+        return loaded
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
     t0 = time.perf_counter()

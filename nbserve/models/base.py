@@ -27,6 +27,9 @@ class StepModel(Protocol):
         All rows have the same T (a decode batch, or one prefill chunk); no padding.
         Returns logits (B, T, V); with `logit_index` (B,) only the logits of
         position `logit_index[b]` in each row: (B, V).
+        Optional: a forward that also accepts `max_pos` (the largest position in `positions`)
+        and `contiguous_from` (the first slot when `slots` is a contiguous run, else None)
+        gets them from the engine, which saves it a device sync and a gather.
     """
 
     max_context: int

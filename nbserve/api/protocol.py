@@ -1,0 +1,420 @@
+"""OpenAI request schemas, ordered like the API reference, and their conversion to `Request`s.
+
+Fields outside the OpenAI API are ignored (plus the common extensions top_k, min_p and
+repetition_penalty). OpenAI fields nbserve cannot honour are refused with a 400 naming them.
+Numbers and booleans are strict: `"n": true` or `"temperature": "hot"` is a 400, not a guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..types import MAX_TOP_LOGPROBS, InvalidRequestError, Request, SamplingParams
+from .errors import validation_error
+from .limits import Limits
+
+_SEED_MAX = 2**63 - 1
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+def parse_body(model: type[_Schema], body: bytes) -> Any:
+    """Validate a JSON body into `model`; a 400-style InvalidRequestError naming the field."""
+    try:
+        return model.model_validate_json(body or b"")
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+class ContentPart(_Schema):
+    """One part of a list-valued `content`; only text (and refusal) parts are served."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+Content = str | list[ContentPart]
+
+
+class FunctionCall(_Schema):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Schema):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeveloperMessage(_Schema):
+    role: Literal["developer"]
+    content: Content
+    name: str | None = None
+
+
+class SystemMessage(_Schema):
+    role: Literal["system"]
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(_Schema):
+    role: Literal["user"]
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(_Schema):
+    role: Literal["assistant"]
+    audio: dict[str, Any] | None = None
+    content: Content | None = None
+    function_call: FunctionCall | None = None
+    name: str | None = None
+    refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ToolMessage(_Schema):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+class FunctionMessage(_Schema):
+    role: Literal["function"]
+    content: str | None = None
+    name: str
+
+
+Message = Annotated[
+    DeveloperMessage | SystemMessage | UserMessage | AssistantMessage | ToolMessage | FunctionMessage,
+    Field(discriminator="role"),
+]
+
+
+# ----------------------------------------------------------------------------- tools & options
+
+
+class FunctionDefinition(_Schema):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Schema):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoiceFunction(_Schema):
+    name: str
+
+
+class NamedToolChoice(_Schema):
+    type: Literal["function"]
+    function: NamedToolChoiceFunction
+
+
+class ResponseFormat(_Schema):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class StreamOptions(_Schema):
+    include_usage: bool | None = None
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _content(content: Content | None, param: str) -> tuple[str | list[dict[str, str]], int]:
+    """(content for the template, its length in characters). Lists stay lists of text parts
+    (the template layer joins them, or loops over them if the template wants parts)."""
+    if content is None:
+        return "", 0
+    if isinstance(content, str):
+        return content, len(content)
+    parts = []
+    for j, part in enumerate(content):
+        text = part.text if part.type == "text" else part.refusal if part.type == "refusal" \
+            else None
+        if text is None:
+            raise InvalidRequestError(
+                f"{param}[{j}].type {part.type!r} is not supported: nbserve serves text-only "
+                "models; send content as a string or as parts of type 'text'.",
+                param=f"{param}[{j}].type")
+        parts.append({"type": "text", "text": text})
+    return parts, sum(len(p["text"]) for p in parts)
+
+
+def _refuse(param: str, why: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{param} is not supported by nbserve: {why}", param=param,
+                               code="unsupported_parameter")
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids written as strings (e.g. \"42\"), got {key!r}",
+                param="logit_bias") from None
+    return out
+
+
+def _check_seed(seed: int | None) -> None:
+    if seed is not None and not -_SEED_MAX - 1 <= seed <= _SEED_MAX:
+        raise InvalidRequestError(f"seed must fit in 64 bits, got {seed}", param="seed")
+
+
+class _Sampling(_Schema):
+    """Fields chat and completions share, plus nbserve's extensions."""
+
+    model: str | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # extensions (vLLM / llama.cpp style)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _params(self, limits: Limits, max_tokens: int | None, max_tokens_param: str,
+                logprobs: bool, top_logprobs: int) -> SamplingParams:
+        stop = _stop_list(self.stop)
+        limits.check_sampling(temperature=self.temperature, top_k=self.top_k, n=self.n,
+                              max_tokens=max_tokens, max_tokens_param=max_tokens_param, stop=stop)
+        _check_seed(self.seed)
+        params = SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=_logit_bias(self.logit_bias),
+            max_tokens=max_tokens,
+            stop=stop,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            n=self.n or 1,
+        )
+        params.validate()
+        return params
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: list[Message]
+    audio: dict[str, Any] | None = None
+    function_call: Any = None
+    functions: list[Any] | None = None
+    logprobs: bool | None = None
+    max_completion_tokens: int | None = None
+    max_tokens: int | None = None
+    metadata: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    parallel_tool_calls: bool | None = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    response_format: ResponseFormat | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tools: list[Tool] | None = None
+    top_logprobs: int | None = None
+    web_search_options: Any = None
+
+    @property
+    def use_tools(self) -> bool:
+        """Tools go to the template (and output is parsed for calls) unless tool_choice is none."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def tool_names(self) -> set[str]:
+        return {t.function.name for t in self.tools or []}
+
+    def _refuse_unsupported(self) -> None:
+        if self.audio is not None:
+            raise _refuse("audio", "it serves text-only models")
+        if self.modalities and any(m != "text" for m in self.modalities):
+            raise _refuse("modalities", "only [\"text\"] is served")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise _refuse("response_format", f"type {self.response_format.type!r} needs "
+                          "constrained decoding, which nbserve does not do yet; use \"text\" and "
+                          "ask for JSON in the prompt")
+        if self.prediction is not None:
+            raise _refuse("prediction", "predicted outputs are not implemented")
+        if self.web_search_options is not None:
+            raise _refuse("web_search_options", "it has no web access")
+        if self.functions is not None or self.function_call is not None:
+            param = "functions" if self.functions is not None else "function_call"
+            raise _refuse(param, "the deprecated functions API is not served; use tools and "
+                          "tool_choice")
+        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
+            raise _refuse("tool_choice", "it cannot force a tool call; use \"auto\" or \"none\"")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+
+    def template_messages(self, limits: Limits) -> list[dict[str, Any]]:
+        """Messages as plain dicts for the chat template, after the size limits."""
+        if not self.messages:
+            raise InvalidRequestError("messages must hold at least one message",
+                                      param="messages")
+        if len(self.messages) > limits.max_messages:
+            raise InvalidRequestError(
+                f"messages holds {len(self.messages)} messages; the limit is "
+                f"{limits.max_messages}. Drop or summarize older turns.", param="messages")
+        out: list[dict[str, Any]] = []
+        total = 0
+        for i, m in enumerate(self.messages):
+            if m.role == "function":
+                raise _refuse(f"messages[{i}].role", "role 'function' is deprecated; use 'tool'")
+            param = f"messages[{i}].content"
+            content, chars = _content(m.content, param)
+            limits.check_text(param, chars, limits.max_message_chars, f"messages[{i}]")
+            total += chars
+            d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                 "content": content}
+            if getattr(m, "name", None):
+                d["name"] = m.name
+            if isinstance(m, AssistantMessage) and m.tool_calls:
+                # arguments stay JSON strings; the template layer parses them for templates
+                d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if isinstance(m, ToolMessage):
+                d["tool_call_id"] = m.tool_call_id
+            out.append(d)
+        limits.check_text("messages", total, limits.max_conversation_chars, "The conversation")
+        return out
+
+    def to_request(self, limits: Limits | None = None, request_id: str | None = None) -> Request:
+        """The nbserve Request for this body; InvalidRequestError (400) naming what is wrong."""
+        limits = limits or Limits()
+        self._refuse_unsupported()
+        messages = self.template_messages(limits)
+        if self.max_completion_tokens is not None:
+            max_tokens, param = self.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, param = self.max_tokens, "max_tokens"
+        if self.top_logprobs is not None:
+            limits.check_range("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        params = self._params(limits, limits.max_tokens if max_tokens is None else max_tokens,
+                              param, bool(self.logprobs), self.top_logprobs or 0)
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.use_tools else None
+        req = Request(messages=messages, params=params, tools=tools)
+        if request_id:
+            req.request_id = request_id
+        if self.user:
+            req.metadata["user"] = self.user
+        return req
+
+
+# ----------------------------------------------------------------------------- completions
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions (the legacy text API)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: int | None = None
+    echo: bool | None = False
+    logprobs: int | None = None
+    max_tokens: int | None = 16
+    suffix: str | None = None
+
+    def prompts(self, limits: Limits) -> list[str | list[int]]:
+        """The prompt as a list: one string or token-id list per prompt."""
+        p = self.prompt
+        if isinstance(p, str):
+            items: list[Any] = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            items = [list(p)]
+        else:
+            items = list(p)
+        if not items:
+            raise InvalidRequestError("prompt must not be an empty list", param="prompt")
+        if len(items) > limits.max_prompts:
+            raise InvalidRequestError(f"prompt holds {len(items)} prompts; the limit is "
+                                      f"{limits.max_prompts}", param="prompt")
+        for i, item in enumerate(items):
+            size = len(item)
+            limits.check_text("prompt", size, limits.max_conversation_chars,
+                              f"prompt[{i}]" if len(items) > 1 else "The prompt")
+        return items
+
+    def to_requests(self, limits: Limits | None = None, request_id: str = "cmpl"
+                    ) -> list[Request]:
+        """One Request per prompt, ids `{request_id}-{i}` when there are several."""
+        limits = limits or Limits()
+        if self.suffix:
+            raise _refuse("suffix", "insertion (fill-in-the-middle) is not implemented")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise _refuse("best_of", "ranking several samples is not implemented; use n")
+        if self.echo and self.logprobs is not None:
+            raise _refuse("echo", "echo with logprobs needs prompt logprobs, which the "
+                          "engine does not compute")
+        if self.logprobs is not None:
+            limits.check_range("logprobs", self.logprobs, 0, 5)
+        items = self.prompts(limits)
+        params = self._params(limits, self.max_tokens if self.max_tokens is not None
+                              else 16, "max_tokens", self.logprobs is not None,
+                              self.logprobs or 0)
+        out = []
+        for i, item in enumerate(items):
+            rid = request_id if len(items) == 1 else f"{request_id}-{i}"
+            p = replace(params, stop=list(params.stop))
+            if isinstance(item, str):
+                r = Request(prompt=item, params=p, request_id=rid)
+            else:
+                r = Request(prompt_ids=list(item), params=p, request_id=rid)
+            if self.user:
+                r.metadata["user"] = self.user
+            out.append(r)
+        return out
+
+    def to_request(self, limits: Limits | None = None, request_id: str = "cmpl") -> Request:
+        """The Request for a single prompt (see `to_requests` for lists)."""
+        reqs = self.to_requests(limits, request_id)
+        if len(reqs) != 1:
+            raise InvalidRequestError("to_request() needs a single prompt; use to_requests()",
+                                      param="prompt")
+        return reqs[0]

@@ -1,0 +1,301 @@
+"""The OpenAI routes: /v1/chat/completions, /v1/completions, /v1/models[/{id}].
+
+Each generation route gets the first engine event before answering (so refusals become 4xx),
+then either streams the chunks as SSE or folds the same chunks into one JSON answer.
+`model` must be the served name (GET /v1/models) or empty/absent, which means the served model;
+any other name is a 404 `model_not_found`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Match
+from starlette.types import Send
+
+from ..metrics import Trace
+from ..types import Backend, Event
+from .errors import APIError, error_event_to_api, from_exception
+from .limits import Limits
+from .protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from .streams import (
+    StreamFailed,
+    StreamInfo,
+    chat_chunks,
+    completion_chunks,
+    fold_chat,
+    fold_completion,
+    merge,
+)
+
+log = logging.getLogger("nbserve.server")
+T = TypeVar("T")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CLIENT_GONE = 499  # nginx's "client closed request"
+UNKNOWN_ROUTE = "v1_unknown"
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that always closes its iterator (and so the engine request), even
+    when the client goes away between two chunks."""
+
+    media_type = "text/event-stream"
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+def sse_data(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + \
+        b"\n\n"
+
+
+async def sse_events(chunks: AsyncIterator[dict[str, Any]], include_usage: bool, trace: Trace,
+                     request_id: str) -> AsyncIterator[bytes]:
+    """Frame chunks as SSE; an engine error becomes a final `data: {"error": ...}` event."""
+    done = False
+    try:
+        async for c in chunks:
+            if not c["choices"]:  # the usage chunk
+                if include_usage:
+                    yield sse_data(c)
+                continue
+            if include_usage:
+                c["usage"] = None
+            yield sse_data(c)
+        done = True
+    except StreamFailed as exc:
+        done = True
+        err = error_event_to_api(exc.event.message, exc.event.kind, request_id)
+        yield sse_data(err.body())
+    except Exception as exc:  # a bug on our side: still end the stream properly
+        done = True
+        log.exception("stream %s failed", request_id)
+        trace.error = "server_error"
+        yield sse_data(from_exception(exc, request_id).body())
+    finally:
+        if not done:
+            trace.disconnected = True
+        await chunks.aclose()  # type: ignore[attr-defined]
+    yield b"data: [DONE]\n\n"
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Run `work`; if the client disconnects first, cancel it and return None."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+async def first_events(backend: Backend, reqs: Sequence[Any]
+                       ) -> list[tuple[Event, AsyncIterator[Event]]]:
+    """Start every request and get its first event; if any is refused, close all and raise."""
+    gens = [backend.generate(r) for r in reqs]
+    try:
+        firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+    except BaseException:  # cancelled: the client went away while the requests waited
+        for g in gens:
+            with contextlib.suppress(RuntimeError):
+                await g.aclose()  # type: ignore[attr-defined]
+        raise
+    failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+    if failed is not None:
+        for g, f in zip(gens, firsts):
+            if not isinstance(f, BaseException):
+                await g.aclose()  # type: ignore[attr-defined]
+        if isinstance(failed, StopAsyncIteration):
+            raise APIError(500, "the backend ended the request without any event",
+                           "server_error", code="internal_error")
+        raise failed
+    return list(zip(firsts, gens))  # type: ignore[arg-type]
+
+
+def build_router(backend: Backend, limits: Limits, *, log_messages: bool = False,
+                 dependencies: Sequence[Any] = (),
+                 gen_dependencies: Sequence[Any] = ()) -> APIRouter:
+    """The /v1 router. `dependencies` guard every route (auth); `gen_dependencies` only the
+    generation routes (rate limit)."""
+    router = APIRouter(prefix="/v1", dependencies=list(dependencies))
+
+    def token_bytes(token_id: int, text: str) -> list[int]:
+        tokenizer = getattr(backend, "tokenizer", None)  # per call: the backend may be swapped
+        if tokenizer is None or not hasattr(tokenizer, "token_bytes"):
+            return list(text.encode("utf-8"))
+        return list(tokenizer.token_bytes(token_id))
+
+    def model_card() -> dict[str, Any]:
+        card = {"id": backend.model_name, "object": "model", "created": created_at,
+                "owned_by": "nbserve"}
+        max_context = getattr(backend, "max_context", None)
+        if max_context:
+            card["max_model_len"] = max_context
+        return card
+
+    created_at = int(time.time())
+
+    def check_model(name: str | None) -> None:
+        # An empty or missing name means "the model this server serves" (many clients send "").
+        if name and name != backend.model_name:
+            raise APIError(404, f"The model {name!r} does not exist here; this server serves "
+                           f"{backend.model_name!r} (see GET /v1/models).",
+                           "invalid_request_error", "model", "model_not_found")
+
+    def request_id(request: Request) -> str:
+        return getattr(request.state, "request_id", "") or uuid.uuid4().hex[:24]
+
+    def begin(request: Request, rid: str, inputs: Any) -> Trace:
+        """The Trace of an accepted request (the middleware logs and counts it at the end)."""
+        trace = Trace(rid, start=getattr(request.state, "start", None) or time.perf_counter())
+        if log_messages:
+            trace.output = {}
+            trace.input_text = json.dumps(inputs, ensure_ascii=False)
+        request.state.trace = trace
+        return trace
+
+    async def answer(request: Request, chunks: AsyncIterator[dict[str, Any]], stream: bool,
+                     include_usage: bool, trace: Trace, rid: str,
+                     fold: Callable[[AsyncIterator[dict[str, Any]]], Awaitable[dict[str, Any]]]
+                     ) -> Response:
+        headers = {"X-Request-ID": rid}
+        if stream:
+            return SSEResponse(sse_events(chunks, include_usage, trace, rid),
+                               headers={**SSE_HEADERS, **headers})
+        try:
+            body = await unless_disconnected(request, fold(chunks))
+        except StreamFailed as exc:
+            raise error_event_to_api(exc.event.message, exc.event.kind, rid) from None
+        if body is None:
+            trace.disconnected = True
+            return Response(status_code=CLIENT_GONE)
+        return JSONResponse(body, headers=headers)
+
+    @router.get("/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @router.get("/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        if model_id != backend.model_name:
+            raise APIError(404, f"The model {model_id!r} does not exist here; this server serves "
+                           f"{backend.model_name!r}.", "invalid_request_error", "model",
+                           "model_not_found")
+        return model_card()
+
+    @router.post("/chat/completions", dependencies=list(gen_dependencies),
+                 openapi_extra=_body_ref(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await request.body())
+        check_model(body.model)
+        rid = request_id(request)
+        req = body.to_request(limits, request_id=rid)
+        started = await unless_disconnected(request, first_events(backend, [req]))
+        if started is None:
+            return Response(status_code=CLIENT_GONE)
+        ((first, gen),) = started
+        trace = begin(request, rid, req.messages)
+        info = StreamInfo(f"chatcmpl-{rid}", backend.model_name, int(time.time()), trace,
+                          token_bytes)
+        tools = body.tool_names if body.use_tools else None
+        chunks = chat_chunks(gen, first, info, req.params.n, tools,
+                             body.parallel_tool_calls is not False)
+        return await answer(request, chunks, bool(body.stream), body.include_usage, trace, rid,
+                            fold_chat)
+
+    @router.post("/completions", dependencies=list(gen_dependencies),
+                 openapi_extra=_body_ref(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        body: CompletionRequest = parse_body(CompletionRequest, await request.body())
+        check_model(body.model)
+        rid = request_id(request)
+        reqs = body.to_requests(limits, request_id=rid)
+        echo = None
+        if body.echo:
+            tokenizer = getattr(backend, "tokenizer", None)
+            echo = [r.prompt if r.prompt is not None else _decode(tokenizer, r.prompt_ids)
+                    for r in reqs]
+        streams = await unless_disconnected(request, first_events(backend, reqs))
+        if streams is None:
+            return Response(status_code=CLIENT_GONE)
+        trace = begin(request, rid, [r.prompt or r.prompt_ids for r in reqs])
+        info = StreamInfo(f"cmpl-{rid}", backend.model_name, int(time.time()), trace,
+                          token_bytes)
+        chunks = completion_chunks(merge(streams), info, reqs[0].params.n, echo,
+                                   body.logprobs is not None)
+        return await answer(request, chunks, bool(body.stream), body.include_usage, trace, rid,
+                            fold_completion)
+
+    @router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD",
+                                               "OPTIONS"], include_in_schema=False,
+                      name=UNKNOWN_ROUTE)
+    async def unknown(request: Request, rest: str) -> Response:
+        """OpenAI-shaped 404/405 for /v1 paths (the UI mounted at / would answer otherwise)."""
+        allowed = {m for r in router.routes if r is not unknown_route
+                   for m in getattr(r, "methods", ())
+                   if r.matches(request.scope)[0] == Match.PARTIAL}
+        if allowed:
+            raise APIError(405, f"Method {request.method} is not allowed on {request.url.path}; "
+                           f"use {', '.join(sorted(allowed))}.", code="method_not_allowed",
+                           headers={"Allow": ", ".join(sorted(allowed))})
+        raise APIError(404, f"Unknown URL: {request.method} {request.url.path}. The OpenAI "
+                       "routes are /v1/chat/completions, /v1/completions and /v1/models.",
+                       code="unknown_url")
+
+    unknown_route = router.routes[-1]
+    return router
+
+
+def _decode(tokenizer: Any, ids: list[int] | None) -> str:
+    if tokenizer is None:
+        raise APIError(400, "echo with a token-id prompt needs a backend with a tokenizer",
+                       param="echo")
+    return tokenizer.decode(ids or [])
+
+
+# ----------------------------------------------------------------------------- OpenAPI
+
+_REF = "#/components/schemas/{model}"
+
+
+def _body_ref(model: type[Any]) -> dict[str, Any]:
+    """openapi_extra for a route that parses its body itself (see `add_request_schemas`)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": _REF.format(model=model.__name__)}}}}}
+
+
+def add_request_schemas(openapi: dict[str, Any]) -> None:
+    """Put the request models (and the models they use) into the document's components."""
+    schemas = openapi.setdefault("components", {}).setdefault("schemas", {})
+    for model in (ChatCompletionRequest, CompletionRequest):
+        schema = model.model_json_schema(ref_template=_REF)
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema

@@ -1,0 +1,302 @@
+"""Engine events -> OpenAI chunks (one code path), and the folds that make the non-streaming
+answers out of those same chunks. Also the merge of several requests (completions lists)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..metrics import Trace
+from ..types import Delta, ErrorEvent, Event, Finished, Started, TokenLogprob, Usage
+from .tools import ToolCallStream, tool_call_delta
+
+_LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinity)
+_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "error": "stop"}
+
+
+class StreamFailed(Exception):
+    """The engine ended a started request with an ErrorEvent."""
+
+    def __init__(self, event: ErrorEvent):
+        super().__init__(event.message)
+        self.event = event
+
+
+@dataclass(slots=True)
+class StreamInfo:
+    """What every chunk of one response carries, plus how to render token bytes."""
+
+    id: str
+    model: str
+    created: int
+    trace: Trace
+    token_bytes: Callable[[int, str], list[int]] | None = None
+    usage_parts: dict[int, Usage] = field(default_factory=dict)  # per sub-request
+
+    def usage(self) -> dict[str, Any]:
+        p = sum(u.prompt_tokens for u in self.usage_parts.values())
+        c = sum(u.completion_tokens for u in self.usage_parts.values())
+        cached = sum(u.cached_tokens for u in self.usage_parts.values())
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def record_usage(self, part: int, usage: Usage) -> None:
+        self.usage_parts[part] = usage
+        t = self.trace
+        t.prompt_tokens = sum(u.prompt_tokens for u in self.usage_parts.values())
+        t.completion_tokens = sum(u.completion_tokens for u in self.usage_parts.values())
+        t.cached_tokens = sum(u.cached_tokens for u in self.usage_parts.values())
+
+    def bytes_of(self, token_id: int, text: str) -> list[int]:
+        if self.token_bytes is not None:
+            return list(self.token_bytes(token_id, text))
+        return list(text.encode("utf-8"))
+
+
+def _lp(value: float) -> float:
+    return max(_LOGPROB_FLOOR, value)
+
+
+def chat_logprobs(info: StreamInfo, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+    return [{"token": lp.token, "logprob": _lp(lp.logprob),
+             "bytes": lp.bytes if lp.bytes is not None else info.bytes_of(lp.token_id, lp.token),
+             "top_logprobs": [{"token": t, "logprob": _lp(v), "bytes": info.bytes_of(i, t)}
+                              for i, t, v in lp.top]}
+            for lp in lps]
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+async def chat_chunks(events: AsyncIterator[Event], first: Event, info: StreamInfo, n: int,
+                      tools: set[str] | None = None, parallel_tool_calls: bool = True,
+                      ) -> AsyncIterator[dict[str, Any]]:
+    """`chat.completion.chunk` dicts for one request; the last one (choices=[]) has the usage.
+    Raises StreamFailed on an ErrorEvent. Closing this closes `events` (aborting the request)."""
+    base = {"id": info.id, "object": "chat.completion.chunk", "created": info.created,
+            "model": info.model, "system_fingerprint": None}
+    opened = [False] * n
+    parsers = [ToolCallStream(tools, parallel_tool_calls) for _ in range(n)] if tools else None
+    trace = info.trace
+
+    def chunk(index: int, delta: dict[str, Any], logprobs: Any = None,
+              finish: str | None = None) -> dict[str, Any]:
+        return {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                     "finish_reason": finish}]}
+
+    def role(index: int) -> dict[str, Any]:
+        opened[index] = True
+        return chunk(index, {"role": "assistant", "content": ""})
+
+    try:
+        ev: Event | None = first
+        while ev is not None:
+            if isinstance(ev, Started):
+                trace.prompt_tokens = ev.prompt_tokens
+                for i in range(n):
+                    if not opened[i]:
+                        yield role(i)
+            elif isinstance(ev, Delta):
+                i = ev.index
+                if not opened[i]:
+                    yield role(i)
+                trace.token(i, len(ev.token_ids))
+                text = parsers[i].feed(ev.text) if parsers else ev.text
+                lps = {"content": chat_logprobs(info, ev.logprobs)} if ev.logprobs else None
+                if text or lps:
+                    trace.text(i, text)
+                    yield chunk(i, {"content": text}, lps)
+            elif isinstance(ev, Finished):
+                i = ev.index
+                if not opened[i]:
+                    yield role(i)
+                reason = _FINISH.get(ev.reason, "stop")
+                if parsers:
+                    tail, calls = parsers[i].finish()
+                    if tail:
+                        trace.text(i, tail)
+                        yield chunk(i, {"content": tail})
+                    if calls:
+                        reason = "tool_calls"
+                        yield chunk(i, {"tool_calls": tool_call_delta(calls)})
+                trace.finish_reasons.append(reason)
+                info.record_usage(0, ev.usage)
+                yield chunk(i, {}, None, reason)
+            elif isinstance(ev, ErrorEvent):
+                trace.error = ev.kind
+                raise StreamFailed(ev)
+            ev = await anext(events, None)
+        yield {**base, "choices": [], "usage": info.usage()}
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+async def fold_chat(chunks: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
+    """The non-streaming `chat.completion` built from the stream's chunks."""
+    head: dict[str, Any] = {}
+    choices: dict[int, dict[str, Any]] = {}
+    usage = None
+    async for c in chunks:
+        head = head or c
+        if not c["choices"]:
+            usage = c.get("usage")
+        for ch in c["choices"]:
+            st = choices.setdefault(ch["index"], {"text": [], "calls": [], "lps": None,
+                                                  "finish": None})
+            d = ch["delta"]
+            if d.get("content"):
+                st["text"].append(d["content"])
+            for call in d.get("tool_calls") or ():
+                st["calls"].append({k: v for k, v in call.items() if k != "index"})
+            if ch.get("logprobs"):
+                st["lps"] = (st["lps"] or []) + ch["logprobs"]["content"]
+            if ch.get("finish_reason"):
+                st["finish"] = ch["finish_reason"]
+    out_choices = []
+    for i in sorted(choices):
+        st = choices[i]
+        content = "".join(st["text"])
+        msg: dict[str, Any] = {"role": "assistant",
+                               "content": content if content or not st["calls"] else None,
+                               "refusal": None}
+        if st["calls"]:
+            msg["tool_calls"] = st["calls"]
+        out_choices.append({"index": i, "message": msg,
+                            "logprobs": None if st["lps"] is None else {"content": st["lps"]},
+                            "finish_reason": st["finish"]})
+    return {"id": head.get("id"), "object": "chat.completion", "created": head.get("created"),
+            "model": head.get("model"), "system_fingerprint": None, "choices": out_choices,
+            "usage": usage}
+
+
+# ----------------------------------------------------------------------------- completions
+
+
+async def merge(streams: list[tuple[Event, AsyncIterator[Event]]]
+                ) -> AsyncIterator[tuple[int, Event]]:
+    """Events of several requests as (request index, event), in arrival order. Closing the
+    merge closes every stream."""
+    if len(streams) == 1:
+        first, gen = streams[0]
+        try:
+            ev: Event | None = first
+            while ev is not None:
+                yield 0, ev
+                ev = await anext(gen, None)
+        finally:
+            await gen.aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    end = object()
+
+    async def pump(k: int, first: Event, gen: AsyncIterator[Event]) -> None:
+        try:
+            queue.put_nowait((k, first))
+            async for e in gen:
+                queue.put_nowait((k, e))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
+            queue.put_nowait((k, exc))
+        finally:
+            await gen.aclose()  # type: ignore[attr-defined]
+            queue.put_nowait((k, end))
+
+    tasks = [asyncio.ensure_future(pump(k, f, g)) for k, (f, g) in enumerate(streams)]
+    try:
+        live = len(tasks)
+        while live:
+            k, item = await queue.get()
+            if item is end:
+                live -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def completion_chunks(events: AsyncIterator[tuple[int, Event]], info: StreamInfo, n: int,
+                            echo: list[str] | None = None, logprobs: bool = False
+                            ) -> AsyncIterator[dict[str, Any]]:
+    """`text_completion` chunk dicts; choice index = prompt index * n + choice.
+    `echo` holds each prompt's text to send first. The last chunk (choices=[]) has the usage."""
+    base = {"id": info.id, "object": "text_completion", "created": info.created,
+            "model": info.model, "system_fingerprint": None}
+    offsets: dict[int, int] = {}
+    trace = info.trace
+
+    def chunk(index: int, text: str, lps: Any = None, finish: str | None = None
+              ) -> dict[str, Any]:
+        return {**base, "choices": [{"index": index, "text": text, "logprobs": lps,
+                                     "finish_reason": finish}]}
+
+    def legacy(index: int, items: list[TokenLogprob]) -> dict[str, Any]:
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                     "text_offset": []}
+        for lp in items:
+            out["tokens"].append(lp.token)
+            out["token_logprobs"].append(_lp(lp.logprob))
+            top = {t: _lp(v) for _, t, v in lp.top}
+            top.setdefault(lp.token, _lp(lp.logprob))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + len(lp.token)
+        return out
+
+    try:
+        async for k, ev in events:
+            if isinstance(ev, Started):
+                trace.prompt_tokens += ev.prompt_tokens
+                if echo is not None:
+                    for j in range(n):
+                        offsets[k * n + j] = len(echo[k])
+                        yield chunk(k * n + j, echo[k])
+            elif isinstance(ev, Delta):
+                i = k * n + ev.index
+                trace.token(i, len(ev.token_ids))
+                lps = legacy(i, ev.logprobs) if logprobs and ev.logprobs else None
+                if ev.text or lps:
+                    trace.text(i, ev.text)
+                    yield chunk(i, ev.text, lps)
+            elif isinstance(ev, Finished):
+                reason = _FINISH.get(ev.reason, "stop")
+                trace.finish_reasons.append(reason)
+                info.record_usage(k, ev.usage)
+                yield chunk(k * n + ev.index, "", None, reason)
+            elif isinstance(ev, ErrorEvent):
+                trace.error = ev.kind
+                raise StreamFailed(ev)
+        yield {**base, "choices": [], "usage": info.usage()}
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+async def fold_completion(chunks: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
+    """The non-streaming `text_completion` built from the stream's chunks."""
+    head: dict[str, Any] = {}
+    choices: dict[int, dict[str, Any]] = {}
+    usage = None
+    async for c in chunks:
+        head = head or c
+        if not c["choices"]:
+            usage = c.get("usage")
+        for ch in c["choices"]:
+            st = choices.setdefault(ch["index"], {"text": [], "lps": None, "finish": None})
+            st["text"].append(ch["text"])
+            if ch.get("logprobs"):
+                if st["lps"] is None:
+                    st["lps"] = {k: [] for k in ch["logprobs"]}
+                for key, vals in ch["logprobs"].items():
+                    st["lps"][key].extend(vals)
+            if ch.get("finish_reason"):
+                st["finish"] = ch["finish_reason"]
+    return {"id": head.get("id"), "object": "text_completion", "created": head.get("created"),
+            "model": head.get("model"), "system_fingerprint": None,
+            "choices": [{"index": i, "text": "".join(choices[i]["text"]),
+                         "logprobs": choices[i]["lps"], "finish_reason": choices[i]["finish"]}
+                        for i in sorted(choices)],
+            "usage": usage}

@@ -1,0 +1,216 @@
+"""Server metrics: Prometheus series in a per-app registry, plain counters for `/stats`, and the
+per-request `Trace` that feeds both (and the one log line per request)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .engine_stats import percentile
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+@dataclass(slots=True)
+class Trace:
+    """What one generation request did, filled in by the route as events arrive."""
+
+    request_id: str
+    start: float = field(default_factory=time.perf_counter)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    first_token: float | None = None
+    last_token: float | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    disconnected: bool = False
+    error: str | None = None
+    input_text: str | None = None  # only when log_messages
+    output: dict[int, list[str]] | None = None  # only when log_messages
+    _last: dict[int, float] = field(default_factory=dict)
+
+    def token(self, index: int, n_tokens: int = 1) -> None:
+        """Record new tokens of choice `index` (for TTFT and ITL)."""
+        now = time.perf_counter()
+        if self.first_token is None:
+            self.first_token = now
+        prev = self._last.get(index)
+        if prev is not None:
+            self.itl.append(now - prev)
+        self._last[index] = now
+        self.last_token = now
+
+    def text(self, index: int, text: str) -> None:
+        if self.output is not None and text:
+            self.output.setdefault(index, []).append(text)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.start
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        if self.first_token is None or self.last_token is None or self.completion_tokens < 2:
+            return None
+        span = self.last_token - self.first_token
+        return (self.completion_tokens - 1) / span if span > 0 else None
+
+    def log_line(self, route: str, status: int, duration: float) -> str:
+        ttft, tps = self.ttft, self.tokens_per_s
+        finish = ",".join(sorted(set(self.finish_reasons))) or (
+            "disconnected" if self.disconnected else (self.error or "none"))
+        line = (f"{self.request_id} {route} {status} prompt={self.prompt_tokens} "
+                f"completion={self.completion_tokens} cached={self.cached_tokens} "
+                f"ttft={'-' if ttft is None else f'{ttft:.3f}s'} "
+                f"tok/s={'-' if tps is None else f'{tps:.1f}'} finish={finish} "
+                f"time={duration:.3f}s")
+        if self.input_text is not None:
+            line += f" input={self.input_text!r}"
+        if self.output is not None:
+            out = {i: "".join(parts) for i, parts in sorted(self.output.items())}
+            line += f" output={out!r}"
+        return line
+
+
+class _BackendCollector:
+    """Gauges and counters read from `backend.stats()` at scrape time."""
+
+    _GAUGES: ClassVar[dict[str, tuple[str, str]]] = {
+        "running": ("nbserve_running_sequences", "Sequences being generated now"),
+        "waiting": ("nbserve_queue_depth", "Requests waiting for a slot"),
+        "slots_used": ("nbserve_kv_cache_slots_used", "KV cache slots in use"),
+        "slots_total": ("nbserve_kv_cache_slots_total", "KV cache slots in all"),
+        "kv_cache_bytes": ("nbserve_kv_cache_bytes", "Bytes allocated to the KV cache"),
+        "decode_tokens_per_s": ("nbserve_decode_tokens_per_second",
+                                "Engine decode throughput over the last seconds"),
+    }
+    _COUNTERS: ClassVar[dict[str, tuple[str, str]]] = {
+        "tokens_prefilled": ("nbserve_engine_prefill_tokens", "Prompt tokens computed"),
+        "tokens_decoded": ("nbserve_engine_decode_tokens", "Tokens decoded"),
+        "tokens_reused": ("nbserve_engine_reused_tokens", "Prompt tokens reused from cache"),
+        "requests_rejected": ("nbserve_engine_rejected_requests", "Requests refused (busy)"),
+        "model_errors": ("nbserve_engine_model_errors", "Failed model steps"),
+    }
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]):
+        self._stats = stats
+
+    def describe(self) -> list[Any]:
+        return []  # series depend on what the backend reports
+
+    def collect(self) -> Iterator[Any]:
+        try:
+            st = self._stats()
+        except Exception:  # noqa: BLE001 - a scrape must not fail while the backend stops
+            return
+        for key, (name, doc) in self._GAUGES.items():
+            if isinstance(st.get(key), (int, float)):
+                yield GaugeMetricFamily(name, doc, value=float(st[key]))
+        used, total = st.get("slots_used"), st.get("slots_total")
+        if isinstance(used, (int, float)) and isinstance(total, (int, float)) and total:
+            yield GaugeMetricFamily("nbserve_kv_cache_usage_ratio",
+                                    "Fraction of KV cache slots in use", value=used / total)
+        for key, (name, doc) in self._COUNTERS.items():
+            if isinstance(st.get(key), (int, float)):
+                yield CounterMetricFamily(name, doc, value=float(st[key]))
+
+
+class Metrics:
+    """All server metrics of one app; each app has its own registry, so apps never clash."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], window: int = 2048):
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("nbserve_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+        self.duration = Histogram("nbserve_request_duration_seconds",
+                                  "HTTP request time by route", ["route"],
+                                  buckets=_DURATION_BUCKETS, registry=r)
+        self.in_flight = Gauge("nbserve_http_requests_in_flight", "HTTP requests in progress",
+                               registry=r)
+        self.prompt_tokens = Counter("nbserve_prompt_tokens", "Prompt tokens served", registry=r)
+        self.completion_tokens = Counter("nbserve_completion_tokens", "Completion tokens sent",
+                                         registry=r)
+        self.cached_tokens = Counter("nbserve_cached_prompt_tokens",
+                                     "Prompt tokens served from the prefix cache", registry=r)
+        self.ttft = Histogram("nbserve_time_to_first_token_seconds",
+                              "Time from request arrival to the first token",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("nbserve_inter_token_latency_seconds",
+                             "Time between consecutive tokens of one choice",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.finished = Counter("nbserve_finished_choices", "Choices finished by reason",
+                                ["reason"], registry=r)
+        r.register(_BackendCollector(stats))
+        # plain numbers for /stats
+        self.started = time.time()
+        self.by_status: dict[str, int] = {}
+        self.n_requests = self.n_in_flight = 0
+        self.n_prompt = self.n_completion = self.n_cached = 0
+        self._ttft: deque[float] = deque(maxlen=window)
+        self._itl: deque[float] = deque(maxlen=window * 8)
+        self._recent: deque[tuple[float, int]] = deque(maxlen=window)  # (end time, tokens)
+
+    def begin(self) -> None:
+        self.n_in_flight += 1
+        self.in_flight.inc()
+
+    def end(self, route: str, status: int, duration: float, trace: Trace | None) -> None:
+        """Count one finished HTTP request (and its generation, if any)."""
+        self.n_in_flight -= 1
+        self.in_flight.dec()
+        self.n_requests += 1
+        key = str(status)
+        self.by_status[key] = self.by_status.get(key, 0) + 1
+        self.requests.labels(route, key).inc()
+        self.duration.labels(route).observe(duration)
+        if trace is None:
+            return
+        self.n_prompt += trace.prompt_tokens
+        self.n_completion += trace.completion_tokens
+        self.n_cached += trace.cached_tokens
+        self.prompt_tokens.inc(trace.prompt_tokens)
+        self.completion_tokens.inc(trace.completion_tokens)
+        self.cached_tokens.inc(trace.cached_tokens)
+        if trace.ttft is not None:
+            self.ttft.observe(trace.ttft)
+            self._ttft.append(trace.ttft)
+        for dt in trace.itl:
+            self.itl.observe(dt)
+        self._itl.extend(trace.itl)
+        for reason in trace.finish_reasons:
+            self.finished.labels(reason).inc()
+        self._recent.append((time.perf_counter(), trace.completion_tokens))
+
+    def tokens_per_s(self, horizon: float = 10.0) -> float:
+        """Completion tokens per second over requests that ended in the last `horizon` s."""
+        now = time.perf_counter()
+        return sum(n for t, n in list(self._recent) if now - t <= horizon) / horizon
+
+    def snapshot(self) -> dict[str, Any]:
+        ttft, itl = list(self._ttft), list(self._itl)
+        return {
+            "requests": self.n_requests,
+            "requests_by_status": dict(self.by_status),
+            "in_flight": self.n_in_flight,
+            "prompt_tokens": self.n_prompt,
+            "completion_tokens": self.n_completion,
+            "cached_tokens": self.n_cached,
+            "completion_tokens_per_s": round(self.tokens_per_s(), 2),
+            "ttft_s": {"p50": percentile(ttft, 50), "p95": percentile(ttft, 95)},
+            "itl_s": {"p50": percentile(itl, 50), "p95": percentile(itl, 95)},
+            "uptime_s": round(time.time() - self.started, 1),
+        }
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

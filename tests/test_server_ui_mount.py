@@ -1,0 +1,34 @@
+"""create_app(ui=True): the Gradio chat is mounted at / and the API routes still win."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from server_util import engine_running, running_server
+
+from nbserve.server import create_app
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_llama_dir: Any) -> Iterator[Any]:
+    with engine_running(tiny_llama_dir) as engine:
+        yield engine
+
+
+
+def test_ui_is_mounted_after_the_api(tiny_engine: Any) -> None:
+    app = create_app(tiny_engine)
+    with running_server(app) as url:
+        page = httpx.get(url + "/")
+        assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+        assert httpx.get(url + "/health").json()["ready"] is True
+        models = httpx.get(url + "/v1/models").json()
+        assert models["data"][0]["id"] == tiny_engine.model_name
+        unknown = httpx.post(url + "/v1/embeddings", json={"input": "x"})
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_url"
+        r = httpx.post(url + "/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200
