@@ -12,16 +12,20 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+# Imported eagerly: a lazy import of the submodule nbserve.launch would replace the function
+# `nbserve.launch` with the module on first use (launch.py imports no heavy dependency at the top).
+from .launch import Server, launch, serve  # noqa: E402
+
 _EXPORTS = {
-    "launch": "nbserve.launch",
-    "serve": "nbserve.launch",
-    "Server": "nbserve.launch",
     "load": "nbserve.loading",
     "LoadedModel": "nbserve.loading.bundle",
     "Engine": "nbserve.engine",
     "Pool": "nbserve.pool",
     "create_app": "nbserve.server",
     "StepModel": "nbserve.models.base",
+    "adopt": "nbserve.models.adopt",
+    "snapshot": "nbserve.models.adopt",
+    "Limits": "nbserve.api.limits",
     "Request": "nbserve.types",
     "SamplingParams": "nbserve.types",
 }
@@ -37,4 +41,4 @@ def __dir__() -> list[str]:
     return sorted(list(globals()) + list(_EXPORTS))
 
 
-__all__ = list(_EXPORTS)
+__all__ = ["launch", "serve", "Server", *_EXPORTS]

@@ -457,6 +457,8 @@ class Engine:
                 self._groups.pop(group.request_id, None)
             self.stats_.finished[reason] = self.stats_.finished.get(reason, 0) + 1
         group.sink(Finished(seq.index, reason, group.usage(), matched))
+        if group.done:
+            group.sink = _drop  # the caller's closure may reference us: no cycle once done
 
     def _mark_admitted(self, group: _Group) -> None:
         """The request left the queue (admitted, or ended while waiting)."""
@@ -482,6 +484,7 @@ class Engine:
             self._groups.pop(group.request_id, None)
         self.stats_.finished["error"] = self.stats_.finished.get("error", 0) + 1
         group.sink(ErrorEvent(message, kind, group.request_id))
+        group.sink = _drop
 
     def _fail_step(self, seqs: list[Sequence], exc: Exception) -> None:
         log.error("model forward failed for %d sequences: %s\n%s", len(seqs), exc,
@@ -499,3 +502,7 @@ def accepts_hints(forward: Callable[..., Any]) -> bool:
         return True
     except (TypeError, ValueError):
         return False
+
+
+def _drop(event: Event) -> None:
+    """The sink of a finished request: nobody listens any more."""

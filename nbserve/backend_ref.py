@@ -1,0 +1,204 @@
+"""SwappableBackend: a Backend that forwards to a current backend which can be replaced live,
+and `build_backend`, which turns what `launch` is given into a backend.
+
+The server and the UI hold a SwappableBackend; `swap(new)` sends new requests to `new` at once
+while requests already running finish on the old backend, closed when its last one ends.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from .types import Backend, EngineStoppedError, Event, Request
+
+
+class StoppedBackend:
+    """Stands in for a closed backend so that nothing keeps its weights alive."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+
+    async def generate(self, request: Request) -> AsyncIterator[Event]:
+        raise EngineStoppedError("this server is stopped: launch it again to serve requests")
+        yield  # an async generator, like an Engine's
+
+    def stats(self) -> dict[str, Any]:
+        return {"running": 0, "waiting": 0, "stopped": True}
+
+    def health(self) -> dict[str, Any]:
+        return {"ready": False, "status": "stopped", "model": self.model_name}
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"StoppedBackend({self.model_name!r})"
+
+
+class SwappableBackend:
+    """Satisfies the `Backend` protocol; `swap()` replaces the backend without a restart."""
+
+    def __init__(self, backend: Backend):
+        self._current = backend
+        self._lock = threading.Lock()
+        self._active: dict[int, int] = {}  # id(backend) -> requests in flight on it
+        self._retiring: dict[int, Backend] = {}  # swapped out, closed when idle
+        self._closers: list[threading.Thread] = []
+        self._closed = False
+
+    @property
+    def current(self) -> Backend:
+        """The backend new requests go to."""
+        return self._current
+
+    @property
+    def model_name(self) -> str:
+        return self._current.model_name
+
+    def __getattr__(self, name: str) -> Any:
+        # Engine-specific attributes (max_context, tokenizer, chat, ...) of the current backend.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._current, name)
+
+    # ------------------------------------------------------------------ serving
+
+    def generate(self, request: Request) -> AsyncIterator[Event]:
+        """Stream `request` from the current backend; it stays there until it ends."""
+        return self._generate(request)
+
+    async def _generate(self, request: Request) -> AsyncIterator[Event]:
+        backend = self._acquire()
+        stream = None
+        try:
+            stream = backend.generate(request)
+            async for ev in stream:
+                yield ev
+        finally:
+            try:
+                aclose = getattr(stream, "aclose", None)
+                if aclose is not None:
+                    await aclose()  # closing the backend's iterator aborts the request
+            finally:
+                self._release(backend)
+
+    def _acquire(self) -> Backend:
+        with self._lock:
+            backend = self._current
+            self._active[id(backend)] = self._active.get(id(backend), 0) + 1
+            return backend
+
+    def _release(self, backend: Backend) -> None:
+        key = id(backend)
+        with self._lock:
+            left = self._active.get(key, 1) - 1
+            if left:
+                self._active[key] = left
+                return
+            self._active.pop(key, None)
+            retired = self._retiring.pop(key, None)
+        if retired is not None:
+            self._close_later(retired)
+
+    def in_flight(self, backend: Backend | None = None) -> int:
+        """Requests running on `backend` (default: all backends)."""
+        with self._lock:
+            if backend is None:
+                return sum(self._active.values())
+            return self._active.get(id(backend), 0)
+
+    # ------------------------------------------------------------------ swapping
+
+    def swap(self, new: Backend, *, close_old: bool = True) -> Backend:
+        """Send new requests to `new`; close the old backend once its requests end. Returns it."""
+        if self._closed:
+            raise RuntimeError("this server is stopped: launch a new one instead of updating it")
+        with self._lock:
+            old, self._current = self._current, new
+            if old is new or not close_old:
+                return old
+            if self._active.get(id(old)):
+                self._retiring[id(old)] = old
+                return old
+        old.close()
+        return old
+
+    def _close_later(self, backend: Backend) -> None:
+        # Called from the serving loop: close (which joins the engine thread) off that loop.
+        t = threading.Thread(target=backend.close, name="nbserve-retire", daemon=True)
+        with self._lock:
+            self._closers = [c for c in self._closers if c.is_alive()] + [t]
+        t.start()
+
+    # ------------------------------------------------------------------ Backend protocol
+
+    def stats(self) -> dict[str, Any]:
+        stats = dict(self._current.stats())
+        if self._retiring:
+            stats["retiring_backends"] = len(self._retiring)
+        return stats
+
+    def health(self) -> dict[str, Any]:
+        return self._current.health()
+
+    def close(self, *, close_current: bool = True) -> None:
+        """Close every old backend still draining and (unless told not to) the current one,
+        then let go of them all (their memory is freed). Idempotent."""
+        with self._lock:
+            self._closed = True
+            backends = [*self._retiring.values()] + ([self._current] if close_current else [])
+            self._retiring.clear()
+            closers, self._closers = self._closers, []
+            self._current = StoppedBackend(self._current.model_name)
+        for backend in backends:
+            backend.close()
+        for t in closers:
+            t.join(timeout=30)
+
+    def __repr__(self) -> str:
+        return f"SwappableBackend({self._current!r})"
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def is_backend(obj: Any) -> bool:
+    """Whether `obj` already serves requests (an Engine, a Pool, or another Backend)."""
+    return all(callable(getattr(obj, name, None)) for name in ("generate", "stats", "close")) \
+        and hasattr(obj, "model_name")
+
+
+def build_backend(model: Any, *, devices: Any = None, tokenizer: Any = None,
+                  **engine_options: Any) -> tuple[Backend, bool]:
+    """(backend, owned): an existing backend as is (not owned), else a new Engine, or a Pool
+    when `devices` names several ("auto", a count, a list). `device`, `dtype` and
+    `chat_template` go to the loader, the other options to each Engine."""
+    if is_backend(model):
+        if devices is not None or tokenizer is not None or engine_options:
+            raise ValueError("launch() got an existing engine/backend together with devices, "
+                             "tokenizer or engine options: those only apply when nbserve "
+                             "builds the engine; pass the model or its source instead")
+        return model, False
+    import os
+
+    from .loading import LoadedModel, load
+
+    load_opts = {k: engine_options.pop(k) for k in ("device", "dtype", "chat_template")
+                 if k in engine_options}
+    if tokenizer is not None:
+        load_opts["tokenizer"] = tokenizer
+    if devices is not None and not (isinstance(devices, str) and devices != "auto"):
+        from .pool import Pool
+
+        return Pool(model, devices=devices, **load_opts, **engine_options), True
+    if isinstance(devices, str):
+        load_opts["device"] = devices
+    from .engine import Engine
+
+    if isinstance(model, LoadedModel):
+        return Engine(model, **engine_options), True
+    if not isinstance(model, (str, os.PathLike)) and "max_context" in engine_options:
+        load_opts["max_context"] = engine_options["max_context"]  # a module's own context
+    return Engine(load(model, **load_opts), **engine_options), True

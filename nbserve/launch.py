@@ -1,0 +1,383 @@
+"""launch() and serve(): the app on uvicorn in a background thread, and the `Server` handle.
+
+The server runs on its own asyncio loop in a daemon thread, so it works inside a Jupyter kernel
+(whose loop is already running) and never blocks the cell. One server per port per process:
+launching again on a port that one of ours holds stops that one first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import gc
+import html
+import http.client
+import json
+import secrets
+import signal
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import uvicorn
+
+from .backend_ref import SwappableBackend, build_backend, is_backend
+from .share import close_share_links, open_share_link
+from .types import Backend
+
+_SERVERS: dict[int, Server] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+# ----------------------------------------------------------------------------- sockets
+
+
+def _bind(host: str, port: int | None) -> socket.socket:
+    """A listening-ready socket on (host, port); port None or 0 picks a free one."""
+    if port is not None and (not isinstance(port, int) or not 0 <= port <= 65535):
+        raise ValueError(f"port must be an integer between 0 and 65535 (or None), got {port!r}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # rebind right after a stop()
+    try:
+        sock.bind((host, port or 0))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise OSError(exc.errno, f"port {port} on {host} is already in use by another "
+                          "process: pass another port=, or port=None to pick a free one") from None
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def _get_json(host: str, port: int, path: str, timeout: float = 2.0) -> tuple[int, Any]:
+    conn = http.client.HTTPConnection(host.strip("[]"), port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        body = resp.read()
+        try:
+            return resp.status, json.loads(body or b"null")
+        except ValueError:
+            return resp.status, None
+    finally:
+        conn.close()
+
+
+# ----------------------------------------------------------------------------- the handle
+
+
+class Server:
+    """A running nbserve server: its URLs, its backend, `update()` and `stop()`."""
+
+    def __init__(self, app: Any, ref: SwappableBackend, sock: socket.socket, host: str,
+                 *, owned: bool, api_keys: list[str], ui: bool, share_url: str | None,
+                 model: Any, build_options: dict[str, Any], drain_s: float = 5.0):
+        self.app, self._ref, self._sock = app, ref, sock
+        self.host, self.port = host, sock.getsockname()[1]
+        self.url = f"http://{_url_host(host)}:{self.port}"
+        self.api_base = self.url + "/v1"
+        self.share_url = share_url
+        self.api_keys = api_keys
+        self.ui = ui
+        self._owned, self._model, self._build_options = owned, model, build_options
+        self._stop_lock = threading.Lock()
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=drain_s)
+        self._uvicorn = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._run, name=f"nbserve-server-{self.port}",
+                                        daemon=True)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+        try:
+            if self.ui:
+                from .ui import reset_ui
+
+                reset_ui(self.app)  # a fresh stop event, bound to this loop
+            loop.run_until_complete(self._uvicorn.serve(sockets=[self._sock]))
+        except BaseException as exc:  # noqa: BLE001 -- reported by _start
+            self._error = exc
+        finally:
+            try:
+                _cancel_leftover_tasks(loop)  # e.g. the UI queue's background loops
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.run_until_complete(loop.shutdown_default_executor())
+            finally:
+                loop.close()
+
+    def _start(self, timeout: float) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        host = _url_host(self.host)
+        while time.monotonic() < deadline:
+            if not self._thread.is_alive():
+                self.stop()
+                raise RuntimeError(f"the server on port {self.port} failed to start: "
+                                   f"{self._error or 'see the log above'}") from self._error
+            if self._uvicorn.started:
+                try:
+                    status, body = _get_json(host, self.port, "/health")
+                    if status == 200 and (not isinstance(body, dict) or body.get("ready", True)):
+                        return
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"the server on port {self.port} did not answer /health as ready "
+                           f"within {timeout:.0f} s")
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop serving: in-flight requests get up to `timeout` s (default 5) to finish, then
+        are cancelled; the port is freed, the engine closed, no thread left. Idempotent."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        with _REGISTRY_LOCK:
+            if _SERVERS.get(self.port) is self:
+                del _SERVERS[self.port]
+        if self.share_url:
+            close_share_links(self.port)
+        if timeout is not None:
+            self._uvicorn.config.timeout_graceful_shutdown = timeout
+        if self._thread.is_alive():
+            if self.ui and self._loop is not None:
+                from .ui import stop_ui
+
+                stop_ui(self.app, self._loop)  # end the UI heartbeats that hold shutdown
+            self._uvicorn.should_exit = True
+            grace = self._uvicorn.config.timeout_graceful_shutdown or 5
+            self._thread.join(grace + 10)
+            if self._thread.is_alive():
+                self._uvicorn.force_exit = True
+                self._thread.join(10)
+        self._sock.close()
+        self._ref.close(close_current=self._owned)  # and drop it: the weights can be freed
+        self._model, self._build_options = None, {}
+        _free_memory()
+
+    def update(self, model: Any = None) -> Server:
+        """Serve `model` (same kinds as `launch`) from now on, at the same URL.
+
+        Requests already running finish on the old weights, which are then freed; new requests
+        use the new ones. With no argument, rebuild from the model last given (a source is
+        loaded again; a module in memory is taken again with its current weights).
+        """
+        if self._stopped:
+            raise RuntimeError("this server is stopped: call nbserve.launch(...) again")
+        source = self._model if model is None else model
+        if model is None and is_backend(source):
+            raise ValueError("update() needs a model: this server was given an engine, which "
+                             "nbserve cannot rebuild")
+        options = dict(self._build_options) if not is_backend(source) else {}
+        new, owned = build_backend(source, **options)
+        self._ref.swap(new, close_old=self._owned)
+        self._owned, self._model = owned, source
+        print(f"nbserve: {self.url} now serves {new.model_name}", flush=True)
+        return self
+
+    # ------------------------------------------------------------------ access
+
+    @property
+    def backend(self) -> Backend:
+        """The backend serving new requests (an Engine or a Pool)."""
+        return self._ref.current
+
+    engine = backend
+
+    @property
+    def api_key(self) -> str | None:
+        return self.api_keys[0] if self.api_keys else None
+
+    def openai_client(self, **kwargs: Any) -> Any:
+        """An `openai.OpenAI` client for this server (with its API key, if any)."""
+        import openai
+
+        kwargs.setdefault("api_key", self.api_key or "nbserve")
+        return openai.OpenAI(base_url=self.api_base, **kwargs)
+
+    def __enter__(self) -> Server:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        share = f", share_url={self.share_url!r}" if self.share_url else ""
+        return (f"Server({self._ref.model_name!r}, url={self.url!r}, api_base={self.api_base!r}"
+                f"{share}, {state})")
+
+    def _repr_html_(self) -> str:
+        if not self.running:
+            return f"<p>nbserve server on port {self.port} ({html.escape(self._ref.model_name)}"\
+                   ") is stopped.</p>"
+        links = [f'<a href="{self.url}" target="_blank">{self.url}</a>',
+                 f"API base <code>{self.api_base}</code>"]
+        if self.share_url:
+            links.append(f'public <a href="{self.share_url}" target="_blank">{self.share_url}</a>')
+        head = (f"<div><b>nbserve</b> · <code>{html.escape(self._ref.model_name)}</code> · "
+                + " · ".join(links) + "</div>")
+        if not self.ui:
+            return head
+        src = self.share_url or self.url
+        return head + (f'<iframe src="{src}" width="100%" height="620" '
+                       'style="border:1px solid #ddd;border-radius:8px;margin-top:6px">'
+                       "</iframe>")
+
+
+def _cancel_leftover_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+
+
+def _free_memory() -> None:
+    """Collect the stopped engine (it sits in reference cycles) and return cached CUDA blocks."""
+    import sys
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- launch / serve
+
+
+def _keys(api_keys: str | Sequence[str] | None) -> list[str]:
+    keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or [])
+    if not all(isinstance(k, str) and k.strip() for k in keys):
+        raise ValueError("api_keys must be a non-empty string or a list of them")
+    return [k.strip() for k in keys]
+
+
+def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.0.0.1",
+           share: bool = False, ui: bool = True, api_keys: str | Sequence[str] | None = None,
+           devices: Any = None, tokenizer: Any = None, startup_timeout: float = 120.0,
+           **engine_options: Any) -> Server:
+    """Serve `model` (a source like "smollm2", a HF dir or .gguf; a LoadedModel; or an
+    Engine/Pool, served as is) on http://host:port: OpenAI API under /v1, chat UI at /.
+
+    Returns once /health answers ready. `port=None` picks a free port; a port held by one of
+    our servers is taken over (that server is stopped first). `engine_options` go to `Engine`.
+    """
+    keys = _keys(api_keys)
+    if port:
+        with _REGISTRY_LOCK:
+            previous = _SERVERS.get(port)
+        if previous is not None:
+            print(f"nbserve: stopping the previous server on port {port}", flush=True)
+            previous.stop()
+    sock = _bind(host, port)
+    try:
+        options = dict(devices=devices, tokenizer=tokenizer, **engine_options)
+        backend, owned = build_backend(model, **options)
+    except BaseException:
+        sock.close()
+        raise
+    ref = SwappableBackend(backend)
+    try:
+        share_url, generated = None, None
+        if share:
+            share_url, why = open_share_link(sock.getsockname()[1])
+            if share_url is None:
+                print(f"nbserve: WARNING: could not create a share link ({why}); the server is "
+                      "only reachable locally", flush=True)
+            elif not keys:
+                generated = "nb-" + secrets.token_urlsafe(24)
+                keys = [generated]
+        app = _make_app(ref, keys, ui=ui, ui_keys=[] if generated else keys)
+        server = Server(app, ref, sock, host, owned=owned, api_keys=keys, ui=ui,
+                        share_url=share_url, model=model,
+                        build_options={k: v for k, v in options.items() if v is not None})
+    except BaseException:
+        sock.close()
+        ref.close(close_current=owned)
+        raise
+    try:
+        server._start(startup_timeout)
+    except BaseException:  # Ctrl-C while waiting, or a failed start: leave nothing running
+        server.stop()
+        raise
+    with _REGISTRY_LOCK:
+        others = sorted(_SERVERS)
+        _SERVERS[server.port] = server
+    line = f"nbserve: {backend.model_name} at {server.url}"
+    line += f" · OpenAI API base {server.api_base}" + (" (UI at /)" if ui else "")
+    print(line, flush=True)
+    if share_url:
+        print(f"nbserve: public link {share_url}", flush=True)
+    if generated:
+        print(f"nbserve: the public /v1 API needs this key (shown once): {generated}", flush=True)
+    if others:
+        print(f"nbserve: note: other servers of this process still run on port(s) "
+              f"{', '.join(map(str, others))}; stop() them to free their memory, or pass "
+              "port= to replace one", flush=True)
+    return server
+
+
+def _make_app(ref: SwappableBackend, keys: list[str], *, ui: bool, ui_keys: list[str]) -> Any:
+    from .server import create_app
+
+    app = create_app(ref, api_keys=keys or None, ui=False)
+    if ui:
+        from .ui import mount_ui
+
+        mount_ui(app, ref, auth_keys=ui_keys or None)
+    return app
+
+
+def running_servers() -> list[Server]:
+    """The servers launched in this process that are still running."""
+    with _REGISTRY_LOCK:
+        return list(_SERVERS.values())
+
+
+def stop_all() -> None:
+    """Stop every server launched in this process."""
+    for server in running_servers():
+        server.stop()
+
+
+def serve(model: Any = "smollm2", **kwargs: Any) -> None:
+    """`launch(...)` and block until Ctrl-C (or SIGTERM), then stop cleanly."""
+    server = launch(model, **kwargs)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        def on_term(signum: int, frame: Any) -> None:
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        print("nbserve: press Ctrl-C to stop", flush=True)
+        while server.running:
+            server._thread.join(0.5)
+    except KeyboardInterrupt:
+        print("\nnbserve: stopping", flush=True)
+    finally:
+        server.stop()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

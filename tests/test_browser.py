@@ -1,0 +1,81 @@
+"""The chat UI in a real browser: Debian's Chromium driven by Python playwright (headless).
+
+Never runs `playwright install`: it uses /usr/bin/chromium (`apt-get install -y chromium`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from test_launch import rambling, wait_for
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not os.path.exists(CHROMIUM),
+                       reason="needs Debian's chromium: apt-get install -y chromium"),
+]
+
+
+def test_chat_streams_and_stop_frees_the_slot(tiny_llama_dir):
+    from playwright.sync_api import expect, sync_playwright
+
+    from nbserve.launch import launch
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    srv = launch(rambling(tiny_llama_dir, delay=0.02), max_batch=2)
+    engine = srv.engine
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1100, "height": 1000})
+                page.goto(srv.url)
+                expect(page.locator("#nbserve-model")).to_contain_text("tiny-llama")
+                page.get_by_text("Model settings").click()
+                max_tokens = page.get_by_label("number input for Max tokens")
+
+                # 1. a short answer streams in and the speed line shows tokens/s
+                max_tokens.fill("30")
+                max_tokens.press("Enter")
+                box = page.locator("#nbserve-input textarea")
+                box.fill("Hello there")
+                box.press("Enter")
+                expect(page.locator('[data-testid="user"]').first).to_contain_text("Hello there")
+                bot = page.locator('[data-testid="bot"]')
+                expect(page.locator("#nbserve-speed")).to_contain_text("tokens/s", timeout=20000)
+                expect(page.locator("#nbserve-speed")).to_contain_text("30 tokens")
+                assert bot.first.inner_text().strip()
+
+                # 2. a long answer: watch it grow, press Stop, see it end and the slot freed
+                max_tokens.fill("480")
+                max_tokens.press("Enter")
+                box.fill("Tell me a very long story")
+                box.press("Enter")
+                seen: list[int] = []
+                deadline = time.monotonic() + 20
+                while len(set(seen)) < 3 and time.monotonic() < deadline:
+                    if bot.count() == 2:
+                        seen.append(len(bot.nth(1).inner_text()))
+                    time.sleep(0.1)
+                assert len({n for n in seen if n}) >= 3, f"no streaming seen: {seen}"
+                assert engine.stats()["running"] == 1
+                page.locator('[data-testid="stop-button"]').click()
+                wait_for(lambda: engine.stats()["running"] == 0, 10, "the slot to be freed")
+                assert engine.stats()["requests_finished"].get("cancelled") == 1
+                stopped_at = bot.nth(1).inner_text()
+                time.sleep(0.8)
+                assert bot.nth(1).inner_text() == stopped_at  # nothing more arrives
+                expect(box).to_be_editable()
+                page.screenshot(path=str(ARTIFACTS / "chat_ui.png"), full_page=True)
+            finally:
+                browser.close()
+    finally:
+        srv.stop()
