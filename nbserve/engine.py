@@ -4,6 +4,10 @@ Each step: admit waiting requests, run one prefill chunk and one batched decode 
 sample every running sequence, and post its events to its caller (an asyncio queue via
 `call_soon_threadsafe`, or a plain thread-safe queue for the sync helpers). Closing the
 caller's iterator aborts the request: its slot is free at the next step.
+
+Reliability: a request that waits more than `queue_timeout` s for a slot fails with a clear
+error; a caller that stops reading (more than `max_backlog` events undelivered) is cancelled;
+if the engine thread dies it restarts with a fresh cache and scheduler (`restart_on_failure`).
 """
 
 from __future__ import annotations
@@ -71,10 +75,16 @@ class _Group:
 class Engine:
     """Continuous-batching engine for one model on one device (a `Backend`)."""
 
+    restart_delay = 1.0  # seconds between a crash of the engine thread and its restart
+
     def __init__(self, model: LoadedModel | Any, *, max_batch: int = 16,
                  max_context: int | None = None, max_queue: int = 256, prefill_chunk: int = 512,
                  name: str | None = None, device: str | None = None, dtype: Any = None,
-                 quiet: bool = False):
+                 quiet: bool = False, queue_timeout: float | None = 600.0,
+                 max_backlog: int | None = 1024, restart_on_failure: bool = True):
+        """`queue_timeout`: seconds a request may wait for a slot before it fails (None: no
+        limit). `max_backlog`: events a caller may leave unread before its request is cancelled
+        (None: no limit). `restart_on_failure`: restart the engine thread if it dies."""
         if not isinstance(model, LoadedModel):
             from .loading import load
 
@@ -94,7 +104,17 @@ class Engine:
         if not 2 <= max_context <= model_ctx:
             raise ValueError(f"max_context must be between 2 and the model's {model_ctx}, "
                              f"got {max_context}")
+        if queue_timeout is not None and not (isinstance(queue_timeout, (int, float))
+                                              and queue_timeout > 0):
+            raise ValueError(f"queue_timeout must be a number of seconds > 0 (or None for no "
+                             f"limit), got {queue_timeout!r}")
+        if max_backlog is not None and (not isinstance(max_backlog, int) or max_backlog < 1):
+            raise ValueError(f"max_backlog must be an integer >= 1 (or None for no limit), got "
+                             f"{max_backlog!r}")
         self.max_batch, self.max_context, self.max_queue = max_batch, max_context, max_queue
+        self.queue_timeout, self.max_backlog = queue_timeout, max_backlog
+        self.restart_on_failure = restart_on_failure
+        self.restarts = 0
         self.prefill_chunk = prefill_chunk
         self.vocab_size = int(self.model.vocab_size)
         self.stop_token_ids = list(model.stop_token_ids)
@@ -104,13 +124,15 @@ class Engine:
         self.stats_ = EngineStats()
         self._lock = threading.Condition()
         self._inbox: deque[tuple[_Group, list[Sequence]]] = deque()
-        self._aborts: deque[_Group] = deque()
+        # (group, why): "cancel" (the caller left), "shutdown" (cancel_all) or "backlog"
+        self._aborts: deque[tuple[_Group, str]] = deque()
         self._groups: dict[str, _Group] = {}
         self._queued = 0  # requests submitted and not yet admitted (bounded by max_queue)
         self._stopping = False
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name=f"nbserve-engine-{id(self):x}",
-                                        daemon=True)
+        self._dead = False  # the engine thread died (and may be restarting)
+        self._restart_timer: threading.Timer | None = None
+        self._thread = self._new_thread()
         if not quiet:
             log.info("KV cache: %d slots x %d tokens, %.1f MiB on %s", max_batch, max_context,
                      self.cache.nbytes / 2**20, self.model.device)
@@ -122,8 +144,10 @@ class Engine:
         """Stream the events of `request`. Raises before the first event if it is refused."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
+        backlog = _Backlog(self, request.request_id)
 
         def sink(ev: Event) -> None:
+            backlog.posted()
             try:
                 loop.call_soon_threadsafe(events.put_nowait, ev)
             except RuntimeError:  # the caller's loop is gone: nobody is listening
@@ -134,6 +158,7 @@ class Engine:
         try:
             while not finished:
                 ev = await events.get()
+                backlog.taken += 1
                 remaining -= isinstance(ev, Finished)
                 finished = remaining == 0 or isinstance(ev, ErrorEvent)
                 yield ev
@@ -145,14 +170,22 @@ class Engine:
         """Sync version of `generate`, for scripts and notebook cells. Submits at once (so a
         refusal raises here); closing the returned iterator cancels the request."""
         events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        group = self.submit(request, events.put)
-        return self._iterate(group, events)
+        backlog = _Backlog(self, request.request_id)
 
-    def _iterate(self, group: _Group, events: queue.SimpleQueue[Event]) -> Iterator[Event]:
+        def sink(ev: Event) -> None:
+            backlog.posted()
+            events.put(ev)
+
+        group = self.submit(request, sink)
+        return self._iterate(group, events, backlog)
+
+    def _iterate(self, group: _Group, events: queue.SimpleQueue[Event],
+                 backlog: _Backlog) -> Iterator[Event]:
         remaining, finished = group.params.n, False
         try:
             while not finished:
                 ev = events.get()
+                backlog.taken += 1
                 remaining -= isinstance(ev, Finished)
                 finished = remaining == 0 or isinstance(ev, ErrorEvent)
                 yield ev
@@ -170,28 +203,40 @@ class Engine:
             messages = [{"role": "user", "content": messages}]
         return self._collect(Request(messages=messages, params=SamplingParams(**params)))
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, why: str = "cancel") -> None:
         """Cancel a request; its slot is freed at the next step. Unknown ids are ignored."""
         with self._lock:
             group = self._groups.get(request_id)
             if group is not None and not group.done:
-                self._aborts.append(group)
+                self._aborts.append((group, why))
                 self._lock.notify()
+
+    def cancel_all(self) -> int:
+        """Cancel every request (for a shutdown): running ones finish with reason "cancelled",
+        keeping the text they have; waiting ones end with a "service_unavailable" error.
+        Returns how many requests were cancelled."""
+        with self._lock:
+            groups = [g for g in self._groups.values() if not g.done]
+            self._aborts.extend((g, "shutdown") for g in groups)
+            self._lock.notify()
+        return len(groups)
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler
         return self.stats_.snapshot(
             running=len(s.running), waiting=self._queued,
             slots_used=self.max_batch - s.slots.n_free, slots_total=self.max_batch,
-            kv_cache_bytes=self.cache.nbytes, max_context=self.max_context,
+            kv_cache_bytes=getattr(self.cache, "nbytes", 0), max_context=self.max_context,
             device=str(self.model.device), dtype=str(self.model.dtype).replace("torch.", ""))
 
     def health(self) -> dict[str, Any]:
-        alive = self._thread.is_alive() and not self._stopping
+        alive = self._thread.is_alive() and not (self._dead or self._stopping)
+        restarting = not alive and self._restart_timer is not None and not self._stopping
         st = self.stats()
-        return {"ready": alive, "status": "ready" if alive else "stopped",
+        return {"ready": alive, "status": "ready" if alive else
+                "restarting" if restarting else "stopped",
                 "running": st["running"], "waiting": st["waiting"], "replicas": 1,
-                "model": self.model_name}
+                "model": self.model_name, "restarts": self.restarts}
 
     def close(self) -> None:
         """Stop the engine thread; pending requests end with an error event. Idempotent."""
@@ -200,8 +245,14 @@ class Engine:
                 return
             self._closed = self._stopping = True
             self._lock.notify_all()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=30)
+            timer = self._restart_timer
+        if timer is not None and threading.current_thread() is not timer:
+            timer.cancel()
+            timer.join(timeout=30)
+        with self._lock:
+            thread = self._thread
+        if threading.current_thread() is not thread:
+            thread.join(timeout=30)
         for group in list(self._groups.values()):
             self._fail(group, "the engine was stopped", "service_unavailable")
         self._groups.clear()
@@ -250,8 +301,7 @@ class Engine:
     def submit(self, request: Request, sink: Sink) -> "_Group":
         """Validate and queue `request`; events go to `sink` (called from the engine thread).
         Raises InvalidRequestError, ContextLengthError, BusyError or EngineStoppedError."""
-        if self._stopping:
-            raise EngineStoppedError("the engine is not running (stopped or shutting down)")
+        self._check_running()
         params = request.params
         params.validate(self.vocab_size)
         if params.n > self.max_batch:
@@ -271,6 +321,7 @@ class Engine:
                 IncrementalDetokenizer(self.tokenizer),
                 StopStringMatcher(params.stop)))
         with self._lock:
+            self._check_running()
             if request.request_id in self._groups:
                 raise InvalidRequestError(f"request id {request.request_id!r} is in use",
                                           param="request_id")
@@ -284,6 +335,16 @@ class Engine:
             self._lock.notify()
         return group
 
+    def _check_running(self) -> None:
+        if self._stopping:
+            raise EngineStoppedError("the engine is not running (stopped or shutting down)")
+        if self._dead or not self._thread.is_alive():
+            raise EngineStoppedError(
+                "the engine thread crashed and is restarting; retry in a few seconds"
+                if self._restart_timer is not None else
+                "the engine thread crashed (see the log); create a new Engine, or pass "
+                "restart_on_failure=True to restart it by itself")
+
     def _collect(self, request: Request) -> str:
         parts: list[str] = []
         for ev in self.stream(request):
@@ -294,6 +355,71 @@ class Engine:
         return "".join(parts)
 
     # ------------------------------------------------------------------ engine thread
+
+    def _new_thread(self) -> threading.Thread:
+        return threading.Thread(target=self._run, name=f"nbserve-engine-{id(self):x}",
+                                daemon=True)
+
+    def _run(self) -> None:
+        """The engine thread: `_loop`, and what happens if something kills it."""
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 -- the thread dies; recover or report
+            log.critical("the engine thread died: %r", exc, exc_info=True)
+            with self._lock:
+                self._dead = True
+                if self._stopping:
+                    return
+                restart = self.restart_on_failure
+                if restart:
+                    self._restart_timer = threading.Timer(self.restart_delay, self._restart)
+                    self._restart_timer.name = f"nbserve-engine-restart-{id(self):x}"
+                    self._restart_timer.daemon = True
+                    self._restart_timer.start()
+            if not restart:
+                self._fail_all("the engine thread crashed while this request was in flight; "
+                               "the engine is stopped", "service_unavailable")
+
+    def _restart(self) -> None:
+        """After a crash: fail what was in flight, then a fresh cache, scheduler and thread."""
+        with self._lock:
+            if self._stopping:
+                return
+        self._fail_all("the engine thread crashed while this request was in flight; it has "
+                       "restarted: retry the request", "service_unavailable")
+        try:
+            self.cache = None  # free the old cache before allocating the new one
+            cache = self.model.make_cache(self.max_batch, self.max_context)
+        except Exception:
+            log.exception("the engine could not restart: it stays stopped")
+            with self._lock:
+                self._restart_timer = None
+            return
+        with self._lock:
+            self._restart_timer = None
+            if self._stopping:
+                return
+            self.cache, self.scheduler = cache, Scheduler(self.max_batch, self.prefill_chunk)
+            self.restarts += 1
+            self._dead = False
+            self._thread = self._new_thread()
+            self._thread.start()
+        log.warning("the engine restarted (restart %d)", self.restarts)
+
+    def _fail_all(self, message: str, kind: str) -> None:
+        """End every request with an error, without touching the (possibly broken) scheduler."""
+        with self._lock:
+            groups = list(self._groups.values())
+            self._groups.clear()
+            self._inbox.clear()
+            self._aborts.clear()
+            self._queued = 0
+        for group in groups:
+            if not group.done:
+                group.done, group.remaining = True, 0
+                self.stats_.finished["error"] = self.stats_.finished.get("error", 0) + 1
+                group.sink(ErrorEvent(message, kind, group.request_id))
+                group.sink = _drop
 
     def _loop(self) -> None:
         while True:
@@ -314,6 +440,7 @@ class Engine:
         """Run one engine step. Returns False when there was nothing to do."""
         t0 = time.perf_counter()
         self._drain()
+        self._expire_waiting()
         plan = self.scheduler.schedule()
         if plan.empty:
             return False
@@ -339,8 +466,30 @@ class Engine:
             self._aborts.clear()
         for group, seqs in inbox:
             self.scheduler.add(seqs)
-        for group in aborts:
-            self._end_group(group, "cancelled")
+        for group, why in aborts:
+            if why == "backlog":
+                self._fail(group, f"the client left more than max_backlog={self.max_backlog} "
+                           "events of this stream unread, so the request was cancelled to free "
+                           "its slot; read the stream as it arrives", "client_too_slow")
+            elif why == "shutdown" and not group.admitted:
+                self._fail(group, "the server is shutting down and this request had not "
+                           "started; retry it later or on another server", "service_unavailable")
+            else:
+                self._end_group(group, "cancelled")
+
+    def _expire_waiting(self) -> None:
+        """Fail the requests that waited longer than `queue_timeout` for a slot (FIFO order)."""
+        if self.queue_timeout is None:
+            return
+        now = time.perf_counter()
+        while self.scheduler.waiting:
+            group: _Group = self.scheduler.waiting[0][0].group
+            waited = now - group.submitted
+            if waited < self.queue_timeout:
+                return
+            self._fail(group, f"the request waited {waited:.1f} s for a free slot, longer than "
+                       f"queue_timeout={self.queue_timeout:g} s: the server is overloaded; retry "
+                       "later (or raise queue_timeout / max_batch)", "queue_timeout")
 
     def _run_decode(self, plan: StepPlan) -> tuple[float, float]:
         seqs = plan.decode
@@ -492,6 +641,26 @@ class Engine:
         self.stats_.errors += 1
         for seq in seqs:
             self._fail(seq.group, f"the model failed on this request: {exc}", "server_error")
+
+
+class _Backlog:
+    """Counts the events posted to one caller and the ones it took; when more than the
+    engine's `max_backlog` are waiting unread, it asks the engine (once) to cancel the request.
+    `posted` runs on the engine thread, `taken` is bumped by the caller: one writer each."""
+
+    __slots__ = ("engine", "request_id", "sent", "taken", "tripped")
+
+    def __init__(self, engine: Engine, request_id: str):
+        self.engine, self.request_id = engine, request_id
+        self.sent = self.taken = 0
+        self.tripped = False
+
+    def posted(self) -> None:
+        self.sent += 1
+        limit = self.engine.max_backlog
+        if limit is not None and not self.tripped and self.sent - self.taken > limit:
+            self.tripped = True
+            self.engine.abort(self.request_id, "backlog")
 
 
 def accepts_hints(forward: Callable[..., Any]) -> bool:

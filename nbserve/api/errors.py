@@ -84,6 +84,11 @@ def error_event_to_api(message: str, kind: str, request_id: str) -> APIError:
     if kind == "service_unavailable":
         return APIError(503, f"{message}. Retry in a few seconds.", "service_unavailable", None,
                         "engine_unavailable", _retry_after(5))
+    if kind == "queue_timeout":
+        return APIError(503, f"{message}.", "service_unavailable", None, "queue_timeout",
+                        _retry_after(5))
+    if kind == "client_too_slow":
+        return APIError(408, f"{message}.", "invalid_request_error", None, "client_too_slow")
     return server_error(message, request_id)
 
 

@@ -24,7 +24,7 @@ from starlette.routing import Match
 from starlette.types import Send
 
 from ..metrics import Trace
-from ..types import Backend, Event
+from ..types import Backend, ErrorEvent, Event
 from .errors import APIError, error_event_to_api, from_exception
 from .limits import Limits
 from .protocol import ChatCompletionRequest, CompletionRequest, parse_body
@@ -137,6 +137,11 @@ async def first_events(backend: Backend, reqs: Sequence[Any]
             raise APIError(500, "the backend ended the request without any event",
                            "server_error", code="internal_error")
         raise failed
+    refused = next((f for f in firsts if isinstance(f, ErrorEvent)), None)
+    if refused is not None:  # failed before it started (queue timeout, shutdown): an HTTP error
+        for g in gens:
+            await g.aclose()  # type: ignore[attr-defined]
+        raise error_event_to_api(refused.message, refused.kind, refused.request_id)
     return list(zip(firsts, gens))  # type: ignore[arg-type]
 
 

@@ -222,8 +222,12 @@ class LlamaModel(nn.Module):
 
 
 def build_llama(cfg: LlamaConfig, tensors: Iterable[tuple[str, torch.Tensor]],
-                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LlamaModel:
+                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                transposed_head: bool | None = None) -> LlamaModel:
     """Create a LlamaModel from HF-named tensors, moving each to (device, dtype) as it arrives.
+
+    `transposed_head` (default: on for CPU float32) keeps the faster LM-head copy described in
+    `LlamaModel.use_transposed_head`; pass False to share every tensor with the caller.
 
     Raises ValueError naming unknown or missing tensors.
     """
@@ -251,7 +255,9 @@ def build_llama(cfg: LlamaConfig, tensors: Iterable[tuple[str, torch.Tensor]],
         raise ValueError(f"checkpoint {cfg.name} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     model.eval()
     model.requires_grad_(False)
-    if model.device.type == "cpu" and dtype == torch.float32:
+    if transposed_head is None:
+        transposed_head = model.device.type == "cpu" and dtype == torch.float32
+    if transposed_head:
         model.use_transposed_head()
     return model
 
