@@ -87,3 +87,33 @@ def test_missing_and_misshapen_tensors_are_named() -> None:
     bad["model.norm.weight"] = torch.ones(3)
     with pytest.raises(ValueError, match="model.norm.weight.*shape"):
         build_llama(cfg, bad.items())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("fmt", ["hf_dir", "gguf"])
+def test_loaded_files_match_transformers_at_prefill_and_16_cached_steps(
+        arch, fmt, tiny_llama_dir, tiny_qwen2_dir, tmp_path):
+    """The real formats end to end: saved HF directory and its GGUF conversion, through
+    nbserve.load, against transformers on the same directory."""
+    import nbserve
+    from gguf_util import hf_dir_to_gguf
+
+    src = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
+    path = src if fmt == "hf_dir" else hf_dir_to_gguf(src, tmp_path / f"{arch}.gguf", "F32")
+    loaded = nbserve.load(str(path), device="cpu", dtype="float32", verbose=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ids = loaded.tokenizer.encode("Hello there, how are you today?")
+    seq = torch.tensor([ids])
+    cache = loaded.model.make_cache(2, 128)
+    slot = torch.tensor([1])
+    with torch.no_grad():
+        ref = hf(seq).logits
+    out = loaded.model.forward(seq, torch.arange(len(ids))[None], slot, cache)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+    for _ in range(16):
+        nxt = out[:, -1].argmax(-1, keepdim=True)  # (1, 1): follow the model's greedy path
+        seq = torch.cat([seq, nxt], dim=1)
+        with torch.no_grad():
+            ref = hf(seq).logits[:, -1:]
+        out = loaded.model.forward(nxt, torch.tensor([[seq.shape[1] - 1]]), slot, cache)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)

@@ -167,9 +167,11 @@ class LlamaModel(nn.Module):
         """Keep a (hidden, vocab) copy of the LM head for `x @ W_t`.
 
         On CPU in float32, `F.linear` reads the large (vocab, hidden) head at about half the
-        memory bandwidth that a matmul against a pre-transposed copy reaches (measured: 10.4 ms
-        against 6.0 ms per decode step for SmolLM2's 49152 x 576 head). Costs one more copy of
-        the head; loaders turn it on for CPU float32, adopted models keep sharing their tensors.
+        memory bandwidth that a matmul against a pre-transposed copy reaches for a single row
+        (measured: 10.4 ms against 6.0 ms per decode step for SmolLM2's 49152 x 576 head); with
+        several rows neither wins consistently, so only single-row steps use it. Costs one more
+        copy of the head; loaders turn it on for CPU float32, adopted models keep sharing their
+        tensors.
         """
         self._head_t = self.lm_head.weight.t().contiguous() if enable else None
 
@@ -216,7 +218,7 @@ class LlamaModel(nn.Module):
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # (B, H)
         x = self.model.norm(x)
-        if self._head_t is not None:
+        if self._head_t is not None and x.numel() == x.shape[-1]:  # one row: see above
             return (x @ self._head_t).float()
         return self.lm_head(x).float()
 
