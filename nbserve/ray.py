@@ -8,12 +8,13 @@ unchanged `create_app` app; Ray routes, queues, scales and places the replicas.
 
 from __future__ import annotations
 
+import asyncio
 import functools
-import json
 import logging
 import os
 import types
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 try:
@@ -21,23 +22,50 @@ try:
     from ray import serve
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("nbserve.ray needs Ray Serve: pip install 'nbserve[ray]' "
-                      "(or pip install 'ray[serve]>=2.30')") from exc
+                      "(or pip install 'ray[serve]>=2.60')") from exc
+from starlette.types import ASGIApp
 
-from starlette.datastructures import MutableHeaders
-from starlette.middleware import Middleware
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from .ray_asgi import (
+    PROXY_CALLBACK,
+    PROXY_CALLBACK_ENV,
+    REPLICA_HEADER,
+    ReplicaMiddleware,
+    proxy_middlewares,
+)
+
+
+def _missing_features() -> list[str]:
+    """Ray Serve features nbserve.ray relies on that the installed Ray lacks."""
+    import inspect
+
+    from ray.serve.handle import DeploymentHandle
+
+    checks = {
+        "serve.deployment(backpressure_config=...)":
+            "backpressure_config" in inspect.signature(serve.deployment).parameters,
+        "serve.run(controller_options=...)":
+            "controller_options" in inspect.signature(serve.run).parameters,
+        "serve.ingress() without an app": "app" in inspect.signature(serve.ingress).parameters
+            and inspect.signature(serve.ingress).parameters["app"].default is None,
+        "DeploymentHandle.broadcast": hasattr(DeploymentHandle, "broadcast"),
+    }
+    return [name for name, ok in checks.items() if not ok]
+
+
+if _missing_features():  # pragma: no cover - depends on the environment
+    raise ImportError(f"nbserve.ray needs a newer Ray Serve (found ray {ray.__version__}, "
+                      f"missing {', '.join(_missing_features())}): "
+                      "pip install -U 'ray[serve]>=2.60'")
 
 log = logging.getLogger("nbserve.ray")
 
-REPLICA_HEADER = "x-nbserve-replica"
-PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
-PROXY_CALLBACK = "nbserve.ray:proxy_middlewares"
-#: `serve.run(app, controller_options=CONTROLLER_OPTIONS)` makes Ray's own overload and
-#: timeout answers (plain text) OpenAI-shaped JSON; `nbserve.ray.run` passes it for you.
-CONTROLLER_OPTIONS: dict[str, Any] = {"runtime_env": {"env_vars": {PROXY_CALLBACK_ENV:
-                                                                   PROXY_CALLBACK}}}
+#: `serve.run(app, controller_options=CONTROLLER_OPTIONS)` puts Ray's own overload and timeout
+#: answers (plain text) in the OpenAI error shape; `nbserve.ray.run` passes it for you.
+CONTROLLER_OPTIONS: dict[str, Any] = {
+    "runtime_env": {"env_vars": {PROXY_CALLBACK_ENV: PROXY_CALLBACK}}}
 DEFAULT_MAX_BATCH = 16  # Engine's default, for the defaults derived from it below
-_REPLICA_PATHS = ("/health", "/stats")
+_AUTOSCALING_KEYS = ("min_replicas", "max_replicas", "initial_replicas",
+                     "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s")
 
 
 # ----------------------------------------------------------------------------- the replica
@@ -61,12 +89,18 @@ class NbserveReplica:
 
         app = create_app(self.backend, **self._app_options)
         app.add_middleware(ReplicaMiddleware, replica=self.replica)  # outermost
+        self._metrics = app.state.metrics
         return app
 
     def replica_stats(self) -> dict[str, Any]:
         """This replica's identity and its backend's stats (for `replica_stats()`)."""
         return {"replica": self.replica, "model": self.backend.model_name,
                 **self.backend.stats()}
+
+    def replica_metrics(self) -> tuple[str, str]:
+        """(replica id, this replica's Prometheus text: what its /metrics would answer)."""
+        body, _ = self._metrics.render()
+        return self.replica["id"], body.decode()
 
     def check_health(self) -> None:
         """Ray Serve calls this periodically; raising makes Ray replace the replica."""
@@ -87,131 +121,12 @@ def replica_info() -> dict[str, Any]:
         ctx = serve.get_replica_context()
         info.update(id=ctx.replica_tag, deployment=ctx.deployment, app=ctx.app_name,
                     rank=getattr(getattr(ctx, "rank", None), "rank", None))
-    except Exception:  # noqa: BLE001 - outside a replica (unit use): keep the defaults
-        pass
+    except Exception as exc:  # noqa: BLE001 - outside a replica: keep the defaults
+        log.debug("no replica context (%s)", exc)
     if ray.is_initialized():
         info["node_id"] = ray.get_runtime_context().get_node_id()
         info["node_ip"] = ray.util.get_node_ip_address()
     return info
-
-
-class ReplicaMiddleware:
-    """Names the answering replica: an `x-nbserve-replica` header on every response, and a
-    `replica` field in the JSON of /health and /stats."""
-
-    def __init__(self, app: ASGIApp, replica: dict[str, Any]):
-        self.app, self.replica = app, replica
-        self.header = str(replica["id"]).encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path, root = scope["path"], scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root):] or "/"
-        rewrite = path in _REPLICA_PATHS
-        start: Message | None = None
-        chunks: list[bytes] = []
-
-        async def send_named(message: Message) -> None:
-            nonlocal start
-            if message["type"] == "http.response.start":
-                MutableHeaders(scope=message).append(REPLICA_HEADER, self.header.decode())
-                if rewrite:
-                    start = message  # held until the (small) JSON body is complete
-                    return
-            elif message["type"] == "http.response.body" and start is not None:
-                chunks.append(message.get("body", b""))
-                if message.get("more_body", False):
-                    return
-                body = self._with_replica(b"".join(chunks))
-                headers = MutableHeaders(scope=start)
-                headers["content-length"] = str(len(body))
-                await send(start)
-                await send({"type": "http.response.body", "body": body, "more_body": False})
-                return
-            await send(message)
-
-        await self.app(scope, receive, send_named)
-
-    def _with_replica(self, body: bytes) -> bytes:
-        try:
-            data = json.loads(body)
-        except ValueError:
-            return body
-        if not isinstance(data, dict):
-            return body
-        return json.dumps({**data, "replica": self.replica}).encode()
-
-
-# ----------------------------------------------------------------------------- the proxy
-
-
-class OpenAIErrorsMiddleware:
-    """On Ray's HTTP proxy: turns Ray Serve's own plain-text answers (429/503 when every queue
-    is full, 503 when no replica is up, 408 on timeout) into OpenAI-shaped JSON errors. The
-    app's own errors are JSON already and pass through untouched."""
-
-    KINDS = {429: ("rate_limit_error", "server_busy"),
-             503: ("service_unavailable", "no_replica_available"),
-             408: ("timeout", "request_timeout")}
-
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start: Message | None = None
-        chunks: list[bytes] = []
-
-        async def translate(message: Message) -> None:
-            nonlocal start
-            if message["type"] == "http.response.start" and self._is_ray_error(message):
-                start = message
-                return
-            if message["type"] == "http.response.body" and start is not None:
-                chunks.append(message.get("body", b""))
-                if message.get("more_body", False):
-                    return
-                await self._send_json(send, start, b"".join(chunks).decode("utf-8", "replace"))
-                start = None
-                return
-            await send(message)
-
-        await self.app(scope, receive, translate)
-
-    def _is_ray_error(self, message: Message) -> bool:
-        if message["status"] not in self.KINDS:
-            return False
-        ctype = MutableHeaders(scope=message).get("content-type", "")
-        return ctype.startswith("text/plain")
-
-    async def _send_json(self, send: Send, start: Message, detail: str) -> None:
-        status = start["status"]
-        kind, code = self.KINDS[status]
-        headers = MutableHeaders(scope=start)
-        retry = headers.get("retry-after")
-        if status == 429:
-            hint = f" Retry after {retry} s." if retry else " Retry in a moment."
-            text = "Every replica is busy and the queue is full." + hint
-        elif status == 503:
-            text = "No replica can take the request now; retry in a few seconds."
-        else:
-            text = "The request timed out in Ray Serve."
-        body = json.dumps({"error": {"message": f"{text} ({detail.strip()})", "type": kind,
-                                     "param": None, "code": code}}).encode()
-        headers["content-type"] = "application/json"
-        headers["content-length"] = str(len(body))
-        await send(start)
-        await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def proxy_middlewares() -> list[Middleware]:
-    """Ray's proxy callback (`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`)."""
-    return [Middleware(OpenAIErrorsMiddleware)]
 
 
 # ----------------------------------------------------------------------------- building
@@ -224,6 +139,7 @@ def deployment(model: Any, *, num_replicas: int = 1, gpus_per_replica: float = 0
                api_keys: str | Iterable[str] | None = None, ui: bool | None = None,
                app_options: dict[str, Any] | None = None,
                ray_actor_options: dict[str, Any] | None = None,
+               serve_options: dict[str, Any] | None = None,
                **engine_options: Any) -> serve.Application:
     """A bound Ray Serve application serving `model`, for `nbserve.ray.run(app)`,
     `serve.run(app)` or `serve run module:app`.
@@ -238,6 +154,8 @@ def deployment(model: Any, *, num_replicas: int = 1, gpus_per_replica: float = 0
     route_prefix: used by `nbserve.ray.run(app)` (plain `serve.run` takes its own).
     api_keys, ui, app_options: passed to `create_app` (the UI defaults to on with one replica
         only: Gradio's queue needs all requests of a chat on the same replica).
+    ray_actor_options, serve_options: extra Ray settings (resources, runtime_env; or
+        logging_config, health_check_period_s, graceful_shutdown_timeout_s, ...).
     engine_options: go to each Engine (max_batch, max_context, ...) and the loader (dtype).
     """
     build_options = _build_options(gpus_per_replica, engine_options)
@@ -256,6 +174,7 @@ def deployment(model: Any, *, num_replicas: int = 1, gpus_per_replica: float = 0
         "ray_actor_options": {"num_cpus": cpus_per_replica, "num_gpus": gpus_per_replica,
                               **(ray_actor_options or {})},
         **_replica_count(num_replicas, autoscaling, max_batch),
+        **(serve_options or {}),
     }
     _check(options)
     app_opts = {"api_keys": api_keys, "ui": ui, **(app_options or {})}
@@ -302,8 +221,13 @@ def _check(options: dict[str, Any]) -> None:
     from ray.serve.config import AutoscalingConfig
 
     if "autoscaling_config" in options:
+        config = options["autoscaling_config"]
+        unknown = sorted(set(config) - set(AutoscalingConfig.model_fields))
+        if unknown:
+            raise ValueError(f"unknown autoscaling key(s) {unknown}: use Ray Serve's "
+                             f"autoscaling_config keys ({', '.join(_AUTOSCALING_KEYS)}, ...)")
         try:
-            AutoscalingConfig(**options["autoscaling_config"])
+            AutoscalingConfig(**config)
         except Exception as exc:  # noqa: BLE001 - pydantic's message names the bad key
             raise ValueError(f"bad autoscaling config {options['autoscaling_config']}: {exc}. "
                              "Example: autoscaling={'min_replicas': 1, 'max_replicas': 4}") \
@@ -350,9 +274,39 @@ def run(app: serve.Application, *, name: str | None = None, route_prefix: str | 
 
 def replica_stats(name: str = "nbserve", app_name: str | None = None) -> list[dict[str, Any]]:
     """Every running replica's stats (its `replica` identity, tokens, latencies), one dict
-    each, from a broadcast call: the way to see all replicas, since HTTP reaches only one."""
-    handle = serve.get_deployment_handle(name, app_name or name)
-    return list(handle.broadcast("replica_stats").results())
+    each, from a broadcast call: the way to see all replicas, since HTTP reaches only one.
+    `name` is the deployment's; `app_name` defaults to the application that holds it."""
+    return list(_broadcast(name, app_name, "replica_stats"))
+
+
+def replica_metrics(name: str = "nbserve", app_name: str | None = None) -> dict[str, str]:
+    """Every running replica's Prometheus text, by replica id (label them when scraping)."""
+    return dict(_broadcast(name, app_name, "replica_metrics"))
+
+
+def _broadcast(name: str, app_name: str | None, method: str) -> list[Any]:
+    """Call `method` on every replica; from a thread when an event loop runs here (a notebook
+    kernel), where Ray refuses blocking calls."""
+    def call() -> list[Any]:
+        handle = serve.get_deployment_handle(name, app_name or _app_of(name))
+        return list(handle.broadcast(method).results())
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return call()
+    with ThreadPoolExecutor(1, thread_name_prefix="nbserve-ray") as pool:
+        return pool.submit(call).result()
+
+
+def _app_of(deployment_name: str) -> str:
+    apps = serve.status().applications
+    for app_name, status in apps.items():
+        if deployment_name in status.deployments:
+            return app_name
+    raise ValueError(f"no running Ray Serve application has a deployment named "
+                     f"{deployment_name!r} (running: {sorted(apps) or 'none'}); pass "
+                     "name=/app_name= as given to deployment() and serve.run()")
 
 
 def url(port: int = 8000, host: str = "127.0.0.1", route_prefix: str = "/") -> str:
@@ -360,5 +314,5 @@ def url(port: int = 8000, host: str = "127.0.0.1", route_prefix: str = "/") -> s
     return f"http://{host}:{port}{route_prefix.rstrip('/')}"
 
 
-__all__ = ["CONTROLLER_OPTIONS", "REPLICA_HEADER", "NbserveReplica", "deployment", "run",
-           "replica_stats", "proxy_middlewares", "url"]
+__all__ = ["CONTROLLER_OPTIONS", "REPLICA_HEADER", "NbserveReplica", "deployment",
+           "proxy_middlewares", "replica_metrics", "replica_stats", "run", "url"]
