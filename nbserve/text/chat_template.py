@@ -1,0 +1,275 @@
+"""ChatTemplate: a model's Jinja chat template rendered in a sandbox, byte-identical to
+transformers' `apply_chat_template` output."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, ClassVar
+
+import jinja2
+from jinja2 import nodes
+from jinja2.exceptions import SecurityError, TemplateError
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from nbserve.types import InvalidRequestError
+
+# ----------------------------------------------------------------------------- chat template
+
+_MAX_REPEAT = 10_000_000  # characters/items a template may build with `*`
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks in
+    transformers; when serving it simply renders its body."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The jinja2 sandbox, stricter: touching an unsafe attribute raises (jinja2 would render
+    ""), and `'x' * n` / `a ** b` are capped so one expression cannot exhaust memory or CPU."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
+        # jinja2 returns an Undefined that prints as "" here; fail loudly instead.
+        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__} "
+                            "is not allowed")
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and \
+                        len(seq) * n > _MAX_REPEAT:
+                    raise SecurityError("the chat template tried to build a huge sequence")
+        if operator == "**" and isinstance(right, int) and right > 1000:
+            raise SecurityError("the chat template tried to compute a huge power")
+        return super().call_binop(context, operator, left, right)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """`namespace()` that refuses underscore names, so templates cannot reach Python internals."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, rest = args[0], args[1:]
+        for name in dict(*rest, **kwargs):
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, *rest, **kwargs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"chat templates may not set the attribute {name!r}")
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Like transformers: no HTML escaping (unlike jinja's own filter), non-ASCII kept as is.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _make_env() -> _Sandbox:
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True,
+                   extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
+                       namespace=_Namespace, dict=lambda *a, **k: dict(*a, **k))
+    return env
+
+
+def _is_content(node: nodes.Node) -> bool:
+    while isinstance(node, nodes.Filter) and node.node is not None:
+        node = node.node
+    if isinstance(node, nodes.Getattr):
+        return node.attr == "content"
+    return (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const)
+            and node.arg.value == "content")
+
+
+def _iterates_content(ast: nodes.Template) -> bool:
+    """Does the template loop over `message.content` (so it understands content-part lists)?"""
+    aliases = {a.target.name for a in ast.find_all(nodes.Assign)
+               if isinstance(a.target, nodes.Name) and _is_content(a.node)}
+    for loop in ast.find_all(nodes.For):
+        it = loop.iter
+        while isinstance(it, nodes.Filter) and it.node is not None:
+            it = it.node
+        if _is_content(it) or (isinstance(it, nodes.Name) and it.name in aliases):
+            return True
+    return False
+
+
+def _plain(value: Any) -> Any:
+    """Rebuild `value` from plain JSON types, so a template only ever sees str/int/dict/list."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    for base in (bool, int, float, str):
+        if isinstance(value, base):  # enums, numpy scalars, str subclasses
+            return base(value)
+    if callable(getattr(value, "model_dump", None)):  # pydantic (e.g. OpenAI SDK messages)
+        return _plain(value.model_dump(exclude_none=True))
+    raise InvalidRequestError(f"chat messages must be JSON data, got a {type(value).__name__}",
+                              param="messages")
+
+
+_DEFAULT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
+    "{% endif %}"
+    "You can call these functions. To call one, reply with "
+    "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools><|im_end|>\n"
+    "{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] if message['content'] is defined }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "<tool_call>{{ (call['function'] if call['function'] is defined else call) | tojson }}"
+    "</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class ChatTemplate:
+    """A Hugging Face chat template compiled once in a sandbox; renders like transformers'
+    `apply_chat_template(..., tokenize=False)`.
+
+    `extra` are variables every render sees (e.g. `unk_token`, or `enable_thinking=False`).
+    `tool_source` is an optional second template used when tools are given (the "tool_use"
+    template some models ship).
+    """
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", *,
+                 tool_source: str | None = None, is_default: bool = False, **extra: Any):
+        self.source = source
+        self.tool_source = tool_source
+        self.is_default = is_default
+        self.variables: dict[str, Any] = {"bos_token": bos_token, "eos_token": eos_token, **extra}
+        env = _make_env()
+        self._template, self._lists = self._compile(env, source)
+        self._tool_template, self._tool_lists = (self._compile(env, tool_source) if tool_source
+                                                 else (self._template, self._lists))
+
+    @staticmethod
+    def _compile(env: _Sandbox, source: str) -> tuple[jinja2.Template, bool]:
+        try:
+            return env.from_string(source), _iterates_content(env.parse(source))
+        except TemplateError as e:
+            line = getattr(e, "lineno", None)
+            where = f" at line {line}" if line else ""
+            raise ValueError(f"the chat template has a syntax error{where}: {e}. "
+                             "Fix the template (tokenizer_config.json or chat_template.jinja) or "
+                             "pass another one.") from e
+
+    @classmethod
+    def default(cls, bos_token: str = "", eos_token: str = "") -> ChatTemplate:
+        """Plain ChatML for models that ship no template:
+        `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, tools (if any) listed as JSON
+        in a system block, tool calls as `<tool_call>{json}</tool_call>`, and
+        `<|im_start|>assistant\\n` as the generation prompt."""
+        return cls(_DEFAULT_TEMPLATE, bos_token, eos_token, is_default=True)
+
+    @classmethod
+    def from_transformers(cls, tokenizer: Any) -> ChatTemplate | None:
+        """The chat template of a transformers tokenizer (None if it has none), with the special
+        tokens transformers would pass to it."""
+        source = getattr(tokenizer, "chat_template", None)
+        tool_source = None
+        if isinstance(source, dict):  # {"default": ..., "tool_use": ...}
+            source, tool_source = source.get("default"), source.get("tool_use")
+        if not source:
+            return None
+        tokens = {k: v for k, v in (getattr(tokenizer, "special_tokens_map", None) or {}).items()
+                  if isinstance(v, str)}
+        return cls(source, tool_source=tool_source, **tokens)
+
+    def render(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+               add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The prompt text for `messages` (OpenAI-style dicts). Raises `InvalidRequestError` when
+        the template rejects the messages or attempts something the sandbox forbids."""
+        template, lists = (self._tool_template, self._tool_lists) if tools else (
+            self._template, self._lists)
+        if not messages:
+            raise InvalidRequestError("messages must contain at least one message",
+                                      param="messages")
+        prepared = [_prepare_message(m, i, keep_lists=lists) for i, m in enumerate(messages)]
+        context = {**self.variables, **_plain(kwargs)}
+        context.setdefault("documents", None)
+        try:
+            return template.render(messages=prepared, tools=_plain(tools),
+                                   add_generation_prompt=add_generation_prompt, **context)
+        except SecurityError as e:
+            raise InvalidRequestError(
+                f"the chat template tried an operation the sandbox forbids ({e}); it was stopped "
+                "and nothing ran. Use a trusted chat template.", param="messages") from e
+        except TemplateError as e:
+            raise InvalidRequestError(f"the chat template rejected these messages: {e}",
+                                      param="messages") from e
+        except Exception as e:  # a template is code; its bugs are reported, not crashed on
+            raise InvalidRequestError(f"the chat template failed on these messages "
+                                      f"({type(e).__name__}: {e})", param="messages") from e
+
+
+def _prepare_message(message: Any, index: int, keep_lists: bool) -> dict[str, Any]:
+    """Normalize one message the way servers expect: drop None values, alias reasoning fields,
+    flatten text-part lists (unless the template loops over them), parse JSON tool arguments."""
+    message = _plain(message)
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise InvalidRequestError(f"messages[{index}] must be an object with a string 'role'",
+                                  param="messages")
+    message = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((message[k] for k in ("reasoning_content", "thinking", "reasoning")
+                      if k in message), None)
+    if reasoning is not None:
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or \
+                    not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise InvalidRequestError(
+                    f"messages[{index}].content has a part of type {kind!r}; this model takes "
+                    "text only: use {'type': 'text', 'text': ...} parts or a string.",
+                    param="messages")
+            texts.append(part["text"])
+        if not keep_lists:
+            message["content"] = "\n".join(texts)
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:  # OpenAI sends arguments as a JSON string; HF templates expect a dict
+                parsed = json.loads(fn["arguments"])
+            except ValueError:
+                continue
+            if isinstance(parsed, dict):
+                fn["arguments"] = parsed
+    return message

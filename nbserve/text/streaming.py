@@ -1,0 +1,96 @@
+"""Streaming text: an incremental detokenizer that never emits partial UTF-8, and a stop-string
+matcher that holds back what could still become a stop string."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+# ----------------------------------------------------------------------------- streaming text
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas without splitting UTF-8 characters.
+
+    Each step decodes only a small window: the tokens of the previous delta (context for
+    tokenizers whose decoding depends on the neighbour, e.g. sentencepiece's leading space)
+    plus the tokens not emitted yet. Text ending in U+FFFD (an incomplete character) is held
+    back until a later token completes it or `finish()` flushes it. The concatenation of all
+    deltas equals `tokenizer.decode(all_ids)`; the one exception is an invalid byte run under
+    a byte-fallback decoder, where the full decode replaces the whole run, even its valid head.
+    """
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = False):
+        self._tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._window: list[int] = []  # previous delta's tokens, then pending ones
+        self._read = 0  # window[:_read] were already emitted
+        self.num_tokens = 0
+
+    def add(self, token_ids: int | Iterable[int]) -> str:
+        """Feed new token ids; return the text they complete (may be "")."""
+        new = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        self._window.extend(new)
+        self.num_tokens += len(new)
+        return self._advance(final=False)
+
+    def finish(self) -> str:
+        """Return whatever is still held back (e.g. a trailing incomplete character as U+FFFD)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self._read == len(self._window):
+            return ""
+        decode = self._tokenizer.decode
+        before = decode(self._window[:self._read], skip_special_tokens=self.skip_special_tokens)
+        text = decode(self._window, skip_special_tokens=self.skip_special_tokens)
+        if len(text) <= len(before) or (not final and text.endswith("\ufffd")):
+            return ""
+        self._window = self._window[self._read:]
+        self._read = len(self._window)
+        return text[len(before):]
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text, even when they span deltas.
+
+    `feed` returns the text that is safe to show and the stop string once one is complete. It
+    holds back the longest tail that could still begin a stop string and never returns the stop
+    string or anything after it. When two stops complete, the one that ends first wins, so the
+    result does not depend on how the text was chunked.
+    """
+
+    def __init__(self, stops: Iterable[str]):
+        self.stops = [s for s in dict.fromkeys(stops) if s]
+        self._held = ""
+        self.matched: str | None = None
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """Add a text delta; return `(text to emit, matched stop or None)`."""
+        if self.matched is not None:
+            return "", self.matched
+        buf = self._held + text
+        best: tuple[int, int, str] | None = None
+        for stop in self.stops:
+            at = buf.find(stop)
+            if at >= 0 and (best is None or (at + len(stop), at) < best[:2]):
+                best = (at + len(stop), at, stop)
+        if best is not None:
+            self._held, self.matched = "", best[2]
+            return buf[:best[1]], best[2]
+        keep = self._partial_tail(buf)
+        self._held = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep], None
+
+    def flush(self) -> str:
+        """End of stream: return the held-back tail (it never completed a stop)."""
+        held, self._held = self._held, ""
+        return "" if self.matched is not None else held
+
+    def _partial_tail(self, buf: str) -> int:
+        longest = max((len(s) for s in self.stops), default=1) - 1
+        for k in range(min(len(buf), longest), 0, -1):
+            tail = buf[-k:]
+            if any(len(s) > k and s.startswith(tail) for s in self.stops):
+                return k
+        return 0

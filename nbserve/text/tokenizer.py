@@ -1,0 +1,240 @@
+"""Tokenizer: one wrapper over `tokenizers`, transformers or duck-typed tokenizers, with the
+raw bytes of each token (for logprobs and byte-level streaming)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import tokenizers
+
+_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """Invert GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+class _DuckBackend:
+    """Gives an object with `encode`/`decode` (a slow transformers tokenizer, tiktoken, a test
+    double) the few `tokenizers.Tokenizer` methods `Tokenizer` calls."""
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> SimpleNamespace:
+        try:
+            ids = self.obj.encode(text, add_special_tokens=add_special_tokens)
+        except TypeError:
+            ids = self.obj.encode(text)
+        ids = getattr(ids, "ids", ids)
+        return SimpleNamespace(ids=[int(i) for i in ids])
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        try:
+            return self.obj.decode(ids, skip_special_tokens=skip_special_tokens)
+        except TypeError:
+            return self.obj.decode(ids)
+
+    def id_to_token(self, i: int) -> str | None:
+        convert = getattr(self.obj, "convert_ids_to_tokens", None)
+        return convert(i) if convert else self.decode([i])
+
+    def token_to_id(self, token: str) -> int | None:
+        convert = getattr(self.obj, "convert_tokens_to_ids", None)
+        return convert(token) if convert else None
+
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+        for attr in ("n_vocab", "vocab_size"):
+            if isinstance(getattr(self.obj, attr, None), int):
+                size = getattr(self.obj, attr)
+                break
+        else:
+            size = 0
+        try:
+            size = max(size, len(self.obj))
+        except TypeError:
+            pass
+        return size
+
+    def get_added_tokens_decoder(self) -> dict[int, Any]:
+        ids = getattr(self.obj, "all_special_ids", None) or []
+        return {i: SimpleNamespace(content=self.id_to_token(i), special=True) for i in ids}
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, over a `tokenizers.Tokenizer`.
+
+    `encode` maps special-token text (e.g. `<|im_start|>` in a rendered chat template) to its id.
+    `eos_token_ids` are the ids that end generation; `special_ids` are skipped by
+    `decode(skip_special_tokens=True)`.
+    """
+
+    def __init__(self, tok: tokenizers.Tokenizer, bos_token_id: int | None = None,
+                 eos_token_ids: int | Iterable[int] = (), add_bos_token: bool = False):
+        self._tok = tok
+        self.bos_token_id = bos_token_id
+        eos = [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids
+        self.eos_token_ids: list[int] = list(dict.fromkeys(int(i) for i in eos))
+        self.add_bos_token = bool(add_bos_token and bos_token_id is not None)
+        added = tok.get_added_tokens_decoder()
+        self._added: dict[int, str] = {i: t.content for i, t in added.items()}
+        self.special_ids: set[int] = {i for i, t in added.items() if t.special}
+        self.special_ids |= set(self.eos_token_ids) | ({bos_token_id} - {None})
+        self.vocab_size: int = max([tok.get_vocab_size(with_added_tokens=True),
+                                    *(i + 1 for i in self._added)])
+        self._bytes: dict[int, bytes] = {}
+        self._byte_mode: str | None = None
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(vocab_size={self.vocab_size}, bos_token_id={self.bos_token_id}, "
+                f"eos_token_ids={self.eos_token_ids})")
+
+    # -- construction
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, *, bos_token: str | None = None,
+                  eos_token: str | Sequence[str] | None = None,
+                  add_bos_token: bool | None = None) -> Tokenizer:
+        """Load a `tokenizer.json`. Special tokens are given as strings (as in tokenizer_config);
+        `add_bos_token=None` means: add BOS when the file's post-processor does."""
+        tok = tokenizers.Tokenizer.from_file(str(path))
+        bos_id = tok.token_to_id(bos_token) if bos_token else None
+        eos_tokens = [eos_token] if isinstance(eos_token, str) else list(eos_token or [])
+        eos_ids = [i for i in (tok.token_to_id(t) for t in eos_tokens) if i is not None]
+        post_bos = _post_processor_bos(tok)
+        if bos_id is None and bos_token is None:
+            bos_id = post_bos
+        if add_bos_token is None:
+            add_bos_token = post_bos is not None and post_bos == bos_id
+        return cls(tok, bos_id, eos_ids, add_bos_token)
+
+    @classmethod
+    def from_any(cls, obj: Any) -> Tokenizer:
+        """Adopt a `Tokenizer`, a `tokenizers.Tokenizer`, a transformers tokenizer, a path to
+        tokenizer.json or to a model directory, or any object with `encode` and `decode`."""
+        if isinstance(obj, Tokenizer):
+            return obj
+        if isinstance(obj, tokenizers.Tokenizer):
+            bos = _post_processor_bos(obj)
+            return cls(obj, bos, (), add_bos_token=bos is not None)
+        if isinstance(obj, (str, os.PathLike)):
+            path = Path(obj)
+            if path.is_dir():
+                from nbserve.loading.hf_dir import load_tokenizer
+
+                return load_tokenizer(path)[0]
+            if path.is_file():
+                return cls.from_file(path)
+            raise ValueError(f"no tokenizer file or model directory at {path}")
+        encode, decode = getattr(obj, "encode", None), getattr(obj, "decode", None)
+        if callable(encode) and callable(decode):
+            bos = getattr(obj, "bos_token_id", None)
+            eos = getattr(obj, "eos_token_id", None)
+            eos = [] if eos is None else eos
+            try:  # transformers tokenizers know whether they add BOS; ask them directly.
+                probe = list(obj.encode("a", add_special_tokens=True))
+                add_bos = bos is not None and bool(probe) and probe[0] == bos
+            except Exception:  # noqa: BLE001 - any object may be passed; probing is best-effort
+                add_bos = False
+            backend = getattr(obj, "backend_tokenizer", None)
+            if not isinstance(backend, tokenizers.Tokenizer):
+                backend = _DuckBackend(obj)
+            return cls(backend, bos, eos, add_bos)
+        raise TypeError(
+            f"cannot use a {type(obj).__name__} as a tokenizer. Pass one of: "
+            "nbserve.text.Tokenizer, tokenizers.Tokenizer, a transformers tokenizer, a path to "
+            "tokenizer.json or to a model directory, or an object with encode(text) -> list[int] "
+            "and decode(ids) -> str.")
+
+    # -- text <-> ids
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special-token strings in it become their ids. With
+        `add_special_tokens`, BOS is prepended if the model wants it and it is not there yet."""
+        ids = list(self._tok.encode(text, add_special_tokens=False).ids)
+        if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str:
+        """The vocabulary piece of id `i` (e.g. `Ġhello`); "" for ids the tokenizer lacks."""
+        return self._tok.id_to_token(int(i)) or ""
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The raw bytes token `i` stands for; may be part of a UTF-8 character (byte-level BPE
+        pieces, `<0xE4>` byte-fallback pieces). Used for logprobs `bytes`."""
+        i = int(i)
+        cached = self._bytes.get(i)
+        if cached is None:
+            cached = self._bytes[i] = self._compute_token_bytes(i)
+        return cached
+
+    def _compute_token_bytes(self, i: int) -> bytes:
+        if i in self._added:
+            return self._added[i].encode()
+        if self._byte_mode is None:
+            self._byte_mode = _byte_mode(self._tok)
+        if isinstance(self._tok, _DuckBackend):
+            single = getattr(self._tok.obj, "decode_single_token_bytes", None)  # tiktoken
+            if callable(single):
+                return bytes(single(i))
+        piece = self._tok.id_to_token(i)
+        if piece is None:
+            return b""
+        if self._byte_mode == "byte_level":
+            table = _BYTE_DECODER
+            return b"".join(bytes([table[c]]) if c in table else c.encode() for c in piece)
+        if self._byte_mode == "sentencepiece":
+            m = _BYTE_PIECE.match(piece)
+            return bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode()
+        return self.decode([i]).encode()
+
+
+_BYTE_DECODER = _gpt2_byte_decoder()
+
+
+def _byte_mode(tok: Any) -> str:
+    """How vocabulary pieces spell bytes: "byte_level" (GPT-2), "sentencepiece" (▁ and <0xAB>),
+    or "text" (ask the decoder)."""
+    decoder = getattr(tok, "decoder", None)
+    try:
+        spec = json.dumps(json.loads(decoder.__getstate__())) if decoder is not None else ""
+    except Exception:  # noqa: BLE001 - decoders without a JSON state are "text"
+        spec = ""
+    if '"ByteLevel"' in spec:
+        return "byte_level"
+    if '"ByteFallback"' in spec or '"Metaspace"' in spec or "\\u2581" in spec:
+        return "sentencepiece"
+    return "text"
+
+
+def _post_processor_bos(tok: tokenizers.Tokenizer) -> int | None:
+    """The id a tokenizer.json post-processor puts first (Llama-3's <|begin_of_text|>), if any."""
+    try:
+        plain = tok.encode("a", add_special_tokens=False).ids
+        full = tok.encode("a", add_special_tokens=True).ids
+    except Exception:  # noqa: BLE001 - a post-processor that cannot run adds nothing
+        return None
+    if len(full) > len(plain) and full[1:1 + len(plain)] == plain:
+        return full[0]
+    return None
