@@ -99,6 +99,8 @@ def main() -> None:
     ap.add_argument("--levels", default="1,4,16,32")
     ap.add_argument("--quick", action="store_true", help="levels 1,4 and a batch of 4 for HF")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="engine threads (default: the engine's choice, cores - 1)")
     args = ap.parse_args()
     levels = [1, 4] if args.quick else [int(x) for x in args.levels.split(",")]
     hf_batch = 4 if args.quick else 16
@@ -110,7 +112,9 @@ def main() -> None:
     load_s = time.perf_counter() - t0
     n_params, n_bytes = count_parameters(loaded.model)
     print(summary_line(loaded, load_s))
-    engine = Engine(loaded, max_batch=max(levels), max_context=512, quiet=True)
+    engine = Engine(loaded, max_batch=max(levels), max_context=512, quiet=True,
+                    threads=args.threads)
+    print(f"engine threads: {engine.threads}; transformers threads: {torch.get_num_threads()}")
     prompts = chat_prompts(loaded.tokenizer, loaded.template, max(levels + [hf_batch]))
     print(f"prompts: {len(prompts)} chats of {min(map(len, prompts))}-"
           f"{max(map(len, prompts))} tokens, {args.max_tokens} new tokens each, greedy")

@@ -13,7 +13,9 @@ if the engine thread dies it restarts with a fresh cache and scheduler (`restart
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import os
 import logging
 import queue
 import threading
@@ -28,7 +30,7 @@ import torch
 from .engine_stats import EngineStats
 from .loading.bundle import LoadedModel
 from .sampling import SeqSampler, sample
-from .scheduler import Scheduler, Sequence, StepPlan
+from .scheduler import PrefillWork, Scheduler, Sequence, StepPlan
 from .text import IncrementalDetokenizer, StopStringMatcher
 from .types import (
     BusyError, ContextLengthError, Delta, EngineStoppedError, ErrorEvent, Event, Finished,
@@ -81,10 +83,13 @@ class Engine:
                  max_context: int | None = None, max_queue: int = 256, prefill_chunk: int = 512,
                  name: str | None = None, device: str | None = None, dtype: Any = None,
                  quiet: bool = False, queue_timeout: float | None = 600.0,
-                 max_backlog: int | None = 1024, restart_on_failure: bool = True):
+                 max_backlog: int | None = 1024, restart_on_failure: bool = True,
+                 threads: int | None = None):
         """`queue_timeout`: seconds a request may wait for a slot before it fails (None: no
-        limit). `max_backlog`: events a caller may leave unread before its request is cancelled
-        (None: no limit). `restart_on_failure`: restart the engine thread if it dies."""
+        limit). `max_backlog`: events per choice a caller may leave unread before its request is
+        cancelled (None: no limit). `restart_on_failure`: restart the engine thread if it dies.
+        `threads`: torch intra-op threads of the engine thread only (the caller's setting is
+        untouched); default on CPU: one less than the cores, so the event loop keeps a core."""
         if not isinstance(model, LoadedModel):
             from .loading import load
 
@@ -112,6 +117,7 @@ class Engine:
             raise ValueError(f"max_backlog must be an integer >= 1 (or None for no limit), got "
                              f"{max_backlog!r}")
         self.max_batch, self.max_context, self.max_queue = max_batch, max_context, max_queue
+        self.threads = threads if threads is not None else default_threads(self.model.device)
         self.queue_timeout, self.max_backlog = queue_timeout, max_backlog
         self.restart_on_failure = restart_on_failure
         self.restarts = 0
@@ -134,31 +140,21 @@ class Engine:
         self._restart_timer: threading.Timer | None = None
         self._thread = self._new_thread()
         if not quiet:
-            log.info("KV cache: %d slots x %d tokens, %.1f MiB on %s", max_batch, max_context,
-                     self.cache.nbytes / 2**20, self.model.device)
+            print(f"nbserve: KV cache {max_batch} slots x {max_context} tokens, "
+                  f"{self.cache.nbytes / 2**20:.0f} MiB on {self.model.device}", flush=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ public API
 
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         """Stream the events of `request`. Raises before the first event if it is refused."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        backlog = _Backlog(self, request.request_id)
-
-        def sink(ev: Event) -> None:
-            backlog.posted()
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, ev)
-            except RuntimeError:  # the caller's loop is gone: nobody is listening
-                self.abort(request.request_id)
-
-        group = self.submit(request, sink)
+        mailbox = _Mailbox(self, request.request_id, asyncio.get_running_loop(),
+                           self._backlog_limit(request))
+        group = self.submit(request, mailbox.post)
         remaining, finished = group.params.n, False
         try:
             while not finished:
-                ev = await events.get()
-                backlog.taken += 1
+                ev = await mailbox.get()
                 remaining -= isinstance(ev, Finished)
                 finished = remaining == 0 or isinstance(ev, ErrorEvent)
                 yield ev
@@ -170,22 +166,30 @@ class Engine:
         """Sync version of `generate`, for scripts and notebook cells. Submits at once (so a
         refusal raises here); closing the returned iterator cancels the request."""
         events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        backlog = _Backlog(self, request.request_id)
+        limit, tripped = self._backlog_limit(request), False
 
         def sink(ev: Event) -> None:
-            backlog.posted()
+            nonlocal tripped
             events.put(ev)
+            if limit is not None and not tripped and events.qsize() > limit:
+                tripped = True
+                self.abort(request.request_id, "backlog")
 
         group = self.submit(request, sink)
-        return self._iterate(group, events, backlog)
+        return self._iterate(group, events)
 
-    def _iterate(self, group: _Group, events: queue.SimpleQueue[Event],
-                 backlog: _Backlog) -> Iterator[Event]:
+    def _backlog_limit(self, request: Request) -> int | None:
+        """Unread events allowed to `request`'s caller: `max_backlog` per choice."""
+        n = request.params.n
+        if self.max_backlog is None:
+            return None
+        return self.max_backlog * (n if isinstance(n, int) and n > 0 else 1)
+
+    def _iterate(self, group: _Group, events: queue.SimpleQueue[Event]) -> Iterator[Event]:
         remaining, finished = group.params.n, False
         try:
             while not finished:
                 ev = events.get()
-                backlog.taken += 1
                 remaining -= isinstance(ev, Finished)
                 finished = remaining == 0 or isinstance(ev, ErrorEvent)
                 yield ev
@@ -422,6 +426,8 @@ class Engine:
                 group.sink = _drop
 
     def _loop(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)  # per-thread setting: only the engine's ops
         while True:
             with self._lock:
                 while not (self._stopping or self._inbox or self._aborts
@@ -452,8 +458,8 @@ class Engine:
         if plan.decode:
             m, s = self._run_decode(plan)
             model_time, sample_time = model_time + m, sample_time + s
-        if plan.prefill is not None:
-            m, s = self._run_prefill(plan)
+        if plan.prefills:
+            m, s = self._run_prefills(plan.prefills)
             model_time, sample_time = model_time + m, sample_time + s
         self.stats_.record_step(time.perf_counter() - t0, model_time, sample_time,
                                 len(plan.decode))
@@ -469,8 +475,9 @@ class Engine:
         for group, why in aborts:
             if why == "backlog":
                 self._fail(group, f"the client left more than max_backlog={self.max_backlog} "
-                           "events of this stream unread, so the request was cancelled to free "
-                           "its slot; read the stream as it arrives", "client_too_slow")
+                           "events per choice of this stream unread, so the request was "
+                           "cancelled to free its slot; read the stream as it arrives",
+                           "client_too_slow")
             elif why == "shutdown" and not group.admitted:
                 self._fail(group, "the server is shutting down and this request had not "
                            "started; retry it later or on another server", "service_unavailable")
@@ -517,28 +524,58 @@ class Engine:
         self._sample_and_emit(seqs, logits)
         return t1 - t0, time.perf_counter() - t1
 
-    def _run_prefill(self, plan: StepPlan) -> tuple[float, float]:
-        work = plan.prefill
-        seq = work.seq
+    def _run_prefills(self, works: list[PrefillWork]) -> tuple[float, float]:
+        """Prefill this step's chunks: in one padded forward when padding wastes little
+        (a burst of similar prompts reads the weights once), else one forward each."""
+        real = sum(len(w.ids) for w in works)
+        if len(works) > 1 and max(len(w.ids) for w in works) * len(works) > 1.25 * real:
+            times = [self._run_prefills([w]) for w in works]
+            return sum(t[0] for t in times), sum(t[1] for t in times)
         dev = self.model.device
-        n = len(work.ids)
-        ids = torch.tensor([work.ids], device=dev)
-        positions = torch.arange(work.start, work.start + n, device=dev).unsqueeze(0)
+        width = max(len(w.ids) for w in works)
+        limit = self.max_context - 1  # pad positions stay inside the cache, past real tokens
+        pos_rows = [[min(w.start + j, limit) for j in range(width)] for w in works]
+        ids = torch.tensor([w.ids + [0] * (width - len(w.ids)) for w in works], device=dev)
+        positions = torch.tensor(pos_rows, device=dev)  # (B, T)
+        slots = torch.tensor([w.seq.slot for w in works], device=dev)
+        last = torch.tensor([len(w.ids) - 1 for w in works], device=dev)
         t0 = time.perf_counter()
         try:
-            hints = dict(max_pos=work.start + n - 1, contiguous_from=seq.slot) \
+            hints = dict(max_pos=max(r[-1] for r in pos_rows),
+                         contiguous_from=works[0].seq.slot if len(works) == 1 else None) \
                 if self._hints else {}
-            logits = self.model.forward(ids, positions, torch.tensor([seq.slot], device=dev),
-                                        self.cache, logit_index=torch.tensor([n - 1], device=dev),
-                                        **hints)
+            with self._prefill_threads(real):
+                logits = self.model.forward(ids, positions, slots, self.cache,
+                                            logit_index=last, **hints)
         except Exception as exc:
-            self._fail_step([seq], exc)
+            self._fail_step([w.seq for w in works], exc)
             return time.perf_counter() - t0, 0.0
         t1 = time.perf_counter()
-        seq.computed += n
-        self.stats_.prefilled += n
+        for i, work in enumerate(works):
+            self._after_prefill(work, logits[i:i + 1])
+        return t1 - t0, time.perf_counter() - t1
+
+    @contextlib.contextmanager
+    def _prefill_threads(self, tokens: int) -> Iterator[None]:
+        """Every core for a large prefill: it is compute-bound, so the thread pool's barriers
+        cost little there (decode steps keep `self.threads`, see `default_threads`)."""
+        cores = os.cpu_count() or 1
+        if not self.threads or tokens < 64 or cores <= self.threads:
+            yield
+            return
+        torch.set_num_threads(cores)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(self.threads)
+
+    def _after_prefill(self, work: PrefillWork, logits: torch.Tensor) -> None:
+        """Advance the sequence; after its last chunk, fork n > 1 and sample first tokens."""
+        seq = work.seq
+        seq.computed += len(work.ids)
+        self.stats_.prefilled += len(work.ids)
         if not work.last:
-            return t1 - t0, 0.0
+            return
         group: _Group = seq.group
         self.stats_.reused += seq.cached_prompt
         for sib in group.seqs[1:]:  # n > 1: share the prefill
@@ -547,7 +584,6 @@ class Engine:
                 sib.computed, sib.parent = seq.computed, None
         live = [s for s in group.seqs if not s.finished]
         self._sample_and_emit(live, logits.expand(len(live), -1))
-        return t1 - t0, time.perf_counter() - t1
 
     def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         groups = [s.group for s in seqs]
@@ -643,24 +679,50 @@ class Engine:
             self._fail(seq.group, f"the model failed on this request: {exc}", "server_error")
 
 
-class _Backlog:
-    """Counts the events posted to one caller and the ones it took; when more than the
-    engine's `max_backlog` are waiting unread, it asks the engine (once) to cancel the request.
-    `posted` runs on the engine thread, `taken` is bumped by the caller: one writer each."""
+class _Mailbox:
+    """Events from the engine thread to one async caller. The engine appends without waking
+    the caller's loop unless the caller waits for an event, so a caller stuck elsewhere (on a
+    client that stopped reading) costs the loop nothing; past `limit` unread events it asks the
+    engine, once, to cancel the request."""
 
-    __slots__ = ("engine", "request_id", "sent", "taken", "tripped")
+    __slots__ = ("engine", "request_id", "loop", "limit", "events", "waiter", "tripped")
 
-    def __init__(self, engine: Engine, request_id: str):
-        self.engine, self.request_id = engine, request_id
-        self.sent = self.taken = 0
+    def __init__(self, engine: Engine, request_id: str, loop: asyncio.AbstractEventLoop,
+                 limit: int | None):
+        self.engine, self.request_id, self.loop, self.limit = engine, request_id, loop, limit
+        self.events: deque[Event] = deque()
+        self.waiter: asyncio.Future[None] | None = None
         self.tripped = False
 
-    def posted(self) -> None:
-        self.sent += 1
-        limit = self.engine.max_backlog
-        if limit is not None and not self.tripped and self.sent - self.taken > limit:
+    def post(self, ev: Event) -> None:
+        """The request's sink (engine thread): append first, then wake a waiting caller."""
+        self.events.append(ev)
+        if self.limit is not None and not self.tripped and len(self.events) > self.limit:
             self.tripped = True
             self.engine.abort(self.request_id, "backlog")
+        waiter = self.waiter
+        if waiter is not None:
+            try:
+                self.loop.call_soon_threadsafe(_wake, waiter)
+            except RuntimeError:  # the caller's loop is gone: nobody is listening
+                self.engine.abort(self.request_id)
+
+    async def get(self) -> Event:
+        """The next event (caller's loop). The waiter is published before the re-check, so an
+        event appended in between is either seen here or wakes the waiter."""
+        while not self.events:
+            self.waiter = self.loop.create_future()
+            try:
+                if not self.events:
+                    await self.waiter
+            finally:
+                self.waiter = None
+        return self.events.popleft()
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def accepts_hints(forward: Callable[..., Any]) -> bool:
@@ -675,3 +737,12 @@ def accepts_hints(forward: Callable[..., Any]) -> bool:
 
 def _drop(event: Event) -> None:
     """The sink of a finished request: nobody listens any more."""
+
+
+def default_threads(device: Any) -> int | None:
+    """CPU: all cores but one (at least one). With every core in torch's thread pool, any other
+    busy thread (the server's event loop, the notebook) stalls each parallel op at its barrier:
+    measured here on 2 cores under load, 450 ms per decode step with 2 threads, 50 ms with 1."""
+    if torch.device(device).type != "cpu":
+        return None
+    return max(1, (os.cpu_count() or 2) - 1)

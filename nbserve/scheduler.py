@@ -53,13 +53,13 @@ class PrefillWork:
 
 @dataclass(slots=True)
 class StepPlan:
-    prefill: PrefillWork | None
+    prefills: list[PrefillWork]  # within a budget of `prefill_chunk` tokens per step
     decode: list[Sequence]
     admitted: list[Sequence] = field(default_factory=list)  # first choice of each new request
 
     @property
     def empty(self) -> bool:
-        return self.prefill is None and not self.decode and not self.admitted
+        return not self.prefills and not self.decode and not self.admitted
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -139,17 +139,22 @@ class Scheduler:
         return admitted
 
     def schedule(self) -> StepPlan:
-        """Admit what fits, then plan one step: one prefill chunk and every decoding sequence."""
+        """Admit what fits, then plan one step: every decoding sequence, plus prefill chunks of
+        the oldest prefilling sequences up to `prefill_chunk` tokens in all (so a burst of new
+        requests is prefilled in a few steps, and one long prompt never stalls decoding for
+        more than one chunk's time)."""
         admitted = self._admit()
-        prefill = None
+        prefills, budget = [], self.prefill_chunk
         for seq in self.running:
-            if seq.parent is None and seq.prefilling:
-                end = min(seq.computed + self.prefill_chunk, len(seq.prompt_ids))
-                prefill = PrefillWork(seq, seq.computed, seq.prompt_ids[seq.computed:end])
+            if budget <= 0:
                 break
+            if seq.parent is None and seq.prefilling:
+                end = min(seq.computed + budget, len(seq.prompt_ids))
+                prefills.append(PrefillWork(seq, seq.computed, seq.prompt_ids[seq.computed:end]))
+                budget -= end - seq.computed
         decode = [s for s in self.running if not s.prefilling and s.output_ids]
         decode.sort(key=lambda s: s.slot)
-        return StepPlan(prefill, decode, admitted)
+        return StepPlan(prefills, decode, admitted)
 
     def finish(self, seq: Sequence, keep_cache: bool = True) -> None:
         """Remove a finished or cancelled sequence and free its slot.
