@@ -132,6 +132,13 @@ class SwappableBackend:
             self._closers = [c for c in self._closers if c.is_alive()] + [t]
         t.start()
 
+    def cancel_all(self) -> int:
+        """Cancel the requests running on every backend (current and retiring); see
+        `cancel_all`. Returns how many were cancelled."""
+        with self._lock:
+            backends = [self._current, *self._retiring.values()]
+        return sum(cancel_all(b) for b in backends)
+
     # ------------------------------------------------------------------ Backend protocol
 
     def stats(self) -> dict[str, Any]:
@@ -159,6 +166,16 @@ class SwappableBackend:
 
     def __repr__(self) -> str:
         return f"SwappableBackend({self._current!r})"
+
+
+def cancel_all(backend: Any) -> int:
+    """Ask `backend` (an Engine, or a Pool through its engines) to cancel every request:
+    running ones end with finish reason "cancelled", waiting ones with a 503-style error."""
+    method = getattr(backend, "cancel_all", None)
+    if callable(method):
+        return int(method())
+    return sum(int(e.cancel_all()) for e in getattr(backend, "engines", ())
+               if callable(getattr(e, "cancel_all", None)))
 
 
 # ----------------------------------------------------------------------------- building

@@ -368,7 +368,7 @@ class Engine:
         """The engine thread: `_loop`, and what happens if something kills it."""
         try:
             self._loop()
-        except BaseException as exc:  # noqa: BLE001 -- the thread dies; recover or report
+        except BaseException as exc:  # the thread dies: recover or report
             log.critical("the engine thread died: %r", exc, exc_info=True)
             with self._lock:
                 self._dead = True
@@ -685,7 +685,7 @@ class _Mailbox:
     client that stopped reading) costs the loop nothing; past `limit` unread events it asks the
     engine, once, to cancel the request."""
 
-    __slots__ = ("engine", "request_id", "loop", "limit", "events", "waiter", "tripped")
+    __slots__ = ("engine", "events", "limit", "loop", "request_id", "tripped", "waiter")
 
     def __init__(self, engine: Engine, request_id: str, loop: asyncio.AbstractEventLoop,
                  limit: int | None):

@@ -28,6 +28,7 @@ from .share import close_share_links, open_share_link
 from .types import Backend
 
 _SERVERS: dict[int, Server] = {}
+_FLUSH_S = 3.0  # after the grace period: time for cancelled answers to reach their clients
 _REGISTRY_LOCK = threading.Lock()
 
 
@@ -89,6 +90,7 @@ class Server:
         self.api_keys = api_keys
         self.ui = ui
         self._owned, self._model, self._build_options = owned, model, build_options
+        self._drain_s = drain_s
         self._stop_lock = threading.Lock()
         self._stopped = False
         self._error: BaseException | None = None
@@ -147,8 +149,10 @@ class Server:
         return self._thread.is_alive() and not self._stopped
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop serving: in-flight requests get up to `timeout` s (default 5) to finish, then
-        are cancelled; the port is freed, the engine closed, no thread left. Idempotent."""
+        """Stop serving: new requests get 503 at once, in-flight ones get up to `timeout` s
+        (default: launch's `stop_timeout`, 5 s) to finish; the rest are then cancelled (streams
+        end with a final chunk and [DONE], other answers return the text so far, both with a
+        finish_reason). The port is freed, the engine closed, no thread left. Idempotent."""
         with self._stop_lock:
             if self._stopped:
                 return
@@ -158,16 +162,16 @@ class Server:
                 del _SERVERS[self.port]
         if self.share_url:
             close_share_links(self.port)
-        if timeout is not None:
-            self._uvicorn.config.timeout_graceful_shutdown = timeout
         if self._thread.is_alive():
+            self._drain(self._drain_s if timeout is None else timeout)
             if self.ui and self._loop is not None:
                 from .ui import stop_ui
 
                 stop_ui(self.app, self._loop)  # end the UI heartbeats that hold shutdown
+            # The requests are over: uvicorn only has to flush the last bytes and close.
+            self._uvicorn.config.timeout_graceful_shutdown = _FLUSH_S
             self._uvicorn.should_exit = True
-            grace = self._uvicorn.config.timeout_graceful_shutdown or 5
-            self._thread.join(grace + 10)
+            self._thread.join(_FLUSH_S + 10)
             if self._thread.is_alive():
                 self._uvicorn.force_exit = True
                 self._thread.join(10)
@@ -175,6 +179,23 @@ class Server:
         self._ref.close(close_current=self._owned)  # and drop it: the weights can be freed
         self._model, self._build_options = None, {}
         _free_memory()
+
+    def _drain(self, grace: float) -> None:
+        """Refuse new generation requests (503), wait up to `grace` s for the running ones,
+        then cancel what is left and wait (briefly) for those answers to end."""
+        self.app.state.accepting = False
+        deadline = time.monotonic() + max(0.0, grace)
+        while self._ref.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not self._ref.in_flight():
+            return
+        cancelled = self._ref.cancel_all()
+        if cancelled:
+            print(f"nbserve: cancelled {cancelled} request(s) still running after the "
+                  f"{grace:g} s grace period", flush=True)
+        deadline = time.monotonic() + _FLUSH_S
+        while self._ref.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def update(self, model: Any = None) -> Server:
         """Serve `model` (same kinds as `launch`) from now on, at the same URL.
@@ -277,13 +298,18 @@ def _keys(api_keys: str | Sequence[str] | None) -> list[str]:
 def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.0.0.1",
            share: bool = False, ui: bool = True, api_keys: str | Sequence[str] | None = None,
            devices: Any = None, tokenizer: Any = None, startup_timeout: float = 120.0,
-           **engine_options: Any) -> Server:
+           stop_timeout: float = 5.0, **engine_options: Any) -> Server:
     """Serve `model` (a source like "smollm2", a HF dir or .gguf; a LoadedModel; or an
     Engine/Pool, served as is) on http://host:port: OpenAI API under /v1, chat UI at /.
 
     Returns once /health answers ready. `port=None` picks a free port; a port held by one of
-    our servers is taken over (that server is stopped first). `engine_options` go to `Engine`.
+    our servers is taken over (that server is stopped first). `stop_timeout`: seconds running
+    requests get to finish when the server stops (stop() or SIGTERM under `serve`).
+    `engine_options` go to `Engine` (e.g. max_batch, max_context, queue_timeout,
+    max_backlog, restart_on_failure).
     """
+    if not isinstance(stop_timeout, (int, float)) or stop_timeout < 0:
+        raise ValueError(f"stop_timeout must be a number of seconds >= 0, got {stop_timeout!r}")
     keys = _keys(api_keys)
     if port:
         with _REGISTRY_LOCK:
@@ -312,7 +338,8 @@ def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.
         app = _make_app(ref, keys, ui=ui, ui_keys=[] if generated else keys)
         server = Server(app, ref, sock, host, owned=owned, api_keys=keys, ui=ui,
                         share_url=share_url, model=model,
-                        build_options={k: v for k, v in options.items() if v is not None})
+                        build_options={k: v for k, v in options.items() if v is not None},
+                        drain_s=float(stop_timeout))
     except BaseException:
         sock.close()
         ref.close(close_current=owned)
@@ -363,18 +390,26 @@ def stop_all() -> None:
 
 
 def serve(model: Any = "smollm2", **kwargs: Any) -> None:
-    """`launch(...)` and block until Ctrl-C (or SIGTERM), then stop cleanly."""
+    """`launch(...)` and block until Ctrl-C (or SIGTERM), then stop cleanly: new requests get
+    503, running ones get `stop_timeout` s to finish, the rest are cancelled."""
     server = launch(model, **kwargs)
     previous = None
     if threading.current_thread() is threading.main_thread():
+        terminating = False
+
         def on_term(signum: int, frame: Any) -> None:
-            raise KeyboardInterrupt
+            nonlocal terminating
+            if not terminating:  # a second SIGTERM must not break the drain; Ctrl-C still can
+                terminating = True
+                raise KeyboardInterrupt
 
         previous = signal.signal(signal.SIGTERM, on_term)
     try:
         print("nbserve: press Ctrl-C to stop", flush=True)
         while server.running:
-            server._thread.join(0.5)
+            # Not server._thread.join(0.5): a KeyboardInterrupt inside join() makes CPython
+            # mark the thread as stopped while it still runs, so stop() would not drain it.
+            time.sleep(0.5)
     except KeyboardInterrupt:
         print("\nnbserve: stopping", flush=True)
     finally:

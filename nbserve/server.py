@@ -156,10 +156,11 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
     limiter = RateLimiter(rate_limit_per_minute) if rate_limit_per_minute else None
     metrics = Metrics(backend.stats)
 
-    def authorize(request: Request) -> None:
+    # async (they do no I/O): FastAPI would run plain functions in a worker thread per request
+    async def authorize(request: Request) -> None:
         request.state.client_key = keys.check(request) if keys else None
 
-    def admit(request: Request) -> None:
+    async def admit(request: Request) -> None:
         if not app.state.accepting:
             raise APIError(503, "The server is shutting down; retry on another replica or "
                            "in a few seconds.", "service_unavailable", None, "shutting_down",

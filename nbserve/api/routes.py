@@ -61,9 +61,14 @@ class SSEResponse(StreamingResponse):
                     await aclose()
 
 
+# Characters that str.splitlines() (and so httpx's iter_lines) treats as line ends: escaped so
+# that a token holding one cannot split a `data:` line. JSON escapes the C0 controls itself.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse_data(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + \
-        b"\n\n"
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 async def sse_events(chunks: AsyncIterator[dict[str, Any]], include_usage: bool, trace: Trace,
