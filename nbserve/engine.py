@@ -31,6 +31,7 @@ from .engine_stats import EngineStats
 from .loading.bundle import LoadedModel
 from .sampling import SeqSampler, sample
 from .scheduler import PrefillWork, Scheduler, Sequence, StepPlan
+from .sync_helpers import SyncHelpers
 from .text import IncrementalDetokenizer, StopStringMatcher
 from .types import (
     BusyError, ContextLengthError, Delta, EngineStoppedError, ErrorEvent, Event, Finished,
@@ -74,7 +75,13 @@ class _Group:
         return Usage(len(self.prompt_ids), self.completion_tokens, s.cached_prompt)
 
 
-class Engine:
+def _count_down(remaining: int, ev: Event) -> tuple[int, bool]:
+    """One event of a request with `remaining` choices unfinished: (remaining, finished)."""
+    remaining -= isinstance(ev, Finished)
+    return remaining, remaining == 0 or isinstance(ev, ErrorEvent)
+
+
+class Engine(SyncHelpers):
     """Continuous-batching engine for one model on one device (a `Backend`)."""
 
     restart_delay = 1.0  # seconds between a crash of the engine thread and its restart
@@ -155,8 +162,7 @@ class Engine:
         try:
             while not finished:
                 ev = await mailbox.get()
-                remaining -= isinstance(ev, Finished)
-                finished = remaining == 0 or isinstance(ev, ErrorEvent)
+                remaining, finished = _count_down(remaining, ev)
                 yield ev
         finally:
             if not finished:
@@ -190,22 +196,11 @@ class Engine:
         try:
             while not finished:
                 ev = events.get()
-                remaining -= isinstance(ev, Finished)
-                finished = remaining == 0 or isinstance(ev, ErrorEvent)
+                remaining, finished = _count_down(remaining, ev)
                 yield ev
         finally:
             if not finished:
                 self.abort(group.request_id)
-
-    def complete(self, prompt: str, **params: Any) -> str:
-        """Generate a completion of raw text `prompt` and return its text (choice 0)."""
-        return self._collect(Request(prompt=prompt, params=SamplingParams(**params)))
-
-    def chat(self, messages: list[dict[str, Any]] | str, **params: Any) -> str:
-        """Answer a conversation (or one user message) and return the reply text."""
-        if isinstance(messages, str):
-            messages = [{"role": "user", "content": messages}]
-        return self._collect(Request(messages=messages, params=SamplingParams(**params)))
 
     def abort(self, request_id: str, why: str = "cancel") -> None:
         """Cancel a request; its slot is freed at the next step. Unknown ids are ignored."""
@@ -348,15 +343,6 @@ class Engine:
                 if self._restart_timer is not None else
                 "the engine thread crashed (see the log); create a new Engine, or pass "
                 "restart_on_failure=True to restart it by itself")
-
-    def _collect(self, request: Request) -> str:
-        parts: list[str] = []
-        for ev in self.stream(request):
-            if isinstance(ev, ErrorEvent):
-                raise RuntimeError(ev.message)
-            if isinstance(ev, Delta) and ev.index == 0:
-                parts.append(ev.text)
-        return "".join(parts)
 
     # ------------------------------------------------------------------ engine thread
 

@@ -23,6 +23,7 @@ from typing import Any
 from .engine import Engine
 from .pool_setup import load_replicas, plan_kv_caches, resolve_devices
 from .pool_state import Replica, pool_health, pool_stats, route_order
+from .sync_helpers import SyncHelpers
 from .types import (
     BusyError,
     Delta,
@@ -33,7 +34,6 @@ from .types import (
     InvalidRequestError,
     NbserveError,
     Request,
-    SamplingParams,
     Started,
 )
 
@@ -75,7 +75,7 @@ class _Down:
     reason: str
 
 
-class Pool:
+class Pool(SyncHelpers):
     """Replicas of one model, one Engine per device; a `Backend` like Engine itself.
 
     `model`: a source (path, "smollm2", hub id), loaded once per device in parallel, or a
@@ -179,25 +179,6 @@ class Pool:
                 yield from out
         finally:
             self._leave(ticket, done)
-
-    def complete(self, prompt: str, **params: Any) -> str:
-        """Generate a completion of raw text `prompt` and return its text (choice 0)."""
-        return self._collect(Request(prompt=prompt, params=SamplingParams(**params)))
-
-    def chat(self, messages: list[dict[str, Any]] | str, **params: Any) -> str:
-        """Answer a conversation (or one user message) and return the reply text."""
-        if isinstance(messages, str):
-            messages = [{"role": "user", "content": messages}]
-        return self._collect(Request(messages=messages, params=SamplingParams(**params)))
-
-    def _collect(self, request: Request) -> str:
-        parts = []
-        for ev in self.stream(request):
-            if isinstance(ev, ErrorEvent):
-                raise RuntimeError(ev.message)
-            if isinstance(ev, Delta) and ev.index == 0:
-                parts.append(ev.text)
-        return "".join(parts)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request wherever it runs. Unknown ids are ignored."""

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -17,6 +19,7 @@ os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 sys.path.insert(0, str(Path(__file__).parent))  # `import tiny_models` from any test
 
 import pytest
+from server_util import app_running, engine_running
 from tiny_models import make_byte_fallback_tokenizer, make_tiny_hf_dir, make_tiny_tokenizer
 
 
@@ -55,3 +58,16 @@ def byte_fallback_tokenizer():
 
     return Tokenizer(make_byte_fallback_tokenizer(), bos_token_id=1, eos_token_ids=[2],
                      add_bos_token=True)
+
+
+# The tiny engine behind a real uvicorn server, once per test module that asks for them.
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_llama_dir: Path) -> Iterator[Any]:
+    with engine_running(tiny_llama_dir) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_engine: Any) -> Iterator[str]:
+    with app_running(tiny_engine) as url:
+        yield url

@@ -8,31 +8,18 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
+from notebook_util import cell_text, code_cells, execute
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "your_model.ipynb"
 
 
 def test_notebook_is_committed_without_outputs() -> None:
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    code = [c for c in nb.cells if c.cell_type == "code"]
+    code = code_cells(nb)
     assert code and all(not c.outputs and c.execution_count is None for c in code)
-
-
-def _text(cell: Any) -> str:
-    parts = []
-    for out in cell.get("outputs", []):
-        if out.output_type == "stream":
-            parts.append(out.text)
-        elif out.output_type in ("execute_result", "display_data"):
-            parts.append(out.data.get("text/plain", ""))
-        elif out.output_type == "error":
-            parts.append("\n".join(out.traceback))
-    return "".join(parts)
 
 
 @pytest.mark.slow
@@ -47,10 +34,9 @@ def test_your_model_notebook_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     nb = nbformat.read(NOTEBOOK, as_version=4)
     t0 = time.monotonic()
-    NotebookClient(nb, timeout=180, kernel_name="python3",
-                   resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    execute(nb, NOTEBOOK.parent, timeout=180)
     elapsed = time.monotonic() - t0
-    out = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
+    out = "\n".join(cell_text(c) for c in code_cells(nb))
     assert "Traceback" not in out
     assert re.search(r"nbserve: .* at http://127\.0\.0\.1:\d+", out)  # launch's line
     assert "nbserve.StepModel" in out  # the recompute path says how to speed it up

@@ -5,30 +5,17 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_util import app_running, engine_running, make_engine, running_server, wait_until
+from server_util import app_running, make_engine, running_server, wait_until
 from tiny_models import QWEN25_TEMPLATE, make_tiny_hf_dir
 
 HI = [{"role": "user", "content": "What is the capital of France?"}]
 NO_EOS = {"2": -100}  # the random model may end early; these tests want full-length answers
-
-
-@pytest.fixture(scope="module")
-def tiny_engine(tiny_llama_dir: Any) -> Iterator[Any]:
-    with engine_running(tiny_llama_dir) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def server_url(tiny_engine: Any) -> Iterator[str]:
-    with app_running(tiny_engine) as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

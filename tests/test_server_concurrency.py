@@ -5,29 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
-import pytest
-from server_util import app_running, engine_running, wait_until
+from server_util import wait_until
 
 NO_EOS = {"2": -100}
 LONG = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 200,
         "logit_bias": NO_EOS}
-
-
-@pytest.fixture(scope="module")
-def tiny_engine(tiny_llama_dir: Any) -> Iterator[Any]:
-    with engine_running(tiny_llama_dir) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def server_url(tiny_engine: Any) -> Iterator[str]:
-    with app_running(tiny_engine) as url:
-        yield url
 
 
 def running(url: str) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -21,18 +20,6 @@ NO_EOS = {"2": -100}
 
 def chat(**fields: Any) -> dict[str, Any]:
     return {"messages": MSG, "max_tokens": 2, **fields}
-
-
-@pytest.fixture(scope="module")
-def tiny_engine(tiny_llama_dir: Any) -> Iterator[Any]:
-    with engine_running(tiny_llama_dir) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def server_url(tiny_engine: Any) -> Iterator[str]:
-    with app_running(tiny_engine) as url:
-        yield url
 
 
 # (name, method, path, body: dict | bytes | None, expected status, expected param or code)
