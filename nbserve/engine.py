@@ -49,6 +49,7 @@ class _Choice:
     sampler: SeqSampler
     detok: IncrementalDetokenizer
     stopper: StopStringMatcher
+    first_token_time: float = 0.0
     last_token_time: float = 0.0
 
 
@@ -593,6 +594,8 @@ class Engine(SyncHelpers):
             self.stats_.ttft.append(now - group.submitted)
         if choice.last_token_time:
             self.stats_.itl.append(now - choice.last_token_time)
+        else:
+            choice.first_token_time = now
         choice.last_token_time = now
         reason, matched = None, None
         text = ""
@@ -630,7 +633,12 @@ class Engine(SyncHelpers):
             with self._lock:
                 self._groups.pop(group.request_id, None)
             self.stats_.finished[reason] = self.stats_.finished.get(reason, 0) + 1
-        group.sink(Finished(seq.index, reason, group.usage(), matched))
+        choice = group.choices[seq.index]
+        n_out = len(seq.output_ids)
+        ttft = choice.first_token_time - group.submitted if choice.first_token_time else None
+        itl = (choice.last_token_time - choice.first_token_time) / (n_out - 1) \
+            if n_out > 1 and choice.first_token_time else None
+        group.sink(Finished(seq.index, reason, group.usage(), matched, ttft_s=ttft, itl_s=itl))
         if group.done:
             group.sink = _drop  # the caller's closure may reference us: no cycle once done
 

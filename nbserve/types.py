@@ -235,12 +235,16 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 @dataclass(slots=True)
 class Finished:
-    """Choice `index` is done. `usage` counts the whole request so far (all choices)."""
+    """Choice `index` is done. `usage` counts the whole request so far (all choices);
+    `ttft_s` (submission to this choice's first token) and `itl_s` (its mean inter-token
+    latency) are None when the choice produced no token (or only one, for `itl_s`)."""
 
     index: int
     reason: FinishReason
     usage: Usage
     stop_matched: str | int | None = None
+    ttft_s: float | None = None
+    itl_s: float | None = None
     type: Literal["finished"] = "finished"
 
 

@@ -341,7 +341,9 @@ def test_sync_helpers_and_stats(engine):
     assert st["ttft_s"]["p50"] > 0 and st["tokens_decoded"] > 0
 
 
-def test_started_event_comes_first(engine):
+def test_started_event_comes_first_and_finished_carries_per_request_timing(engine):
     events = run(engine, Request(prompt="x", params=greedy(3)))["events"]
     assert isinstance(events[0], Started) and events[0].cached_tokens == 0
-    assert isinstance(events[-1], Finished)
+    fin = events[-1]
+    assert isinstance(fin, Finished)
+    assert 0 < fin.ttft_s < 10 and 0 < fin.itl_s < fin.ttft_s + 10
