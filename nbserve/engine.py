@@ -134,6 +134,8 @@ class Engine(SyncHelpers):
         self.stop_token_ids = list(model.stop_token_ids)
         self.cache = self.model.make_cache(max_batch, max_context)
         self._hints = accepts_hints(self.model.forward)
+        # right-padded prefill rows only for models that say they handle them (StepModel doc)
+        self._padded_rows = bool(getattr(self.model, "accepts_padded_rows", False))
         self.scheduler = Scheduler(max_batch, prefill_chunk)
         self.stats_ = EngineStats()
         self._lock = threading.Condition()
@@ -516,11 +518,13 @@ class Engine(SyncHelpers):
         """Prefill this step's chunks: in one padded forward when padding wastes little
         (a burst of similar prompts reads the weights once), else one forward each."""
         real = sum(len(w.ids) for w in works)
-        if len(works) > 1 and max(len(w.ids) for w in works) * len(works) > 1.25 * real:
+        width = max(len(w.ids) for w in works)
+        padded = any(len(w.ids) != width for w in works)
+        wasteful = width * len(works) > 1.25 * real
+        if len(works) > 1 and ((padded and not self._padded_rows) or wasteful):
             times = [self._run_prefills([w]) for w in works]
             return sum(t[0] for t in times), sum(t[1] for t in times)
         dev = self.model.device
-        width = max(len(w.ids) for w in works)
         limit = self.max_context - 1  # pad positions stay inside the cache, past real tokens
         pos_rows = [[min(w.start + j, limit) for j in range(width)] for w in works]
         ids = torch.tensor([w.ids + [0] * (width - len(w.ids)) for w in works], device=dev)

@@ -347,3 +347,33 @@ def test_started_event_comes_first_and_finished_carries_per_request_timing(engin
     fin = events[-1]
     assert isinstance(fin, Finished)
     assert 0 < fin.ttft_s < 10 and 0 < fin.itl_s < fin.ttft_s + 10
+
+
+class NoPaddingModel:
+    """A StepModel that does not declare `accepts_padded_rows`: it must never get prefill rows
+    of different real lengths in one forward (it raises if it gets several prefill rows)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        for name in ("max_context", "vocab_size", "device", "dtype"):
+            setattr(self, name, getattr(inner, name))
+
+    def make_cache(self, max_batch, max_context):
+        return self.inner.make_cache(max_batch, max_context)
+
+    def forward(self, ids, positions, slots, cache, logit_index=None):
+        if ids.shape[0] > 1 and ids.shape[1] > 1:
+            raise RuntimeError("got padded prefill rows")
+        return self.inner.forward(ids, positions, slots, cache, logit_index)
+
+
+def test_models_without_padding_support_get_prefills_one_by_one(loaded):
+    import dataclasses
+
+    plain = dataclasses.replace(loaded, model=NoPaddingModel(loaded.model))
+    with Engine(plain, max_batch=4, max_context=256, quiet=True) as eng:
+        with eng._lock:  # hold the engine thread so that all four arrive in one step
+            streams = [eng.stream(Request(prompt_ids=list(range(10, 10 + n)), params=greedy(4)))
+                       for n in (10, 11, 12, 11)]  # near-equal lengths: worth batching
+        results = [list(s) for s in streams]
+    assert all(not any(isinstance(ev, ErrorEvent) for ev in r) for r in results)

@@ -24,7 +24,10 @@ class StepModel(Protocol):
         ids (B, T) int64 token ids, positions (B, T) int64 absolute positions of those ids,
         slots (B,) int64 cache rows. Row b's tokens are written to the cache at
         (slots[b], positions[b]) and attend to every cached position <= their own.
-        All rows have the same T (a decode batch, or one prefill chunk); no padding.
+        All rows have the same T (a decode batch, or prefill chunks of equal length); no
+        padding, unless the model sets `accepts_padded_rows = True`: then prefill rows may be
+        right-padded, pad entries carrying positions past the row's real tokens (their keys
+        and values land in the cache beyond the row's end, where no real query looks).
         Returns logits (B, T, V); with `logit_index` (B,) only the logits of
         position `logit_index[b]` in each row: (B, V).
         Optional: a forward that also accepts `max_pos` (the largest position in `positions`)

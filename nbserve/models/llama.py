@@ -153,6 +153,8 @@ class StepInputs:
 class LlamaModel(nn.Module):
     """The StepModel for Llama-family checkpoints. Build it with `build_llama`."""
 
+    accepts_padded_rows = True  # causal masking by position: pads past a row's end are inert
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg

@@ -97,3 +97,21 @@ def logits_of(output: Any, what: str) -> torch.Tensor:
         raise TypeError(f"{what} must return logits of shape (batch, time, vocab) (or a tuple "
                         f"whose first item is), got {shape}")
     return output
+
+
+class ModuleAdapter(nn.Module):
+    """Base of the adapters: device and dtype follow the wrapped `self.module`, and `train()`
+    is a no-op (serving runs an eval-mode view; the user's module keeps its own mode)."""
+
+    module: nn.Module
+
+    @property
+    def device(self) -> torch.device:
+        return module_device_dtype(self.module)[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return module_device_dtype(self.module)[1]
+
+    def train(self, mode: bool = True) -> "ModuleAdapter":
+        return self

@@ -15,7 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .common import CONTEXT_KEYS, eval_view, first_int, logits_of, module_device_dtype, warn_slow
+from .common import (
+    CONTEXT_KEYS,
+    ModuleAdapter,
+    eval_view,
+    first_int,
+    logits_of,
+    warn_slow,
+)
 
 
 def _rollback(cache: Any, keep: int) -> bool:
@@ -64,7 +71,7 @@ class SlotCaches:
         self.caches[dst] = cache if cache is not None and _rollback(cache, length) else None
 
 
-class TransformersAdapter(nn.Module):
+class TransformersAdapter(ModuleAdapter):
     """A StepModel over a `transformers` causal LM (its weights used live, not copied)."""
 
     def __init__(self, model: nn.Module, *, max_context: int | None = None, warn: bool = True):
@@ -94,18 +101,6 @@ class TransformersAdapter(nn.Module):
                 "sequence runs separately with the model's own cache, so throughput is lower "
                 "than nbserve's own Llama/Mistral/Qwen2 model. Implement the nbserve.StepModel "
                 "protocol (docs/custom_model.md) for full speed."))
-
-    @property
-    def device(self) -> torch.device:
-        return module_device_dtype(self.module)[0]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return module_device_dtype(self.module)[1]
-
-    def train(self, mode: bool = True) -> TransformersAdapter:
-        """No-op: serving runs an eval-mode view, and the user's module keeps its own mode."""
-        return self
 
     def __repr__(self) -> str:
         return f"TransformersAdapter({self.name}, max_context={self.max_context})"

@@ -14,7 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .common import CONTEXT_KEYS, config_value, eval_view, logits_of, module_device_dtype, warn_slow
+from .common import (
+    CONTEXT_KEYS,
+    ModuleAdapter,
+    config_value,
+    eval_view,
+    logits_of,
+    warn_slow,
+)
 
 
 class TokenCache:
@@ -40,7 +47,7 @@ class TokenCache:
         self.tokens[dst] = self.tokens[src][:length]
 
 
-class RecomputeAdapter(nn.Module):
+class RecomputeAdapter(ModuleAdapter):
     """A StepModel over a module whose `forward(idx)` returns logits, recomputing every step.
 
     The module is used live (through an eval-mode view that shares its weights): training it
@@ -72,18 +79,6 @@ class RecomputeAdapter(nn.Module):
                 f"nbserve: {self.name} is served by recomputing the whole sequence for every "
                 "new token (it has no KV cache), so long answers get slow. Implement the "
                 "nbserve.StepModel protocol (docs/custom_model.md) for full speed."))
-
-    @property
-    def device(self) -> torch.device:
-        return module_device_dtype(self.module)[0]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return module_device_dtype(self.module)[1]
-
-    def train(self, mode: bool = True) -> RecomputeAdapter:
-        """No-op: serving runs an eval-mode view, and the user's module keeps its own mode."""
-        return self
 
     def __repr__(self) -> str:
         return f"RecomputeAdapter({self.name}, max_context={self.max_context})"
