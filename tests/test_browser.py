@@ -17,6 +17,27 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 
+def set_slider(page, label: str, value: int) -> None:
+    """Type `value` into a Gradio slider's number box and wait until the slider itself follows.
+
+    Typing can land before the page's handlers are live (seen on a slow CI machine: the value
+    never reached the app), so retype until the range input shows the value.
+    """
+    from playwright.sync_api import expect
+
+    box = page.get_by_label(f"number input for {label}")
+    slider = page.get_by_label(f"range slider for {label}")
+    for _ in range(5):
+        box.fill(str(value))
+        box.press("Tab")
+        try:
+            expect(slider).to_have_value(str(value), timeout=2000)
+            return
+        except AssertionError:
+            continue
+    expect(slider).to_have_value(str(value))
+
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not os.path.exists(CHROMIUM),
@@ -40,11 +61,8 @@ def test_chat_streams_and_stop_frees_the_slot(tiny_llama_dir):
                 page.goto(srv.url)
                 expect(page.locator("#nbserve-model")).to_contain_text("tiny-llama")
                 page.get_by_text("Model settings").click()
-                max_tokens = page.get_by_label("number input for Max tokens")
-
                 # 1. a short answer streams in and the speed line shows tokens/s
-                max_tokens.fill("30")
-                max_tokens.press("Enter")
+                set_slider(page, "Max tokens", 30)
                 box = page.locator("#nbserve-input textarea")
                 box.fill("Hello there")
                 box.press("Enter")
@@ -55,8 +73,7 @@ def test_chat_streams_and_stop_frees_the_slot(tiny_llama_dir):
                 assert bot.first.inner_text().strip()
 
                 # 2. a long answer: watch it grow, press Stop, see it end and the slot freed
-                max_tokens.fill("480")
-                max_tokens.press("Enter")
+                set_slider(page, "Max tokens", 480)
                 box.fill("Tell me a very long story")
                 box.press("Enter")
                 seen: list[int] = []
