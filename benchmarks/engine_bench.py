@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -92,6 +94,69 @@ def hf_generate(model, prompts: list[list[int]], max_tokens: int, pad_id: int) -
     return (out.shape[1] - width) * len(prompts) / wall
 
 
+async def answers(engine: Engine, prompts: list[list[int]], max_tokens: int,
+                  together: bool) -> list[list[int]]:
+    """Greedy token ids for each prompt, all at once (batched) or one after another (alone)."""
+
+    async def one(ids: list[int]) -> list[int]:
+        out: list[int] = []
+        async for ev in engine.generate(Request(prompt_ids=ids, params=SamplingParams(
+                temperature=0.0, max_tokens=max_tokens))):
+            if isinstance(ev, Delta):
+                out += ev.token_ids
+        return out
+
+    if together:
+        return list(await asyncio.gather(*[one(p) for p in prompts]))
+    return [await one(p) for p in prompts]
+
+
+def mixed16_figures(model: str, prompts: list[list[int]], reference: list[list[int]],
+                    max_tokens: int, quality_tokens: int) -> list[tuple[str, float]]:
+    """dtype="mixed16": single-stream decode, and how many greedy answers differ from float32
+    (each answered alone, so that its steps use the float16 copies)."""
+    loaded = nbserve.load(model, dtype="mixed16", verbose=False)
+    with Engine(loaded, max_batch=4, max_context=512, quiet=True) as engine:
+        single_stream(engine, prompts[0], 8)  # warm-up
+        _, decode = single_stream(engine, prompts[0], max_tokens)
+        got = asyncio.run(answers(engine, prompts[:len(reference)], quality_tokens, False))
+    changed = [i for i, (a, b) in enumerate(zip(got, reference)) if a != b]
+    first = [next((j for j, (x, y) in enumerate(zip(got[i], reference[i])) if x != y),
+                  min(len(got[i]), len(reference[i]))) for i in changed]
+    print(f"mixed16: {len(changed)} of {len(reference)} greedy answers ({quality_tokens} tokens) "
+          f"differ from float32" + (f", first differing token at {first}" if first else ""))
+    return [("nbserve mixed16 single-stream decode", decode),
+            (f"mixed16 greedy answers equal to float32, of {len(reference)}",
+             float(len(reference) - len(changed)))]
+
+
+def transformers_figures(max_tokens: int, batch: int) -> None:
+    """Child process: print transformers' (batch 1, padded batch) tokens/s as JSON."""
+    from transformers import AutoModelForCausalLM
+
+    from nbserve.loading.default import default_model_path
+
+    loaded = nbserve.load("smollm2", verbose=False)  # tokenizer and template only
+    prompts = chat_prompts(loaded.tokenizer, loaded.template, batch)
+    path = default_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                              dtype=torch.float32).eval()
+    hf_generate(hf, prompts[:1], 4, 0)  # warm-up
+    one = hf_generate(hf, prompts[:1], max_tokens, 0)
+    many = hf_generate(hf, prompts[:batch], max_tokens, 0)
+    print(json.dumps({"batch1": one, "batched": many}))
+
+
+def transformers_in_subprocess(max_tokens: int, batch: int) -> tuple[float, float]:
+    """transformers runs in a fresh process with torch's defaults: no thread pool left over
+    from the engine can slow it (or flatter nbserve)."""
+    out = subprocess.run([sys.executable, __file__, "--transformers-child",
+                          "--max-tokens", str(max_tokens), "--hf-batch", str(batch)],
+                         check=True, capture_output=True, text=True).stdout
+    figures = json.loads(out.strip().splitlines()[-1])
+    return figures["batch1"], figures["batched"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
@@ -99,9 +164,16 @@ def main() -> None:
     ap.add_argument("--levels", default="1,4,16,32")
     ap.add_argument("--quick", action="store_true", help="levels 1,4 and a batch of 4 for HF")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--no-mixed16", action="store_true",
+                    help='skip dtype="mixed16" (speed, and 20 greedy answers against float32)')
     ap.add_argument("--threads", type=int, default=None,
-                    help="engine threads (default: the engine's choice, cores - 1)")
+                    help="engine threads (default: tuned per forward size by timing)")
+    ap.add_argument("--transformers-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--hf-batch", type=int, default=16, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.transformers_child:
+        transformers_figures(args.max_tokens, args.hf_batch)
+        return
     levels = [1, 4] if args.quick else [int(x) for x in args.levels.split(",")]
     hf_batch = 4 if args.quick else 16
 
@@ -115,7 +187,7 @@ def main() -> None:
     engine = Engine(loaded, max_batch=max(levels), max_context=512, quiet=True,
                     threads=args.threads)
     print(f"engine threads: {engine.threads}; transformers threads: {torch.get_num_threads()}")
-    prompts = chat_prompts(loaded.tokenizer, loaded.template, max(levels + [hf_batch]))
+    prompts = chat_prompts(loaded.tokenizer, loaded.template, max(levels + [hf_batch, 20]))
     print(f"prompts: {len(prompts)} chats of {min(map(len, prompts))}-"
           f"{max(map(len, prompts))} tokens, {args.max_tokens} new tokens each, greedy")
 
@@ -129,23 +201,19 @@ def main() -> None:
         rows.append((f"nbserve aggregate, {n} concurrent (TTFT p50 {r['ttft_p50']:.2f} s)",
                      r["tok_s"]))
     stats = engine.stats()
+    quality_tokens = 32
+    reference = None if args.no_mixed16 else asyncio.run(
+        answers(engine, prompts[:20], quality_tokens, True))
     engine.close()
+    if reference is not None:
+        rows += mixed16_figures(args.model, prompts, reference, args.max_tokens, quality_tokens)
 
     hf1 = hf16 = None
     if not args.no_transformers:
-        from transformers import AutoModelForCausalLM
-
-        from nbserve.loading.default import default_model_path
-
         if args.model != "smollm2":
             print("transformers comparison only wired for the default model; skipping")
         else:
-            path = default_model_path()
-            hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                      dtype=torch.float32).eval()
-            hf_generate(hf, prompts[:1], 4, 0)  # warm-up
-            hf1 = hf_generate(hf, prompts[:1], args.max_tokens, 0)
-            hf16 = hf_generate(hf, prompts[:hf_batch], args.max_tokens, 0)
+            hf1, hf16 = transformers_in_subprocess(args.max_tokens, hf_batch)
             rows += [("transformers generate, batch 1", hf1),
                      (f"transformers generate, padded batch {hf_batch}", hf16)]
 
@@ -163,6 +231,7 @@ def main() -> None:
     print(f"engine step time split: model {split['model']:.2f} s, sampling "
           f"{split['sampling']:.2f} s, bookkeeping {split['bookkeeping']:.2f} s "
           f"({stats['bookkeeping_fraction'] * 100:.1f}%)")
+    print(f"engine threads per forward size (tokens: choice, ms per forward): {stats['threads']}")
 
 
 if __name__ == "__main__":

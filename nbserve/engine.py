@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import os
 import logging
 import queue
 import threading
@@ -27,6 +26,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 import torch
 
+from .cpu_threads import ThreadTuner, torch_threads
 from .engine_stats import EngineStats
 from .loading.bundle import LoadedModel
 from .sampling import SeqSampler, sample
@@ -97,11 +97,19 @@ class Engine(SyncHelpers):
         limit). `max_backlog`: events per choice a caller may leave unread before its request is
         cancelled (None: no limit). `restart_on_failure`: restart the engine thread if it dies.
         `threads`: torch intra-op threads of the engine thread only (the caller's setting is
-        untouched); default on CPU: one less than the cores, so the event loop keeps a core."""
+        untouched); default on CPU: chosen per forward size by timing (`cpu_threads`)."""
         if not isinstance(model, LoadedModel):
             from .loading import load
 
             model = load(model, device=device, dtype=dtype)
+        with torch_threads(1):  # no OpenMP pool in the caller's thread: see cpu_threads
+            self._init(model, max_batch, max_context, max_queue, prefill_chunk, name, quiet,
+                       queue_timeout, max_backlog, restart_on_failure, threads)
+
+    def _init(self, model: LoadedModel, max_batch: int, max_context: int | None,
+              max_queue: int, prefill_chunk: int, name: str | None, quiet: bool,
+              queue_timeout: float | None, max_backlog: int | None, restart_on_failure: bool,
+              threads: int | None) -> None:
         self.loaded = model
         self.model = model.model
         self.tokenizer = model.tokenizer
@@ -125,7 +133,11 @@ class Engine(SyncHelpers):
             raise ValueError(f"max_backlog must be an integer >= 1 (or None for no limit), got "
                              f"{max_backlog!r}")
         self.max_batch, self.max_context, self.max_queue = max_batch, max_context, max_queue
-        self.threads = threads if threads is not None else default_threads(self.model.device)
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads must be an integer >= 1 (or None: tuned), got {threads!r}")
+        on_cpu = torch.device(self.model.device).type == "cpu"
+        self.threads = threads
+        self._tuner = ThreadTuner() if on_cpu and threads is None else None
         self.queue_timeout, self.max_backlog = queue_timeout, max_backlog
         self.restart_on_failure = restart_on_failure
         self.restarts = 0
@@ -229,7 +241,8 @@ class Engine(SyncHelpers):
             running=len(s.running), waiting=self._queued,
             slots_used=self.max_batch - s.slots.n_free, slots_total=self.max_batch,
             kv_cache_bytes=getattr(self.cache, "nbytes", 0), max_context=self.max_context,
-            device=str(self.model.device), dtype=str(self.model.dtype).replace("torch.", ""))
+            device=str(self.model.device), dtype=str(self.model.dtype).replace("torch.", ""),
+            threads=self.threads or (self._tuner.summary() if self._tuner else None))
 
     def health(self) -> dict[str, Any]:
         alive = self._thread.is_alive() and not (self._dead or self._stopping)
@@ -549,19 +562,16 @@ class Engine(SyncHelpers):
 
     @contextlib.contextmanager
     def _threads_for(self, tokens: int) -> Iterator[None]:
-        """Every core for a forward over many tokens (a prefill, or a decode batch of 8 or
-        more): its matmuls are big enough that the thread pool's barriers cost little
-        (measured on 2 idle cores: a 16-row decode step 118 ms on 1 thread, 89 ms on 2; one
-        row 51 vs 50 ms). Smaller steps keep `self.threads`, see `default_threads`."""
-        cores = os.cpu_count() or 1
-        if not self.threads or tokens < 8 or cores <= self.threads:
+        """Run a forward over `tokens` tokens with the thread count the tuner picks, and tell
+        it how long that took (see `cpu_threads`). No-op off CPU or with fixed `threads`."""
+        if self._tuner is None:
             yield
             return
-        torch.set_num_threads(cores)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(self.threads)
+        n = self._tuner.choose(tokens)
+        torch.set_num_threads(n)
+        t0 = time.perf_counter()
+        yield
+        self._tuner.record(tokens, n, time.perf_counter() - t0)
 
     def _after_prefill(self, work: PrefillWork, logits: torch.Tensor) -> None:
         """Advance the sequence; after its last chunk, fork n > 1 and sample first tokens."""
@@ -738,12 +748,3 @@ def accepts_hints(forward: Callable[..., Any]) -> bool:
 
 def _drop(event: Event) -> None:
     """The sink of a finished request: nobody listens any more."""
-
-
-def default_threads(device: Any) -> int | None:
-    """CPU: all cores but one (at least one). With every core in torch's thread pool, any other
-    busy thread (the server's event loop, the notebook) stalls each parallel op at its barrier:
-    measured here on 2 cores under load, 450 ms per decode step with 2 threads, 50 ms with 1."""
-    if torch.device(device).type != "cpu":
-        return None
-    return max(1, (os.cpu_count() or 2) - 1)

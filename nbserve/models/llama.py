@@ -16,6 +16,7 @@ from torch import nn
 
 from ..kv_cache import KVCache
 from .config import LlamaConfig
+from .linear import HalfCopy, linear, split_linear
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
@@ -56,9 +57,9 @@ class Attention(nn.Module):
                 cache: KVCache) -> torch.Tensor:
         b, t, _ = x.shape
         cos, sin = rope  # (B, T, 1, D)
-        q = self.q_proj(x).view(b, t, self.hq, self.d)
-        k = self.k_proj(x).view(b, t, self.hkv, self.d)
-        v = self.v_proj(x).view(b, t, self.hkv, self.d)
+        q = linear(x, self.q_proj).view(b, t, self.hq, self.d)
+        k = linear(x, self.k_proj).view(b, t, self.hkv, self.d)
+        v = linear(x, self.v_proj).view(b, t, self.hkv, self.d)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         cache.write(self.layer, step.slots, step.positions, k, v)
@@ -69,7 +70,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys, values, attn_mask=step.mask,
                 enable_gqa=self.hq != self.hkv).transpose(1, 2).reshape(b, t, self.hq * self.d)
-        return self.o_proj(out)
+        return linear(out, self.o_proj)
 
     def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                           mask: torch.Tensor | None) -> torch.Tensor:
@@ -93,7 +94,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return linear(F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
 
 
 class RMSNorm(nn.Module):
@@ -164,6 +165,7 @@ class LlamaModel(nn.Module):
         self.max_context = cfg.max_position_embeddings
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._head_t: torch.Tensor | None = None  # (H, V) copy of the LM head, see below
+        self._head16: HalfCopy | None = None  # float16 copy of the head, see use_16bit_weights
 
     def use_transposed_head(self, enable: bool = True) -> None:
         """Keep a (hidden, vocab) copy of the LM head for `x @ W_t`.
@@ -176,6 +178,25 @@ class LlamaModel(nn.Module):
         tensors.
         """
         self._head_t = self.lm_head.weight.t().contiguous() if enable else None
+
+    def use_16bit_weights(self) -> None:
+        """Add a float16 copy of every matmul weight (`HalfCopy`) for steps of one or two rows:
+        a lone stream decodes about twice as fast; batches and prefills keep float32. Greedy
+        output can differ from float32 where two tokens are nearly tied. +50% weight memory.
+        """
+        if self.dtype != torch.float32 or self.device.type != "cpu":
+            raise ValueError("16-bit weights are a CPU float32 option: load the model with "
+                             "dtype='float32' on cpu (on a GPU use dtype='bfloat16')")
+        for module in self.model.layers.modules():
+            if isinstance(module, nn.Linear) and getattr(module, "half_copy", None) is None:
+                module.half_copy = HalfCopy(module.weight, module.bias)
+        self._head16 = HalfCopy(self.lm_head.weight)
+        self._head_t = None
+
+    @property
+    def weight_format(self) -> str:
+        """"mixed16" after `use_16bit_weights`, else the dtype's name."""
+        return "mixed16" if self._head16 is not None else str(self.dtype).replace("torch.", "")
 
     @property
     def device(self) -> torch.device:
@@ -220,9 +241,11 @@ class LlamaModel(nn.Module):
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # (B, H)
         x = self.model.norm(x)
+        if self._head16 is not None and self._head16.applies(x):
+            return self._head16(x)
         if self._head_t is not None and x.numel() == x.shape[-1]:  # one row: see above
             return (x @ self._head_t).float()
-        return self.lm_head(x).float()
+        return split_linear(x, self.lm_head.weight).float()
 
 
 def build_llama(cfg: LlamaConfig, tensors: Iterable[tuple[str, torch.Tensor]],
@@ -273,9 +296,13 @@ def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(parameters, bytes), counting tied tensors once."""
+    """(parameters, bytes), counting tied tensors once, and float16 copies (`HalfCopy`)."""
     seen: dict[int, torch.Tensor] = {}
     for p in model.parameters():
         seen.setdefault(p.data_ptr(), p)
+    extra = [m.half_copy.weight for m in model.modules() if getattr(m, "half_copy", None)]
+    head16 = getattr(model, "_head16", None)
+    if head16 is not None:
+        extra.append(head16.weight)
     return (sum(p.numel() for p in seen.values()),
-            sum(p.numel() * p.element_size() for p in seen.values()))
+            sum(p.numel() * p.element_size() for p in [*seen.values(), *extra]))

@@ -1,0 +1,80 @@
+"""Linear layers for decode-sized inputs on CPU, split by output rows across torch's threads.
+
+Measured on this project's 2-core CPU (benchmarks/README.md, "Linear layers"): `F.linear` with
+float32 weights runs single-threaded for one input row (SmolLM2's 30 layers: 37 ms per token
+with 1 or 2 threads) and reads the weights at about 11 GB/s. Viewing the weight as k blocks of
+output rows and running one `bmm` over them lets torch give each thread its own block: 23 ms
+with 2 threads, and still ahead of `F.linear` up to about 128 rows. The view shares the
+weight's memory, and every output value is the same dot product as before, in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SPLIT_MAX_ROWS = 128  # past this, F.linear's GEMM threads well on its own
+
+
+def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """`layer(x)`: through its float16 copy for a row or two when it has one (`HalfCopy`), else
+    with the output rows split across threads when that is faster (see above)."""
+    half = getattr(layer, "half_copy", None)
+    if half is not None and half.applies(x):
+        return half(x)
+    return split_linear(x, layer.weight, layer.bias)
+
+
+def split_ways(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """Into how many blocks `split_linear` cuts `weight` for input `x` (1: plain F.linear)."""
+    k = torch.get_num_threads()
+    out_features, in_features = weight.shape
+    rows = x.numel() // in_features if in_features else 0
+    if (k < 2 or rows == 0 or rows > SPLIT_MAX_ROWS or weight.device.type != "cpu"
+            or weight.dtype != torch.float32 or out_features % k or not weight.is_contiguous()):
+        return 1
+    return k
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x (..., in) and weight (out, in)."""
+    k = split_ways(x, weight)
+    if k == 1:
+        return F.linear(x, weight, bias)
+    out_features, in_features = weight.shape
+    rows = x.numel() // in_features
+    blocks = weight.view(k, out_features // k, in_features).transpose(1, 2)  # (k, in, out/k)
+    y = torch.bmm(x.reshape(1, rows, in_features).expand(k, rows, in_features), blocks)
+    y = y.transpose(0, 1).reshape(*x.shape[:-1], out_features)  # (k, rows, out/k) -> (..., out)
+    return y if bias is None else y + bias
+
+
+# ------------------------------------------------------------- float16 copies for single rows
+FLOAT16_MAX_ROWS = 2  # up to here the float16 copy is used (measured, see HalfCopy)
+
+
+class HalfCopy:
+    """A float16 copy of a weight, used for inputs of up to FLOAT16_MAX_ROWS rows (a lone
+    decode step); inputs, outputs and every other op stay float32.
+
+    Measured on this project's 2-core CPU (AVX2, no AVX-512; benchmarks/README.md): for
+    SmolLM2's 30 layers at one row, float16 `F.linear` takes 8 ms against 23 ms for the
+    float32 split linear, so a lone stream decodes about twice as fast. At 16 rows float16
+    takes 95 ms against 41 ms, so batches keep the float32 weight. bfloat16 would be fast at
+    16 rows too, but its 8-bit mantissa changed SmolLM2's greedy answers badly ("What is the
+    capital of France?" -> "L'Etoile, la Marseillaise, ..."); float16's 11 bits kept them.
+    Costs half the float32 weight's memory again.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight.detach().to(torch.float16).contiguous()
+        self.bias = None if bias is None else bias.detach().float()
+
+    def applies(self, x: torch.Tensor) -> bool:
+        return x.numel() <= FLOAT16_MAX_ROWS * x.shape[-1] and x.dtype == torch.float32
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.to(torch.float16), self.weight).float()
+        return y if self.bias is None else y + self.bias

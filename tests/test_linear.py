@@ -1,0 +1,45 @@
+"""The CPU split linear layer: same values as F.linear, and only where it is meant to apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nbserve.cpu_threads import torch_threads
+from nbserve.models.linear import SPLIT_MAX_ROWS, split_linear, split_ways
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize("shape", [(1, 48), (1, 5, 48), (3, 1, 48), (16, 1, 48), (200, 48)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_equals_f_linear(threads, shape, bias):
+    g = torch.Generator().manual_seed(threads)
+    w = torch.randn(96, 48, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    x = torch.randn(*shape, generator=g)
+    with torch_threads(threads):
+        got = split_linear(x, w, b)
+    want = F.linear(x, w, b)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_splits_only_small_float32_cpu_inputs_it_can_divide():
+    w = torch.randn(96, 48)
+    with torch_threads(2):
+        assert split_ways(torch.randn(1, 48), w) == 2
+        assert split_ways(torch.randn(SPLIT_MAX_ROWS, 48), w) == 2
+        assert split_ways(torch.randn(SPLIT_MAX_ROWS + 1, 48), w) == 1  # big GEMMs thread well
+        assert split_ways(torch.randn(1, 48).half(), w.half()) == 1  # 16-bit: own kernels
+        assert split_ways(torch.randn(1, 48), torch.randn(48, 96).t()) == 1  # not contiguous
+        assert split_ways(torch.randn(1, 48), torch.randn(95, 48)) == 1  # 95 rows: no halves
+    with torch_threads(1):
+        assert split_ways(torch.randn(1, 48), w) == 1
+
+
+def test_torch_threads_restores_the_callers_setting():
+    before = torch.get_num_threads()
+    with torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
