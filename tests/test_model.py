@@ -117,3 +117,25 @@ def test_loaded_files_match_transformers_at_prefill_and_16_cached_steps(
             ref = hf(seq).logits[:, -1:]
         out = loaded.model.forward(nxt, torch.tensor([[seq.shape[1] - 1]]), slot, cache)
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v with biases
+def test_fused_projections_keep_names_values_and_memory(arch: str) -> None:
+    hf = _hf_model(arch).eval()
+    cfg = LlamaConfig.from_hf(hf.config.to_dict() | {"architectures": [type(hf).__name__]})
+    fused = build_llama(cfg, hf.state_dict().items())
+    plain = build_llama(cfg, hf.state_dict().items(), fuse=False)
+    att = fused.model.layers[0].self_attn
+    assert att.qkv is not None and plain.model.layers[0].self_attn.qkv is None
+    # every parameter is a view into the fused buffer: no second copy
+    base = att.qkv.weight.data_ptr()
+    assert att.q_proj.weight.data_ptr() == base
+    assert att.k_proj.weight.data_ptr() == base + att.q_proj.weight.numel() * 4
+    sd_f, sd_p = fused.state_dict(), plain.state_dict()
+    assert sd_f.keys() == sd_p.keys()
+    for name in sd_p:
+        assert torch.equal(sd_f[name], sd_p[name]), name
+    seq = torch.randint(0, VOCAB, (2, 7))
+    outs = [m.forward(seq, torch.arange(7).expand(2, 7), torch.tensor([0, 1]),
+                      m.make_cache(2, 32)) for m in (fused, plain)]
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)

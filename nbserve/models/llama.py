@@ -16,7 +16,7 @@ from torch import nn
 
 from ..kv_cache import KVCache
 from .config import LlamaConfig
-from .linear import HalfCopy, linear, split_linear
+from .linear import FusedProjection, HalfCopy, linear, split_linear
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
@@ -52,14 +52,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=bias)
         self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=False)
+        self.qkv: FusedProjection | None = None  # see LlamaModel.fuse_projections
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: "StepInputs",
                 cache: KVCache) -> torch.Tensor:
         b, t, _ = x.shape
         cos, sin = rope  # (B, T, 1, D)
-        q = linear(x, self.q_proj).view(b, t, self.hq, self.d)
-        k = linear(x, self.k_proj).view(b, t, self.hkv, self.d)
-        v = linear(x, self.v_proj).view(b, t, self.hkv, self.d)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x)
+        else:
+            q, k, v = linear(x, self.q_proj), linear(x, self.k_proj), linear(x, self.v_proj)
+        q = q.view(b, t, self.hq, self.d)
+        k = k.view(b, t, self.hkv, self.d)
+        v = v.view(b, t, self.hkv, self.d)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         cache.write(self.layer, step.slots, step.positions, k, v)
@@ -92,9 +97,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up: FusedProjection | None = None  # see LlamaModel.fuse_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = linear(x, self.gate_proj), linear(x, self.up_proj)
+        return linear(F.silu(gate) * up, self.down_proj)
 
 
 class RMSNorm(nn.Module):
@@ -179,6 +189,17 @@ class LlamaModel(nn.Module):
         """
         self._head_t = self.lm_head.weight.t().contiguous() if enable else None
 
+    def fuse_projections(self) -> None:
+        """Run q/k/v and gate/up as one matmul each (`FusedProjection`): same parameters (as
+        views), same results, fewer ops per token. Loaders do it; adopted models, whose tensors
+        must stay the caller's, do not."""
+        for layer in self.model.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            if att.qkv is None:
+                att.qkv = FusedProjection(att, "qkv", [att.q_proj, att.k_proj, att.v_proj])
+            if mlp.gate_up is None:
+                mlp.gate_up = FusedProjection(mlp, "gate_up", [mlp.gate_proj, mlp.up_proj])
+
     def use_16bit_weights(self) -> None:
         """Add a float16 copy of every matmul weight (`HalfCopy`) for steps of one or two rows:
         a lone stream decodes about twice as fast; batches and prefills keep float32. Greedy
@@ -187,9 +208,19 @@ class LlamaModel(nn.Module):
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise ValueError("16-bit weights are a CPU float32 option: load the model with "
                              "dtype='float32' on cpu (on a GPU use dtype='bfloat16')")
-        for module in self.model.layers.modules():
-            if isinstance(module, nn.Linear) and getattr(module, "half_copy", None) is None:
-                module.half_copy = HalfCopy(module.weight, module.bias)
+        for layer in self.model.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            for fused in (att.qkv, mlp.gate_up):
+                if fused is not None and fused.half_copy is None:
+                    fused.half_copy = HalfCopy(fused.weight, fused.bias)
+            unfused = [att.o_proj, mlp.down_proj]
+            if att.qkv is None:
+                unfused += [att.q_proj, att.k_proj, att.v_proj]
+            if mlp.gate_up is None:
+                unfused += [mlp.gate_proj, mlp.up_proj]
+            for module in unfused:
+                if getattr(module, "half_copy", None) is None:
+                    module.half_copy = HalfCopy(module.weight, module.bias)
         self._head16 = HalfCopy(self.lm_head.weight)
         self._head_t = None
 
@@ -250,11 +281,12 @@ class LlamaModel(nn.Module):
 
 def build_llama(cfg: LlamaConfig, tensors: Iterable[tuple[str, torch.Tensor]],
                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                transposed_head: bool | None = None) -> LlamaModel:
+                transposed_head: bool | None = None, fuse: bool = True) -> LlamaModel:
     """Create a LlamaModel from HF-named tensors, moving each to (device, dtype) as it arrives.
 
     `transposed_head` (default: on for CPU float32) keeps the faster LM-head copy described in
-    `LlamaModel.use_transposed_head`; pass False to share every tensor with the caller.
+    `LlamaModel.use_transposed_head`; `fuse` concatenates q/k/v and gate/up
+    (`LlamaModel.fuse_projections`). Pass False to both to share every tensor with the caller.
 
     Raises ValueError naming unknown or missing tensors.
     """
@@ -286,6 +318,8 @@ def build_llama(cfg: LlamaConfig, tensors: Iterable[tuple[str, torch.Tensor]],
         transposed_head = model.device.type == "cpu" and dtype == torch.float32
     if transposed_head:
         model.use_transposed_head()
+    if fuse:
+        model.fuse_projections()
     return model
 
 
@@ -301,6 +335,10 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     for p in model.parameters():
         seen.setdefault(p.data_ptr(), p)
     extra = [m.half_copy.weight for m in model.modules() if getattr(m, "half_copy", None)]
+    for m in model.modules():  # fused projections keep their float16 copy themselves
+        for fused in (getattr(m, "qkv", None), getattr(m, "gate_up", None)):
+            if isinstance(fused, FusedProjection) and fused.half_copy is not None:
+                extra.append(fused.half_copy.weight)
     head16 = getattr(model, "_head16", None)
     if head16 is not None:
         extra.append(head16.weight)
