@@ -3,10 +3,17 @@
     python benchmarks/serve_bench.py                       # default model, server in-process
     python benchmarks/serve_bench.py --model path/to/hf_dir --concurrency 1,4
     python benchmarks/serve_bench.py --url http://127.0.0.1:8000/v1   # any OpenAI server
+    python benchmarks/serve_bench.py --peers transformers --levels 1,16 --plot out.png
 
 For each level it prints output tokens/s, TTFT and ITL p50/p95. With the in-process server it
 also runs the same requests straight on the engine (`engine.generate`) and prints the ratio of
 HTTP throughput to engine throughput (the HTTP layer's cost; goal >= 0.9).
+
+Then, unless `--no-peers` (or `--url`), it load-tests the peers that are installed on the same
+model, one at a time, after nbserve has stopped: `llama_cpp.server` and `transformers serve
+--continuous-batching` (see peers.py), with the same client, prompts and levels; a peer that is
+missing or fails is reported as "skipped: <reason>". It ends with a table of nbserve / peer
+ratios and a PNG plot (throughput and TTFT p50 vs concurrency; needs matplotlib).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -25,6 +33,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+DEFAULT_PLOT = Path(__file__).resolve().with_name("serve_bench.png")
+NBSERVE_ENGINE, NBSERVE_HTTP = "nbserve engine", "nbserve http"
+LABELS = {NBSERVE_ENGINE: "nbserve engine (in-process)", NBSERVE_HTTP: "nbserve HTTP",
+          "llama_cpp": "llama_cpp.server", "transformers": "transformers serve --cb",
+          "http": "server at --url"}
 
 QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis briefly.",
@@ -58,6 +73,17 @@ class LevelResult:
     @property
     def tok_s(self) -> float:
         return self.tokens / self.wall if self.wall else 0.0
+
+    @property
+    def ttfts(self) -> list[float]:
+        return [s.ttft for s in self.samples if s.ttft is not None]
+
+    @property
+    def itls(self) -> list[float]:
+        return [x for s in self.samples for x in s.itl]
+
+
+Results = dict[str, dict[int, LevelResult]]  # server -> concurrency -> result
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -94,7 +120,7 @@ async def run_level(concurrency: int, n: int, one: Callable[[int], Awaitable[Sam
 # ----------------------------------------------------------------------------- clients
 
 
-def http_one(client: Any, model: str, max_tokens: int, bias: dict[str, int], run: str,
+def http_one(client: Any, model: str, max_tokens: int, bias: dict[str, float], run: str,
              ) -> Callable[[int], Awaitable[Sample]]:
     body_base = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                  "stream_options": {"include_usage": True}}
@@ -104,6 +130,7 @@ def http_one(client: Any, model: str, max_tokens: int, bias: dict[str, int], run
     async def one(i: int) -> Sample:
         s = Sample()
         start = last = time.perf_counter()
+        chunks = 0
         body = {**body_base, "messages": messages(i, run)}
         async with client.stream("POST", "/chat/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -116,11 +143,13 @@ def http_one(client: Any, model: str, max_tokens: int, bias: dict[str, int], run
                     s.tokens = chunk["usage"]["completion_tokens"]
                 if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
                     now = time.perf_counter()
+                    chunks += 1
                     if s.ttft is None:
                         s.ttft = now - start
                     else:
                         s.itl.append(now - last)
                     last = now
+        s.tokens = s.tokens or chunks  # a server without streamed usage: count content chunks
         return s
 
     return one
@@ -181,82 +210,323 @@ def start_server(app: Any) -> tuple[str, Callable[[], None]]:
     return f"http://127.0.0.1:{sock.getsockname()[1]}/v1", stop
 
 
-def report(r: LevelResult, ratio: float | None = None) -> None:
-    ttft = [s.ttft for s in r.samples if s.ttft is not None]
-    itl = [x for s in r.samples for x in s.itl]
-    print(f"{r.concurrency:>5} {r.mode:>7} {r.requests:>5} {r.tokens:>7} {r.tok_s:>8.1f} "
+def report(r: LevelResult, ratio: float | None = None, width: int = 7) -> None:
+    """One row of the per-level table (`width`: of the mode column)."""
+    ttft, itl = r.ttfts, r.itls
+    print(f"{r.concurrency:>5} {r.mode:>{width}} {r.requests:>5} {r.tokens:>7} {r.tok_s:>8.1f} "
           f"{ms(pct(ttft, 50)):>9} {ms(pct(ttft, 95)):>9} {ms(pct(itl, 50)):>8} "
           f"{ms(pct(itl, 95)):>8}" + (f" {ratio:>7.2f}" if ratio is not None else ""),
           flush=True)
 
 
-async def main_async(args: argparse.Namespace) -> None:
+def header(width: int = 7, ratio: bool = False) -> None:
+    """Column names of the per-level table."""
+    print(f"{'conc':>5} {'mode':>{width}} {'reqs':>5} {'tokens':>7} {'tok/s':>8} "
+          f"{'TTFT p50':>9} {'TTFT p95':>9} {'ITL p50':>8} {'ITL p95':>8}"
+          + (" {:>7}".format("http/eng") if ratio else ""), flush=True)
+
+
+def parse_levels(text: str) -> list[int]:
+    """"1,4,16" -> [1, 4, 16]."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def split_rounds(n: int, concurrency: int, rounds: int) -> list[int]:
+    """Requests per round: `n` split into at most `rounds` rounds of at least `concurrency`."""
+    rounds = max(1, min(rounds, n // concurrency))
+    return [n // rounds + (r < n % rounds) for r in range(rounds)]
+
+
+def requests_for(args: argparse.Namespace, concurrency: int) -> int:
+    """Requests to send at one concurrency level."""
+    return args.requests_per_level or max(4, concurrency)
+
+
+def make_client(base: str, levels: list[int], headers: dict[str, str] | None = None,
+                timeout: float | None = None) -> Any:
+    """An httpx.AsyncClient for `base` with a connection per concurrent request."""
     import httpx
 
-    levels = [int(x) for x in args.concurrency.split(",")]
+    limits = httpx.Limits(max_connections=max(levels) + 8,
+                          max_keepalive_connections=max(levels) + 8)
+    return httpx.AsyncClient(base_url=base, headers=headers or {}, timeout=timeout,
+                             limits=limits)
+
+
+async def served_model(client: Any, name: str | None = None) -> str:
+    """`name`, or the first model of GET /models."""
+    return name or (await client.get("/models")).json()["data"][0]["id"]
+
+
+async def warm_up(client: Any, model: str, bias: dict[str, float]) -> dict[str, float]:
+    """Two short requests (compile paths, open connections); returns the logit_bias to use.
+
+    `bias` (-100.0 on the stop tokens, so that every answer runs to max tokens) is sent as
+    floats: `transformers serve` answers 500 to integer biases. A server that refuses it gets
+    the load without it (its answers may then end early; the token counts show it).
+    """
+    try:
+        await run_level(2, 2, http_one(client, model, 8, bias, "warm"))
+        return bias
+    except RuntimeError as exc:
+        if not bias:
+            raise
+        print(f"  logit_bias refused ({exc}); sending no logit_bias", flush=True)
+        await run_level(2, 2, http_one(client, model, 8, {}, "warm"))
+        return {}
+
+
+# ----------------------------------------------------------------------------- nbserve
+
+
+def load_engine(args: argparse.Namespace, levels: list[int]) -> Any:
+    """The in-process nbserve engine for `args.model`."""
+    from nbserve.engine import Engine
+    from nbserve.loading import load
+
+    t0 = time.perf_counter()
+    engine = Engine(load(args.model), max_batch=args.max_batch or max(levels),
+                    max_context=args.max_context, quiet=True)
+    print(f"loaded {engine.model_name} in {time.perf_counter() - t0:.1f} s; "
+          f"max_batch={engine.max_batch}", flush=True)
+    return engine
+
+
+async def measure_level(c: int, n: int, rounds: int, runs: dict[str, Callable[[str], Any]]
+                        ) -> dict[str, LevelResult]:
+    """Alternate rounds of each mode at concurrency `c` (background drift hits all alike).
+
+    `runs` maps mode -> function(run tag) -> the per-request coroutine function.
+    """
+    results = {m: LevelResult(m, c, 0, 0.0, []) for m in runs}
+    for r, k in enumerate(split_rounds(n, c, rounds)):
+        for mode, make_one in runs.items():
+            wall, samples = await run_level(c, k, make_one(f"{mode[0]}{c}.{r}"))
+            res = results[mode]
+            res.requests += k
+            res.wall += wall
+            res.samples += samples
+    return results
+
+
+async def measure_nbserve(args: argparse.Namespace, levels: list[int], width: int
+                          ) -> tuple[Results, list[int]]:
+    """The engine vs HTTP rounds (or only HTTP with --url); returns results and stop ids."""
     engine, stop = None, None
     if args.url:
         base = args.url.rstrip("/")
     else:
-        from nbserve.engine import Engine
-        from nbserve.loading import load
         from nbserve.server import create_app
 
-        t0 = time.perf_counter()
-        engine = Engine(load(args.model), max_batch=args.max_batch or max(levels),
-                        max_context=args.max_context, quiet=True)
-        print(f"loaded {engine.model_name} in {time.perf_counter() - t0:.1f} s; "
-              f"max_batch={engine.max_batch}", flush=True)
+        engine = load_engine(args, levels)
         base, stop = start_server(create_app(engine, ui=False))
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=max(levels) + 8, max_keepalive_connections=max(levels) + 8)
-    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=None,
-                                 limits=limits) as client:
-        model = args.served_model
-        if model is None:
-            model = (await client.get("/models")).json()["data"][0]["id"]
-        bias = {str(t): -100 for t in engine.stop_token_ids} if engine is not None else {}
-        # warm-up: compile paths, fill allocator caches, open connections
-        await run_level(2, 2, http_one(client, model, 8, bias, "warm"))
-        print(f"model {model!r}, {args.max_tokens} new tokens per request, prompts of "
-              f"~{len(QUESTIONS[0].split())}-word questions", flush=True)
-        print(f"{'conc':>5} {'mode':>7} {'reqs':>5} {'tokens':>7} {'tok/s':>8} "
-              f"{'TTFT p50':>9} {'TTFT p95':>9} {'ITL p50':>8} {'ITL p95':>8}"
-              + (" {:>7}".format("http/eng") if engine is not None else ""), flush=True)
-        for c in levels:
-            n = args.requests_per_level or max(4, c)
-            # Alternate engine and HTTP rounds so that background load drifts hit both alike.
-            rounds = max(1, min(args.rounds, n // c))
-            per_round = [n // rounds + (r < n % rounds) for r in range(rounds)]
-            results = {m: LevelResult(m, c, 0, 0.0, []) for m in ("engine", "http")}
-            for r, k in enumerate(per_round):
-                runs = [("http", http_one(client, model, args.max_tokens, bias, f"h{c}.{r}"))]
-                if engine is not None:
-                    runs.insert(0, ("engine", engine_one(engine, args.max_tokens,
-                                                         f"e{c}.{r}")))
-                for mode, one in runs:
-                    wall, samples = await run_level(c, k, one)
-                    res = results[mode]
-                    res.requests += k
-                    res.wall += wall
-                    res.samples += samples
-            eng_tps = results["engine"].tok_s if engine is not None else None
+    stop_ids = list(engine.stop_token_ids) if engine is not None else []
+    try:
+        async with make_client(base, levels, headers) as client:
+            model = await served_model(client, args.served_model)
+            bias = await warm_up(client, model, {str(t): -100.0 for t in stop_ids})
+            print(f"model {model!r}, {args.max_tokens} new tokens per request, prompts of "
+                  f"~{len(QUESTIONS[0].split())}-word questions", flush=True)
+            header(width, ratio=engine is not None)
+            runs: dict[str, Callable[[str], Any]] = {}
             if engine is not None:
-                report(results["engine"])
-            report(results["http"], results["http"].tok_s / eng_tps if eng_tps else None)
-    if stop is not None:
-        stop()
-    if engine is not None:
-        engine.close()
+                runs["engine"] = lambda tag: engine_one(engine, args.max_tokens, tag)
+            runs["http"] = lambda tag: http_one(client, model, args.max_tokens, bias, tag)
+            results: Results = {NBSERVE_ENGINE: {}, NBSERVE_HTTP: {}} if engine else {"http": {}}
+            for c in levels:
+                level = await measure_level(c, requests_for(args, c), args.rounds, runs)
+                eng_tps = level["engine"].tok_s if engine is not None else None
+                if engine is not None:
+                    report(level["engine"], width=width)
+                    results[NBSERVE_ENGINE][c] = level["engine"]
+                report(level["http"], level["http"].tok_s / eng_tps if eng_tps else None, width)
+                results[NBSERVE_HTTP if engine else "http"][c] = level["http"]
+    finally:
+        if stop is not None:
+            stop()
+        if engine is not None:
+            engine.close()
+    return results, stop_ids
 
 
-def main(argv: list[str] | None = None) -> None:
+# ----------------------------------------------------------------------------- peers
+
+
+async def measure_peer(spec: Any, args: argparse.Namespace, levels: list[int],
+                       stop_ids: list[int], workdir: Path, width: int) -> dict[int, LevelResult]:
+    """Start one peer, run the same HTTP load on it, stop it; {} (and a line) when skipped."""
+    import httpx
+    from peers import PeerError, log_tail, start_peer, stop_peer
+
+    print(f"peer {spec.name}: starting (timeout {args.peer_timeout:.0f} s)", flush=True)
+    try:
+        peer = await asyncio.to_thread(start_peer, spec, args.peer_timeout, workdir)
+    except PeerError as exc:
+        print(f"peer {spec.name}: skipped: {exc}", flush=True)
+        return {}
+    results: dict[int, LevelResult] = {}
+    try:
+        async with make_client(peer.base, levels, timeout=args.peer_timeout) as client:
+            model = await served_model(client)
+            bias = await warm_up(client, model, {str(t): -100.0 for t in stop_ids})
+            print(f"peer {spec.name}: ready in {peer.ready_s:.1f} s at {peer.base}, "
+                  f"model {model!r}", flush=True)
+            for c in levels:
+                make = {spec.name: lambda tag: http_one(client, model, args.max_tokens, bias,
+                                                        tag)}
+                level = await measure_level(c, requests_for(args, c), args.rounds, make)
+                results[c] = level[spec.name]
+                report(results[c], width=width)
+    except (RuntimeError, OSError, ValueError, KeyError, httpx.HTTPError) as exc:
+        # a peer that breaks mid-run: keep what it did
+        print(f"peer {spec.name}: skipped{' the rest' if results else ''}: "
+              f"{type(exc).__name__}: {exc}; log: {log_tail(peer.log)}", flush=True)
+    finally:
+        await asyncio.to_thread(stop_peer, peer)
+    return results
+
+
+async def measure_peers(args: argparse.Namespace, levels: list[int], stop_ids: list[int],
+                        width: int) -> Results:
+    """Each requested peer in turn; skipped ones print a line and are left out."""
+    from peers import PeerError, make_workdir, peer_specs
+
+    workdir = make_workdir()
+    results: Results = {}
+    try:
+        specs = peer_specs(args.peers, args.model, workdir, max(args.max_context, 2048),
+                           args.peer_timeout)
+        for name, spec in zip(args.peers, specs):
+            if isinstance(spec, PeerError):
+                print(f"peer {name}: skipped: {spec}", flush=True)
+                continue
+            res = await measure_peer(spec, args, levels, stop_ids, workdir, width)
+            if res:
+                results[spec.name] = res
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return results
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+@dataclass
+class RatioRow:
+    concurrency: int
+    server: str
+    tok_s: float
+    ttft_p50: float | None
+    itl_p95: float | None
+    ratio: float | None  # nbserve tok/s / this server's tok/s; None for nbserve itself
+
+
+def ratio_rows(results: Results, ref: str = NBSERVE_HTTP) -> list[RatioRow]:
+    """Per level: the reference (nbserve HTTP) row, then a row per other server with the ratio.
+
+    The in-process engine is left out (it is no server); levels the reference lacks too.
+    """
+    rows: list[RatioRow] = []
+    servers = sorted(results, key=lambda name: name != ref)  # the reference first
+    for c, base in sorted(results.get(ref, {}).items()):
+        for server in servers:
+            r = results[server].get(c)
+            if server == NBSERVE_ENGINE or r is None:
+                continue
+            ratio = None if server == ref else (base.tok_s / r.tok_s if r.tok_s else None)
+            rows.append(RatioRow(c, server, r.tok_s, pct(r.ttfts, 50), pct(r.itls, 95), ratio))
+    return rows
+
+
+def format_ratios(rows: list[RatioRow]) -> str:
+    """The ratio table as text."""
+    width = max([len("server"), *(len(r.server) for r in rows)])
+    head = (f"{'conc':>5} {'server':<{width}} {'tok/s':>8} {'TTFT p50':>9} {'ITL p95':>8} "
+            f"{'nbserve/peer':>12}")
+    lines = [head]
+    for r in rows:
+        ratio = "" if r.ratio is None else f"{r.ratio:.2f}x"
+        lines.append(f"{r.concurrency:>5} {r.server:<{width}} {r.tok_s:>8.1f} "
+                     f"{ms(r.ttft_p50):>9} {ms(r.itl_p95):>8} {ratio:>12}")
+    return "\n".join(lines)
+
+
+def write_plot(results: Results, path: Path, title: str = "") -> bool:
+    """Throughput and TTFT p50 vs concurrency, a line per server, to a PNG.
+
+    Returns False (after saying how to install it) when matplotlib is missing.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        print('no plot: matplotlib is not installed (pip install -e ".[bench]")', flush=True)
+        return False
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    tput, ttft = fig.subplots(1, 2)
+    levels = sorted({c for by_level in results.values() for c in by_level})
+    for server, by_level in results.items():
+        cs = sorted(by_level)
+        label = LABELS.get(server, server)
+        tput.plot(cs, [by_level[c].tok_s for c in cs], marker="o", label=label)
+        p50 = [pct(by_level[c].ttfts, 50) for c in cs]
+        ttft.plot(cs, [float("nan") if v is None else v for v in p50], marker="o", label=label)
+    for ax, ylabel in ((tput, "aggregate output tokens/s"), (ttft, "TTFT p50 (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels or [1], [str(c) for c in levels or [1]])
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    tput.set_title("throughput")
+    ttft.set_title("time to first token")
+    if title:
+        fig.suptitle(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def summarize(results: Results, args: argparse.Namespace) -> None:
+    """The ratio table (when a peer ran) and the plot."""
+    if any(server not in (NBSERVE_ENGINE, NBSERVE_HTTP, "http") for server in results):
+        print(f"\nnbserve / peers: same client, prompts, greedy, {args.max_tokens} new tokens; "
+              "ratio = nbserve HTTP tok/s / peer tok/s", flush=True)
+        print(format_ratios(ratio_rows(results)), flush=True)
+    if args.plot is not None and results:
+        title = f"{args.model if not args.url else args.url}, {args.max_tokens} new tokens"
+        if write_plot(results, args.plot, title):
+            print(f"plot: {args.plot}", flush=True)
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    """nbserve first (then it stops), then each peer, then the ratios and the plot."""
+    levels = parse_levels(args.concurrency)
+    if args.url and args.peers:
+        print("peers: skipped: --url given (peers are compared with the in-process nbserve)",
+              flush=True)
+        args.peers = []
+    width = max([7, *(len(name) for name in args.peers)])
+    results, stop_ids = await measure_nbserve(args, levels, width)
+    if args.peers:
+        results.update(await measure_peers(args, levels, stop_ids, width))
+    summarize(results, args)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line flags."""
+    from peers import PEER_NAMES
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="model source for the in-process server")
     p.add_argument("--url", help="benchmark an external OpenAI-compatible server (…/v1)")
     p.add_argument("--served-model", help="model name to send (default: first of /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    p.add_argument("--concurrency", default="1,4,16,32")
+    p.add_argument("--concurrency", "--levels", dest="concurrency", default="1,4,16,32",
+                   help="comma-separated concurrency levels")
     p.add_argument("--requests-per-level", type=int, default=None,
                    help="requests per level (default: max(4, concurrency))")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -264,7 +534,22 @@ def main(argv: list[str] | None = None) -> None:
                    help="alternating engine/HTTP rounds per level (less drift between them)")
     p.add_argument("--max-batch", type=int, default=None, help="default: the top concurrency")
     p.add_argument("--max-context", type=int, default=1024)
-    asyncio.run(main_async(p.parse_args(argv)))
+    p.add_argument("--peers", default=",".join(PEER_NAMES),
+                   help=f"peers to load-test when installed (default: {','.join(PEER_NAMES)})")
+    p.add_argument("--no-peers", action="store_true", help="nbserve only")
+    p.add_argument("--peer-timeout", type=float, default=600.0,
+                   help="seconds a peer may take to get ready (model export and load)")
+    p.add_argument("--plot", type=Path, default=DEFAULT_PLOT,
+                   help="PNG plot path (default: benchmarks/serve_bench.png)")
+    p.add_argument("--no-plot", dest="plot", action="store_const", const=None,
+                   help="write no plot")
+    args = p.parse_args(argv)
+    args.peers = [] if args.no_peers else [x.strip() for x in args.peers.split(",") if x.strip()]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    asyncio.run(main_async(parse_args(argv)))
 
 
 if __name__ == "__main__":

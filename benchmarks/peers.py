@@ -1,0 +1,252 @@
+"""Peer OpenAI servers for serve_bench.py: `llama_cpp.server` and `transformers serve`.
+
+Each peer runs as a subprocess on a free 127.0.0.1 port, with its output in a log file; it is
+ready when GET /v1/models answers 200, and is stopped with terminate, then kill. A peer that is
+not installed, cannot start or is not ready in time raises `PeerError` with the reason, which
+the benchmark reports as "skipped: <reason>".
+
+- `llama_cpp.server` (llama-cpp-python) serves the .gguf file itself. It answers one request at
+  a time; `--interrupt_requests false` makes it queue the others instead of cutting the running
+  stream short, so that every request gets its full answer, as on the other servers.
+- `transformers serve` (transformers 5.24) cannot serve a local .gguf: `<dir>:<file>.gguf` loads,
+  but the config read out of the GGUF has no `architectures`, and its model manager fails on
+  `config.architectures[0]` (TypeError) before it listens. So the GGUF is first loaded with
+  `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` (dequantized to float32) and written
+  into a temporary directory (tokenizer with `save_pretrained`; the weights copied into a plain
+  model first, as `save_pretrained` refuses a GGUF-loaded one), in a subprocess, and that
+  directory is served with `--continuous-batching`. A HF directory is served as it is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PEER_NAMES = ("llama_cpp", "transformers")
+
+# Peers must not reach the network: no hub look-ups, no update checks, no telemetry.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1",
+               "HF_HUB_DISABLE_TELEMETRY": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+
+# save_pretrained refuses a model loaded from a GGUF (its GGUF quantizer "is not serializable"),
+# even dequantized: copy its weights into a plain model built from the same config, and save that.
+EXPORT_SCRIPT = """\
+import os, sys
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+folder, name = os.path.split(os.path.abspath(sys.argv[1]))
+out = sys.argv[2]
+AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+src = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                           quantization_config=GgufConfig(dequantize=True))
+config = src.config
+if getattr(config, "quantization_config", None) is not None:
+    del config.quantization_config
+config.architectures = [type(src).__name__]
+model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+model.load_state_dict(src.state_dict())
+model.generation_config = src.generation_config
+model.save_pretrained(out)
+"""
+
+
+class PeerError(RuntimeError):
+    """A peer could not be run; the message is the reason shown after "skipped:"."""
+
+
+@dataclass
+class PeerSpec:
+    """How to start one peer: `argv` with "{port}" where the port goes."""
+
+    name: str
+    argv: list[str]
+    requires: str | None = None  # module that must be importable, checked before starting
+    install_hint: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    prepare: Callable[[], None] | None = None  # runs first (e.g. writes the directory served)
+
+
+@dataclass
+class Peer:
+    """A started peer process and where it answers."""
+
+    name: str
+    proc: subprocess.Popen
+    base: str  # http://127.0.0.1:PORT/v1
+    log: Path
+    ready_s: float
+
+
+# ----------------------------------------------------------------------------- specs
+
+
+def model_files(source: str) -> tuple[Path | None, Path | None]:
+    """(gguf file, HF directory) the peers can serve for an nbserve model source, or Nones."""
+    from nbserve.loading import DEFAULT_NAMES
+
+    path = Path(source).expanduser()
+    if source.lower() in DEFAULT_NAMES and not path.exists():
+        from nbserve.loading.default import default_model_path
+
+        return default_model_path(), None
+    if path.is_file() and path.suffix == ".gguf":
+        return path, None
+    if path.is_dir():
+        return None, path
+    return None, None
+
+
+def llama_cpp_spec(gguf: Path | None, context: int) -> PeerSpec:
+    """`python -m llama_cpp.server` on the .gguf file."""
+    if gguf is None:
+        raise PeerError("llama_cpp.server needs a .gguf file (default model or --model x.gguf)")
+    return PeerSpec(
+        "llama_cpp",
+        [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+         "--port", "{port}", "--n_ctx", str(context), "--interrupt_requests", "false"],
+        requires="llama_cpp", install_hint='pip install "llama-cpp-python[server]"')
+
+
+def transformers_spec(gguf: Path | None, hf_dir: Path | None, workdir: Path,
+                      timeout: float) -> PeerSpec:
+    """`transformers serve --continuous-batching` on a HF directory (exported from a GGUF)."""
+    if hf_dir is None and gguf is None:
+        raise PeerError("transformers serve needs a .gguf file or a HF directory")
+    served = hf_dir or workdir / "transformers-hf"
+    prepare = None if hf_dir else (lambda: export_hf_dir(gguf, served, timeout))
+    return PeerSpec(
+        "transformers",
+        [sys.executable, "-m", "transformers.cli.transformers", "serve", str(served),
+         "--continuous-batching", "--host", "127.0.0.1", "--port", "{port}"],
+        requires="transformers", install_hint='pip install "transformers[serving]"',
+        env=OFFLINE_ENV, prepare=prepare)
+
+
+def peer_specs(names: list[str], source: str, workdir: Path, context: int,
+               timeout: float) -> list[PeerSpec | PeerError]:
+    """A spec per peer name, or the PeerError saying why it cannot run."""
+    try:
+        gguf, hf_dir = model_files(source)
+    except (RuntimeError, OSError, ImportError) as exc:  # e.g. default model not fetchable
+        return [PeerError(f"no model file for the peers: {exc}") for _ in names]
+    out: list[PeerSpec | PeerError] = []
+    for name in names:
+        try:
+            if name == "llama_cpp":
+                out.append(llama_cpp_spec(gguf, context))
+            elif name == "transformers":
+                out.append(transformers_spec(gguf, hf_dir, workdir, timeout))
+            else:
+                out.append(PeerError(f"unknown peer {name!r} (known: {', '.join(PEER_NAMES)})"))
+        except PeerError as exc:
+            out.append(exc)
+    return out
+
+
+def export_hf_dir(gguf: Path, out: Path, timeout: float) -> None:
+    """Write a HF directory (model + tokenizer) from a .gguf, in a subprocess."""
+    if (out / "config.json").is_file():
+        return
+    log = out.parent / "transformers-export.log"
+    with open(log, "wb") as f:
+        try:
+            rc = subprocess.run([sys.executable, "-c", EXPORT_SCRIPT, str(gguf), str(out)],
+                                stdout=f, stderr=subprocess.STDOUT, timeout=timeout, check=False,
+                                env={**os.environ, **OFFLINE_ENV}).returncode
+        except subprocess.TimeoutExpired:
+            raise PeerError(f"writing a HF directory from the GGUF took over {timeout:.0f} s"
+                            ) from None
+    if rc != 0:
+        raise PeerError(f"writing a HF directory from the GGUF failed: {log_tail(log)}")
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 3, width: int = 400) -> str:
+    """The last non-empty lines of a log file, on one line."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    tail = " | ".join(x.strip() for x in text.splitlines() if x.strip())
+    kept = " | ".join(tail.split(" | ")[-lines:])
+    return kept[-width:] or "(empty log)"
+
+
+def start_peer(spec: PeerSpec, timeout: float, log_dir: Path) -> Peer:
+    """Start `spec` on a free port and wait until it is ready; raise PeerError otherwise."""
+    if spec.requires and importlib.util.find_spec(spec.requires) is None:
+        hint = f" ({spec.install_hint})" if spec.install_hint else ""
+        raise PeerError(f"{spec.requires} is not installed{hint}")
+    t0 = time.perf_counter()
+    if spec.prepare is not None:
+        spec.prepare()
+    port = free_port()
+    argv = [a.replace("{port}", str(port)) for a in spec.argv]
+    log = log_dir / f"{spec.name}.log"
+    try:
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env={**os.environ, **spec.env})
+    except OSError as exc:  # FileNotFoundError, PermissionError: the command is not there
+        raise PeerError(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
+    peer = Peer(spec.name, proc, f"http://127.0.0.1:{port}/v1", log, 0.0)
+    try:
+        wait_ready(peer, timeout - (time.perf_counter() - t0))
+    except BaseException:
+        stop_peer(peer)
+        raise
+    peer.ready_s = time.perf_counter() - t0
+    return peer
+
+
+def wait_ready(peer: Peer, timeout: float, interval: float = 0.5) -> None:
+    """Poll GET /v1/models until 200; PeerError if the process exits or `timeout` passes."""
+    import httpx
+
+    deadline = time.perf_counter() + timeout
+    while True:
+        rc = peer.proc.poll()
+        if rc is not None:
+            raise PeerError(f"exited with code {rc} before it was ready: {log_tail(peer.log)}")
+        try:
+            if httpx.get(f"{peer.base}/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.perf_counter() > deadline:
+            raise PeerError(f"not ready after {timeout:.0f} s: {log_tail(peer.log)}")
+        time.sleep(interval)
+
+
+def stop_peer(peer: Peer, grace: float = 15.0) -> None:
+    """Terminate the peer process, then kill it if it is still there after `grace` seconds."""
+    if peer.proc.poll() is not None:
+        return
+    peer.proc.terminate()
+    try:
+        peer.proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        peer.proc.kill()
+        peer.proc.wait(10)
+
+
+def make_workdir() -> Path:
+    """A fresh temporary directory for peer logs and exported models."""
+    return Path(tempfile.mkdtemp(prefix="serve_bench_peers_"))

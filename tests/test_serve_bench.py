@@ -1,0 +1,162 @@
+"""benchmarks/serve_bench.py and benchmarks/peers.py without a model or a network: the ratio
+table, the PNG plot, the flags, and peers that are missing or fail being skipped."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import peers
+import serve_bench as sb
+from peers import PeerError, PeerSpec
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def level(mode: str, c: int, tokens: int, wall: float, ttft: float, itl: float) -> sb.LevelResult:
+    """A result of `c` samples sharing `tokens` in `wall` seconds."""
+    samples = [sb.Sample(ttft=ttft + i * 0.01, itl=[itl] * 3, tokens=tokens // c) for i in range(c)]
+    return sb.LevelResult(mode, c, c, wall, samples)
+
+
+def synthetic() -> sb.Results:
+    """nbserve (engine + HTTP) and two peers at levels 1 and 4; nbserve HTTP twice llama_cpp."""
+    return {
+        sb.NBSERVE_ENGINE: {1: level("engine", 1, 64, 3.0, 0.10, 0.05),
+                            4: level("engine", 4, 256, 5.0, 0.40, 0.08)},
+        sb.NBSERVE_HTTP: {1: level("http", 1, 64, 4.0, 0.12, 0.06),
+                          4: level("http", 4, 256, 5.0, 0.45, 0.09)},
+        "llama_cpp": {1: level("llama_cpp", 1, 64, 8.0, 0.20, 0.02),
+                      4: level("llama_cpp", 4, 256, 10.0, 3.00, 0.02)},
+        "transformers": {4: level("transformers", 4, 256, 20.0, 1.0, 0.20)},  # level 1 missing
+    }
+
+
+def test_ratio_rows_compare_nbserve_http_with_each_peer() -> None:
+    rows = sb.ratio_rows(synthetic())
+    got = [(r.concurrency, r.server) for r in rows]
+    assert got == [(1, sb.NBSERVE_HTTP), (1, "llama_cpp"),
+                   (4, sb.NBSERVE_HTTP), (4, "llama_cpp"), (4, "transformers")]
+    by = {(r.concurrency, r.server): r for r in rows}
+    assert by[(1, sb.NBSERVE_HTTP)].ratio is None
+    assert by[(1, sb.NBSERVE_HTTP)].tok_s == pytest.approx(16.0)
+    assert by[(1, "llama_cpp")].ratio == pytest.approx(2.0)
+    assert by[(4, "llama_cpp")].ratio == pytest.approx(2.0)
+    assert by[(4, "transformers")].ratio == pytest.approx(4.0)
+    assert by[(4, "llama_cpp")].ttft_p50 == pytest.approx(3.02)  # pct(): nearest rank, 3.00..3.03
+    assert by[(4, "transformers")].itl_p95 == pytest.approx(0.20)
+
+
+def test_ratio_table_text() -> None:
+    text = sb.format_ratios(sb.ratio_rows(synthetic()))
+    lines = text.splitlines()
+    assert "nbserve/peer" in lines[0] and "TTFT p50" in lines[0] and "ITL p95" in lines[0]
+    assert len(lines) == 6
+    llama_4 = next(x for x in lines if x.split()[:2] == ["4", "llama_cpp"])
+    assert llama_4.split()[2:] == ["25.6", "3020", "20", "2.00x"]
+
+
+def test_no_ratios_without_nbserve_http() -> None:
+    results = synthetic()
+    del results[sb.NBSERVE_HTTP]
+    assert sb.ratio_rows(results) == []
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "bench.png"
+    assert sb.write_plot(synthetic(), path, "synthetic")
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE
+    assert len(data) > 5000
+
+
+def test_plot_without_matplotlib_prints_how_to_install(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    path = tmp_path / "bench.png"
+    assert sb.write_plot(synthetic(), path) is False
+    assert not path.exists()
+    assert 'pip install -e ".[bench]"' in capsys.readouterr().out
+
+
+def test_flags() -> None:
+    args = sb.parse_args([])
+    assert args.peers == ["llama_cpp", "transformers"]
+    assert args.plot == sb.DEFAULT_PLOT and args.plot.name == "serve_bench.png"
+    assert sb.parse_args(["--no-peers"]).peers == []
+    assert sb.parse_args(["--peers", "transformers"]).peers == ["transformers"]
+    assert sb.parse_args(["--levels", "1,8"]).concurrency == "1,8"
+    assert sb.parse_args(["--no-plot"]).plot is None
+    assert sb.parse_args(["--plot", "x.png"]).plot == Path("x.png")
+
+
+def test_split_rounds_unchanged() -> None:
+    assert sb.split_rounds(4, 1, 2) == [2, 2]
+    assert sb.split_rounds(5, 1, 2) == [3, 2]
+    assert sb.split_rounds(16, 16, 2) == [16]
+    assert sb.split_rounds(4, 32, 2) == [4]
+
+
+def test_missing_command_is_skipped(tmp_path: Path) -> None:
+    spec = PeerSpec("ghost", [str(tmp_path / "no-such-server"), "--port", "{port}"])
+    with pytest.raises(PeerError, match="cannot run"):
+        peers.start_peer(spec, 5, tmp_path)
+
+
+def test_missing_module_is_skipped(tmp_path: Path) -> None:
+    spec = PeerSpec("ghost", [sys.executable, "-c", "pass"], requires="no_such_module_nbserve",
+                    install_hint="pip install ghost")
+    with pytest.raises(PeerError, match=r"no_such_module_nbserve is not installed \(pip"):
+        peers.start_peer(spec, 5, tmp_path)
+
+
+def test_peer_that_exits_is_skipped_with_its_log(tmp_path: Path) -> None:
+    code = "import sys; print('boom: no model'); sys.exit(3)"
+    spec = PeerSpec("quitter", [sys.executable, "-c", code])
+    with pytest.raises(PeerError, match=r"exited with code 3 .*boom: no model"):
+        peers.start_peer(spec, 20, tmp_path)
+
+
+def test_peer_ready_then_stopped(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    (site / "v1").mkdir(parents=True)
+    (site / "v1" / "models").write_text('{"data": [{"id": "m"}]}')
+    spec = PeerSpec("static", [sys.executable, "-m", "http.server", "{port}", "--bind",
+                               "127.0.0.1", "--directory", str(site)])
+    peer = peers.start_peer(spec, 20, tmp_path)
+    try:
+        assert peer.base.startswith("http://127.0.0.1:") and peer.proc.poll() is None
+    finally:
+        peers.stop_peer(peer)
+    assert peer.proc.poll() is not None
+
+
+def test_peer_specs_say_why_a_peer_cannot_run(tmp_path: Path) -> None:
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    llama, tf, ghost = peers.peer_specs(["llama_cpp", "transformers", "ghost"], str(hf_dir),
+                                        tmp_path, 2048, 60)
+    assert isinstance(llama, PeerError) and ".gguf" in str(llama)
+    assert isinstance(tf, PeerSpec) and str(hf_dir) in tf.argv and tf.prepare is None
+    assert "--continuous-batching" in tf.argv
+    assert isinstance(ghost, PeerError) and "unknown peer" in str(ghost)
+
+
+def test_bench_reports_skipped_peers_and_continues(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    missing = PeerSpec("ghost", [str(tmp_path / "no-such-server")])
+    monkeypatch.setattr(peers, "peer_specs",
+                        lambda names, *a: [missing, PeerError("unknown peer 'x'")])
+    args = sb.parse_args(["--peers", "ghost,x", "--levels", "1", "--peer-timeout", "5"])
+    results = asyncio.run(sb.measure_peers(args, [1], [2], 7))
+    out = capsys.readouterr().out
+    assert results == {}
+    assert "peer ghost: skipped: cannot run" in out
+    assert "peer x: skipped: unknown peer 'x'" in out
