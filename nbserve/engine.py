@@ -8,81 +8,42 @@ caller's iterator aborts the request: its slot is free at the next step.
 Reliability: a request that waits more than `queue_timeout` s for a slot fails with a clear
 error; a caller that stops reading (more than `max_backlog` events undelivered) is cancelled;
 if the engine thread dies it restarts with a fresh cache and scheduler (`restart_on_failure`).
+
+This module: the public API, submission and the thread's lifecycle. The step itself is in
+`engine_steps.py`, the requests in flight and their mailboxes in `engine_requests.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import queue
 import threading
 import time
-import traceback
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterator
 
 import torch
 
 from .cpu_threads import ThreadTuner, torch_threads
+from .engine_requests import ChoiceState, Mailbox, RequestGroup, Sink, count_down, drop_event
 from .engine_stats import EngineStats
+from .engine_steps import EngineSteps
 from .loading.bundle import LoadedModel
-from .sampling import SeqSampler, sample
-from .scheduler import PrefillWork, Scheduler, Sequence, StepPlan
+from .sampling import SeqSampler
+from .scheduler import Scheduler, Sequence
 from .sync_helpers import SyncHelpers
 from .text import IncrementalDetokenizer, StopStringMatcher
 from .types import (
-    BusyError, ContextLengthError, Delta, EngineStoppedError, ErrorEvent, Event, Finished,
-    InvalidRequestError, Request, SamplingParams, Started, TokenLogprob, Usage,
+    BusyError, ContextLengthError, EngineStoppedError, ErrorEvent, Event, InvalidRequestError,
+    Request,
 )
 
 log = logging.getLogger("nbserve.engine")
-Sink = Callable[[Event], None]
 
 
-@dataclass(eq=False)
-class _Choice:
-    """Per-choice text state: sampler, detokenizer, stop-string matcher."""
-
-    sampler: SeqSampler
-    detok: IncrementalDetokenizer
-    stopper: StopStringMatcher
-    first_token_time: float = 0.0
-    last_token_time: float = 0.0
-
-
-@dataclass(eq=False)
-class _Group:
-    """One request in flight: its n sequences and where its events go."""
-
-    request_id: str
-    params: SamplingParams
-    prompt_ids: list[int]
-    stop_ids: frozenset[int]
-    sink: Sink
-    seqs: list[Sequence] = field(default_factory=list)
-    choices: list[_Choice] = field(default_factory=list)
-    remaining: int = 0
-    completion_tokens: int = 0
-    submitted: float = 0.0
-    first_token: float = 0.0
-    admitted: bool = False
-    done: bool = False
-
-    def usage(self) -> Usage:
-        s = self.seqs[0]
-        return Usage(len(self.prompt_ids), self.completion_tokens, s.cached_prompt)
-
-
-def _count_down(remaining: int, ev: Event) -> tuple[int, bool]:
-    """One event of a request with `remaining` choices unfinished: (remaining, finished)."""
-    remaining -= isinstance(ev, Finished)
-    return remaining, remaining == 0 or isinstance(ev, ErrorEvent)
-
-
-class Engine(SyncHelpers):
+class Engine(SyncHelpers, EngineSteps):
     """Continuous-batching engine for one model on one device (a `Backend`)."""
 
     restart_delay = 1.0  # seconds between a crash of the engine thread and its restart
@@ -151,10 +112,10 @@ class Engine(SyncHelpers):
         self.scheduler = Scheduler(max_batch, prefill_chunk)
         self.stats_ = EngineStats()
         self._lock = threading.Condition()
-        self._inbox: deque[tuple[_Group, list[Sequence]]] = deque()
+        self._inbox: deque[tuple[RequestGroup, list[Sequence]]] = deque()
         # (group, why): "cancel" (the caller left), "shutdown" (cancel_all) or "backlog"
-        self._aborts: deque[tuple[_Group, str]] = deque()
-        self._groups: dict[str, _Group] = {}
+        self._aborts: deque[tuple[RequestGroup, str]] = deque()
+        self._groups: dict[str, RequestGroup] = {}
         self._queued = 0  # requests submitted and not yet admitted (bounded by max_queue)
         self._stopping = False
         self._closed = False
@@ -170,14 +131,14 @@ class Engine(SyncHelpers):
 
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         """Stream the events of `request`. Raises before the first event if it is refused."""
-        mailbox = _Mailbox(self, request.request_id, asyncio.get_running_loop(),
+        mailbox = Mailbox(self, request.request_id, asyncio.get_running_loop(),
                            self._backlog_limit(request))
         group = self.submit(request, mailbox.post)
         remaining, finished = group.params.n, False
         try:
             while not finished:
                 ev = await mailbox.get()
-                remaining, finished = _count_down(remaining, ev)
+                remaining, finished = count_down(remaining, ev)
                 yield ev
         finally:
             if not finished:
@@ -206,12 +167,12 @@ class Engine(SyncHelpers):
             return None
         return self.max_backlog * (n if isinstance(n, int) and n > 0 else 1)
 
-    def _iterate(self, group: _Group, events: queue.SimpleQueue[Event]) -> Iterator[Event]:
+    def _iterate(self, group: RequestGroup, events: queue.SimpleQueue[Event]) -> Iterator[Event]:
         remaining, finished = group.params.n, False
         try:
             while not finished:
                 ev = events.get()
-                remaining, finished = _count_down(remaining, ev)
+                remaining, finished = count_down(remaining, ev)
                 yield ev
         finally:
             if not finished:
@@ -313,7 +274,7 @@ class Engine(SyncHelpers):
                                      param="messages" if request.messages else "prompt")
         return ids
 
-    def submit(self, request: Request, sink: Sink) -> "_Group":
+    def submit(self, request: Request, sink: Sink) -> "RequestGroup":
         """Validate and queue `request`; events go to `sink` (called from the engine thread).
         Raises InvalidRequestError, ContextLengthError, BusyError or EngineStoppedError."""
         self._check_running()
@@ -326,12 +287,12 @@ class Engine(SyncHelpers):
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.stop_token_ids)
-        group = _Group(request.request_id, params, ids, frozenset(stop_ids), sink,
+        group = RequestGroup(request.request_id, params, ids, frozenset(stop_ids), sink,
                        remaining=params.n, submitted=time.perf_counter())
         device = self.model.device
         for i in range(params.n):
             group.seqs.append(Sequence(group, i, ids))
-            group.choices.append(_Choice(
+            group.choices.append(ChoiceState(
                 SeqSampler.create(params, ids, device, seed_offset=i),
                 IncrementalDetokenizer(self.tokenizer),
                 StopStringMatcher(params.stop)))
@@ -425,7 +386,7 @@ class Engine(SyncHelpers):
                 group.done, group.remaining = True, 0
                 self.stats_.finished["error"] = self.stats_.finished.get("error", 0) + 1
                 group.sink(ErrorEvent(message, kind, group.request_id))
-                group.sink = _drop
+                group.sink = drop_event
 
     def _loop(self) -> None:
         if self.threads:
@@ -444,298 +405,6 @@ class Engine(SyncHelpers):
                 for seq in list(self.scheduler.running):
                     self._fail(seq.group, "internal engine error", "server_error")
 
-    def step(self) -> bool:
-        """Run one engine step. Returns False when there was nothing to do."""
-        t0 = time.perf_counter()
-        self._drain()
-        self._expire_waiting()
-        plan = self.scheduler.schedule()
-        if plan.empty:
-            return False
-        for seq in plan.admitted:
-            g = seq.group
-            self._mark_admitted(g)
-            g.sink(Started(g.request_id, len(g.prompt_ids), seq.cached_prompt, g.prompt_ids))
-        model_time = sample_time = 0.0
-        if plan.decode:
-            m, s = self._run_decode(plan)
-            model_time, sample_time = model_time + m, sample_time + s
-        if plan.prefills:
-            m, s = self._run_prefills(plan.prefills)
-            model_time, sample_time = model_time + m, sample_time + s
-        self.stats_.record_step(time.perf_counter() - t0, model_time, sample_time,
-                                len(plan.decode))
-        return True
-
-    def _drain(self) -> None:
-        with self._lock:
-            inbox, aborts = list(self._inbox), list(self._aborts)
-            self._inbox.clear()
-            self._aborts.clear()
-        for group, seqs in inbox:
-            self.scheduler.add(seqs)
-        for group, why in aborts:
-            if why == "backlog":
-                self._fail(group, f"the client left more than max_backlog={self.max_backlog} "
-                           "events per choice of this stream unread, so the request was "
-                           "cancelled to free its slot; read the stream as it arrives",
-                           "client_too_slow")
-            elif why == "shutdown" and not group.admitted:
-                self._fail(group, "the server is shutting down and this request had not "
-                           "started; retry it later or on another server", "service_unavailable")
-            else:
-                self._end_group(group, "cancelled")
-
-    def _expire_waiting(self) -> None:
-        """Fail the requests that waited longer than `queue_timeout` for a slot (FIFO order)."""
-        if self.queue_timeout is None:
-            return
-        now = time.perf_counter()
-        while self.scheduler.waiting:
-            group: _Group = self.scheduler.waiting[0][0].group
-            waited = now - group.submitted
-            if waited < self.queue_timeout:
-                return
-            self._fail(group, f"the request waited {waited:.1f} s for a free slot, longer than "
-                       f"queue_timeout={self.queue_timeout:g} s: the server is overloaded; retry "
-                       "later (or raise queue_timeout / max_batch)", "queue_timeout")
-
-    def _run_decode(self, plan: StepPlan) -> tuple[float, float]:
-        seqs = plan.decode
-        dev = self.model.device
-        slots_l = [s.slot for s in seqs]
-        pos_l = [s.computed for s in seqs]
-        ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=dev)
-        positions = torch.tensor(pos_l, device=dev).unsqueeze(1)
-        slots = torch.tensor(slots_l, device=dev)
-        contiguous = slots_l[0] if slots_l == list(range(slots_l[0], slots_l[0] + len(seqs))) \
-            else None
-        t0 = time.perf_counter()
-        try:
-            hints = dict(max_pos=max(pos_l), contiguous_from=contiguous) if self._hints else {}
-            with self._threads_for(len(seqs)):
-                logits = self.model.forward(ids, positions, slots, self.cache,
-                                            logit_index=torch.zeros(len(seqs), dtype=torch.long,
-                                                                    device=dev), **hints)
-        except Exception as exc:
-            self._fail_step(seqs, exc)
-            return time.perf_counter() - t0, 0.0
-        t1 = time.perf_counter()
-        for s in seqs:
-            s.computed += 1
-        self.stats_.decoded += len(seqs)
-        self._sample_and_emit(seqs, logits)
-        return t1 - t0, time.perf_counter() - t1
-
-    def _run_prefills(self, works: list[PrefillWork]) -> tuple[float, float]:
-        """Prefill this step's chunks: in one padded forward when padding wastes little
-        (a burst of similar prompts reads the weights once), else one forward each."""
-        real = sum(len(w.ids) for w in works)
-        width = max(len(w.ids) for w in works)
-        padded = any(len(w.ids) != width for w in works)
-        wasteful = width * len(works) > 1.25 * real
-        if len(works) > 1 and ((padded and not self._padded_rows) or wasteful):
-            times = [self._run_prefills([w]) for w in works]
-            return sum(t[0] for t in times), sum(t[1] for t in times)
-        dev = self.model.device
-        limit = self.max_context - 1  # pad positions stay inside the cache, past real tokens
-        pos_rows = [[min(w.start + j, limit) for j in range(width)] for w in works]
-        ids = torch.tensor([w.ids + [0] * (width - len(w.ids)) for w in works], device=dev)
-        positions = torch.tensor(pos_rows, device=dev)  # (B, T)
-        slots = torch.tensor([w.seq.slot for w in works], device=dev)
-        last = torch.tensor([len(w.ids) - 1 for w in works], device=dev)
-        t0 = time.perf_counter()
-        try:
-            hints = dict(max_pos=max(r[-1] for r in pos_rows),
-                         contiguous_from=works[0].seq.slot if len(works) == 1 else None) \
-                if self._hints else {}
-            with self._threads_for(real):
-                logits = self.model.forward(ids, positions, slots, self.cache,
-                                            logit_index=last, **hints)
-        except Exception as exc:
-            self._fail_step([w.seq for w in works], exc)
-            return time.perf_counter() - t0, 0.0
-        t1 = time.perf_counter()
-        for i, work in enumerate(works):
-            self._after_prefill(work, logits[i:i + 1])
-        return t1 - t0, time.perf_counter() - t1
-
-    @contextlib.contextmanager
-    def _threads_for(self, tokens: int) -> Iterator[None]:
-        """Run a forward over `tokens` tokens with the thread count the tuner picks, and tell
-        it how long that took (see `cpu_threads`). No-op off CPU or with fixed `threads`."""
-        if self._tuner is None:
-            yield
-            return
-        n = self._tuner.choose(tokens)
-        torch.set_num_threads(n)
-        t0 = time.perf_counter()
-        yield
-        self._tuner.record(tokens, n, time.perf_counter() - t0)
-
-    def _after_prefill(self, work: PrefillWork, logits: torch.Tensor) -> None:
-        """Advance the sequence; after its last chunk, fork n > 1 and sample first tokens."""
-        seq = work.seq
-        seq.computed += len(work.ids)
-        self.stats_.prefilled += len(work.ids)
-        if not work.last:
-            return
-        group: _Group = seq.group
-        self.stats_.reused += seq.cached_prompt
-        for sib in group.seqs[1:]:  # n > 1: share the prefill
-            if not sib.finished:
-                self.cache.copy_prefix(seq.slot, sib.slot, seq.computed)
-                sib.computed, sib.parent = seq.computed, None
-        live = [s for s in group.seqs if not s.finished]
-        self._sample_and_emit(live, logits.expand(len(live), -1))
-
-    def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        groups = [s.group for s in seqs]
-        out = sample(logits, [g.choices[s.index].sampler for g, s in zip(groups, seqs)])
-        now = time.perf_counter()
-        for seq, group, tok, lp in zip(seqs, groups, out.token_ids, out.logprobs):
-            self._emit_token(seq, group, tok, lp, now)
-
-    def _emit_token(self, seq: Sequence, group: _Group, tok: int, lp: TokenLogprob | None,
-                    now: float) -> None:
-        choice = group.choices[seq.index]
-        params = group.params
-        seq.output_ids.append(tok)
-        choice.sampler.observe(tok)
-        group.completion_tokens += 1
-        if not group.first_token:
-            group.first_token = now
-            self.stats_.ttft.append(now - group.submitted)
-        if choice.last_token_time:
-            self.stats_.itl.append(now - choice.last_token_time)
-        else:
-            choice.first_token_time = now
-        choice.last_token_time = now
-        reason, matched = None, None
-        text = ""
-        if tok in group.stop_ids:
-            reason, matched = "stop", tok
-        else:
-            text, matched = choice.stopper.feed(choice.detok.add([tok]))
-            if matched is not None:
-                reason = "stop"
-        if reason is None and params.max_tokens is not None and \
-                len(seq.output_ids) >= params.max_tokens:
-            reason = "length"
-        if reason is None and seq.total_len >= self.max_context:
-            reason = "length"
-        if reason is not None and matched is None:  # flush what was held back
-            tail, late = choice.stopper.feed(choice.detok.finish())
-            text += tail if late is not None else tail + choice.stopper.flush()
-        if lp is not None:
-            lp.token = self.tokenizer.decode([tok])
-            lp.bytes = list(self.tokenizer.token_bytes(tok))
-            lp.top = [(i, self.tokenizer.decode([i]), v) for i, _, v in lp.top]
-        if text or lp is not None or reason is None:
-            group.sink(Delta(seq.index, text, [tok], [lp] if lp is not None else None))
-        if reason is not None:
-            self._finish_seq(seq, group, reason, matched)
-
-    def _finish_seq(self, seq: Sequence, group: _Group, reason: str, matched: Any = None,
-                    keep_cache: bool = True) -> None:
-        if seq.finished:
-            return
-        self.scheduler.finish(seq, keep_cache=keep_cache)
-        group.remaining -= 1
-        if group.remaining == 0:
-            group.done = True
-            with self._lock:
-                self._groups.pop(group.request_id, None)
-            self.stats_.finished[reason] = self.stats_.finished.get(reason, 0) + 1
-        choice = group.choices[seq.index]
-        n_out = len(seq.output_ids)
-        ttft = choice.first_token_time - group.submitted if choice.first_token_time else None
-        itl = (choice.last_token_time - choice.first_token_time) / (n_out - 1) \
-            if n_out > 1 and choice.first_token_time else None
-        group.sink(Finished(seq.index, reason, group.usage(), matched, ttft_s=ttft, itl_s=itl))
-        if group.done:
-            group.sink = _drop  # the caller's closure may reference us: no cycle once done
-
-    def _mark_admitted(self, group: _Group) -> None:
-        """The request left the queue (admitted, or ended while waiting)."""
-        if not group.admitted:
-            group.admitted = True
-            with self._lock:
-                self._queued -= 1
-
-    def _end_group(self, group: _Group, reason: str) -> None:
-        self._mark_admitted(group)
-        for seq in group.seqs:
-            self._finish_seq(seq, group, reason)
-
-    def _fail(self, group: _Group, message: str, kind: str) -> None:
-        if group.done:
-            return
-        self._mark_admitted(group)
-        for seq in group.seqs:
-            self.scheduler.finish(seq, keep_cache=False)
-        group.done = True
-        group.remaining = 0
-        with self._lock:
-            self._groups.pop(group.request_id, None)
-        self.stats_.finished["error"] = self.stats_.finished.get("error", 0) + 1
-        group.sink(ErrorEvent(message, kind, group.request_id))
-        group.sink = _drop
-
-    def _fail_step(self, seqs: list[Sequence], exc: Exception) -> None:
-        log.error("model forward failed for %d sequences: %s\n%s", len(seqs), exc,
-                  traceback.format_exc())
-        self.stats_.errors += 1
-        for seq in seqs:
-            self._fail(seq.group, f"the model failed on this request: {exc}", "server_error")
-
-
-class _Mailbox:
-    """Events from the engine thread to one async caller. The engine appends without waking
-    the caller's loop unless the caller waits for an event, so a caller stuck elsewhere (on a
-    client that stopped reading) costs the loop nothing; past `limit` unread events it asks the
-    engine, once, to cancel the request."""
-
-    __slots__ = ("engine", "events", "limit", "loop", "request_id", "tripped", "waiter")
-
-    def __init__(self, engine: Engine, request_id: str, loop: asyncio.AbstractEventLoop,
-                 limit: int | None):
-        self.engine, self.request_id, self.loop, self.limit = engine, request_id, loop, limit
-        self.events: deque[Event] = deque()
-        self.waiter: asyncio.Future[None] | None = None
-        self.tripped = False
-
-    def post(self, ev: Event) -> None:
-        """The request's sink (engine thread): append first, then wake a waiting caller."""
-        self.events.append(ev)
-        if self.limit is not None and not self.tripped and len(self.events) > self.limit:
-            self.tripped = True
-            self.engine.abort(self.request_id, "backlog")
-        waiter = self.waiter
-        if waiter is not None:
-            try:
-                self.loop.call_soon_threadsafe(_wake, waiter)
-            except RuntimeError:  # the caller's loop is gone: nobody is listening
-                self.engine.abort(self.request_id)
-
-    async def get(self) -> Event:
-        """The next event (caller's loop). The waiter is published before the re-check, so an
-        event appended in between is either seen here or wakes the waiter."""
-        while not self.events:
-            self.waiter = self.loop.create_future()
-            try:
-                if not self.events:
-                    await self.waiter
-            finally:
-                self.waiter = None
-        return self.events.popleft()
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
-
-
 def accepts_hints(forward: Callable[..., Any]) -> bool:
     """Whether a StepModel's forward takes the optional `max_pos` / `contiguous_from` hints."""
     try:
@@ -744,7 +413,3 @@ def accepts_hints(forward: Callable[..., Any]) -> bool:
         return True
     except (TypeError, ValueError):
         return False
-
-
-def _drop(event: Event) -> None:
-    """The sink of a finished request: nobody listens any more."""

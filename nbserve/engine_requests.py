@@ -1,0 +1,114 @@
+"""Requests in flight: per-choice text state, per-request bookkeeping, and the mailbox that
+carries events from the engine thread to an async caller.
+
+Kept apart from the engine loop (`engine.py`, `engine_steps.py`) because it knows nothing of the
+model: only who is waiting for which events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .sampling import SeqSampler
+from .scheduler import Sequence
+from .text import IncrementalDetokenizer, StopStringMatcher
+from .types import ErrorEvent, Event, Finished, SamplingParams, Usage
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+Sink = Callable[[Event], None]
+
+
+@dataclass(eq=False)
+class ChoiceState:
+    """Per-choice text state: sampler, detokenizer, stop-string matcher."""
+
+    sampler: SeqSampler
+    detok: IncrementalDetokenizer
+    stopper: StopStringMatcher
+    first_token_time: float = 0.0
+    last_token_time: float = 0.0
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    """One request in flight: its n sequences and where its events go."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_ids: list[int]
+    stop_ids: frozenset[int]
+    sink: Sink
+    seqs: list[Sequence] = field(default_factory=list)
+    choices: list[ChoiceState] = field(default_factory=list)
+    remaining: int = 0
+    completion_tokens: int = 0
+    submitted: float = 0.0
+    first_token: float = 0.0
+    admitted: bool = False
+    done: bool = False
+
+    def usage(self) -> Usage:
+        s = self.seqs[0]
+        return Usage(len(self.prompt_ids), self.completion_tokens, s.cached_prompt)
+
+
+def count_down(remaining: int, ev: Event) -> tuple[int, bool]:
+    """One event of a request with `remaining` choices unfinished: (remaining, finished)."""
+    remaining -= isinstance(ev, Finished)
+    return remaining, remaining == 0 or isinstance(ev, ErrorEvent)
+
+
+class Mailbox:
+    """Events from the engine thread to one async caller. The engine appends without waking
+    the caller's loop unless the caller waits for an event, so a caller stuck elsewhere (on a
+    client that stopped reading) costs the loop nothing; past `limit` unread events it asks the
+    engine, once, to cancel the request."""
+
+    __slots__ = ("engine", "events", "limit", "loop", "request_id", "tripped", "waiter")
+
+    def __init__(self, engine: Engine, request_id: str, loop: asyncio.AbstractEventLoop,
+                 limit: int | None):
+        self.engine, self.request_id, self.loop, self.limit = engine, request_id, loop, limit
+        self.events: deque[Event] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.tripped = False
+
+    def post(self, ev: Event) -> None:
+        """The request's sink (engine thread): append first, then wake a waiting caller."""
+        self.events.append(ev)
+        if self.limit is not None and not self.tripped and len(self.events) > self.limit:
+            self.tripped = True
+            self.engine.abort(self.request_id, "backlog")
+        waiter = self.waiter
+        if waiter is not None:
+            try:
+                self.loop.call_soon_threadsafe(wake_waiter, waiter)
+            except RuntimeError:  # the caller's loop is gone: nobody is listening
+                self.engine.abort(self.request_id)
+
+    async def get(self) -> Event:
+        """The next event (caller's loop). The waiter is published before the re-check, so an
+        event appended in between is either seen here or wakes the waiter."""
+        while not self.events:
+            self.waiter = self.loop.create_future()
+            try:
+                if not self.events:
+                    await self.waiter
+            finally:
+                self.waiter = None
+        return self.events.popleft()
+
+
+def wake_waiter(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def drop_event(event: Event) -> None:
+    """The sink of a finished request: nobody listens any more."""

@@ -1,0 +1,272 @@
+"""One engine step: admit, run the decode batch and the prefill chunks, sample, emit events.
+
+A mixin of `Engine` (engine.py holds its public API, submission and thread lifecycle); it runs
+only on the engine thread and uses the engine's scheduler, cache, model and stats.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .engine_requests import RequestGroup, drop_event
+from .sampling import sample
+from .scheduler import PrefillWork, Sequence, StepPlan
+from .types import Delta, ErrorEvent, Finished, Started, TokenLogprob
+
+log = logging.getLogger("nbserve.engine")
+
+
+class EngineSteps:
+    """The step loop's work, as methods of `Engine`."""
+
+    def step(self) -> bool:
+        """Run one engine step. Returns False when there was nothing to do."""
+        t0 = time.perf_counter()
+        self._drain()
+        self._expire_waiting()
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return False
+        for seq in plan.admitted:
+            g = seq.group
+            self._mark_admitted(g)
+            g.sink(Started(g.request_id, len(g.prompt_ids), seq.cached_prompt, g.prompt_ids))
+        model_time = sample_time = 0.0
+        if plan.decode:
+            m, s = self._run_decode(plan)
+            model_time, sample_time = model_time + m, sample_time + s
+        if plan.prefills:
+            m, s = self._run_prefills(plan.prefills)
+            model_time, sample_time = model_time + m, sample_time + s
+        self.stats_.record_step(time.perf_counter() - t0, model_time, sample_time,
+                                len(plan.decode))
+        return True
+
+    def _drain(self) -> None:
+        with self._lock:
+            inbox, aborts = list(self._inbox), list(self._aborts)
+            self._inbox.clear()
+            self._aborts.clear()
+        for group, seqs in inbox:
+            self.scheduler.add(seqs)
+        for group, why in aborts:
+            if why == "backlog":
+                self._fail(group, f"the client left more than max_backlog={self.max_backlog} "
+                           "events per choice of this stream unread, so the request was "
+                           "cancelled to free its slot; read the stream as it arrives",
+                           "client_too_slow")
+            elif why == "shutdown" and not group.admitted:
+                self._fail(group, "the server is shutting down and this request had not "
+                           "started; retry it later or on another server", "service_unavailable")
+            else:
+                self._end_group(group, "cancelled")
+
+    def _expire_waiting(self) -> None:
+        """Fail the requests that waited longer than `queue_timeout` for a slot (FIFO order)."""
+        if self.queue_timeout is None:
+            return
+        now = time.perf_counter()
+        while self.scheduler.waiting:
+            group: RequestGroup = self.scheduler.waiting[0][0].group
+            waited = now - group.submitted
+            if waited < self.queue_timeout:
+                return
+            self._fail(group, f"the request waited {waited:.1f} s for a free slot, longer than "
+                       f"queue_timeout={self.queue_timeout:g} s: the server is overloaded; retry "
+                       "later (or raise queue_timeout / max_batch)", "queue_timeout")
+
+    def _run_decode(self, plan: StepPlan) -> tuple[float, float]:
+        seqs = plan.decode
+        dev = self.model.device
+        slots_l = [s.slot for s in seqs]
+        pos_l = [s.computed for s in seqs]
+        ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=dev)
+        positions = torch.tensor(pos_l, device=dev).unsqueeze(1)
+        slots = torch.tensor(slots_l, device=dev)
+        contiguous = slots_l[0] if slots_l == list(range(slots_l[0], slots_l[0] + len(seqs))) \
+            else None
+        t0 = time.perf_counter()
+        try:
+            hints = dict(max_pos=max(pos_l), contiguous_from=contiguous) if self._hints else {}
+            with self._threads_for(len(seqs)):
+                logits = self.model.forward(ids, positions, slots, self.cache,
+                                            logit_index=torch.zeros(len(seqs), dtype=torch.long,
+                                                                    device=dev), **hints)
+        except Exception as exc:
+            self._fail_step(seqs, exc)
+            return time.perf_counter() - t0, 0.0
+        t1 = time.perf_counter()
+        for s in seqs:
+            s.computed += 1
+        self.stats_.decoded += len(seqs)
+        self._sample_and_emit(seqs, logits)
+        return t1 - t0, time.perf_counter() - t1
+
+    def _run_prefills(self, works: list[PrefillWork]) -> tuple[float, float]:
+        """Prefill this step's chunks: in one padded forward when padding wastes little
+        (a burst of similar prompts reads the weights once), else one forward each."""
+        real = sum(len(w.ids) for w in works)
+        width = max(len(w.ids) for w in works)
+        padded = any(len(w.ids) != width for w in works)
+        wasteful = width * len(works) > 1.25 * real
+        if len(works) > 1 and ((padded and not self._padded_rows) or wasteful):
+            times = [self._run_prefills([w]) for w in works]
+            return sum(t[0] for t in times), sum(t[1] for t in times)
+        dev = self.model.device
+        limit = self.max_context - 1  # pad positions stay inside the cache, past real tokens
+        pos_rows = [[min(w.start + j, limit) for j in range(width)] for w in works]
+        ids = torch.tensor([w.ids + [0] * (width - len(w.ids)) for w in works], device=dev)
+        positions = torch.tensor(pos_rows, device=dev)  # (B, T)
+        slots = torch.tensor([w.seq.slot for w in works], device=dev)
+        last = torch.tensor([len(w.ids) - 1 for w in works], device=dev)
+        t0 = time.perf_counter()
+        try:
+            hints = dict(max_pos=max(r[-1] for r in pos_rows),
+                         contiguous_from=works[0].seq.slot if len(works) == 1 else None) \
+                if self._hints else {}
+            with self._threads_for(real):
+                logits = self.model.forward(ids, positions, slots, self.cache,
+                                            logit_index=last, **hints)
+        except Exception as exc:
+            self._fail_step([w.seq for w in works], exc)
+            return time.perf_counter() - t0, 0.0
+        t1 = time.perf_counter()
+        for i, work in enumerate(works):
+            self._after_prefill(work, logits[i:i + 1])
+        return t1 - t0, time.perf_counter() - t1
+
+    @contextlib.contextmanager
+    def _threads_for(self, tokens: int) -> Iterator[None]:
+        """Run a forward over `tokens` tokens with the thread count the tuner picks, and tell
+        it how long that took (see `cpu_threads`). No-op off CPU or with fixed `threads`."""
+        if self._tuner is None:
+            yield
+            return
+        n = self._tuner.choose(tokens)
+        torch.set_num_threads(n)
+        t0 = time.perf_counter()
+        yield
+        self._tuner.record(tokens, n, time.perf_counter() - t0)
+
+    def _after_prefill(self, work: PrefillWork, logits: torch.Tensor) -> None:
+        """Advance the sequence; after its last chunk, fork n > 1 and sample first tokens."""
+        seq = work.seq
+        seq.computed += len(work.ids)
+        self.stats_.prefilled += len(work.ids)
+        if not work.last:
+            return
+        group: RequestGroup = seq.group
+        self.stats_.reused += seq.cached_prompt
+        for sib in group.seqs[1:]:  # n > 1: share the prefill
+            if not sib.finished:
+                self.cache.copy_prefix(seq.slot, sib.slot, seq.computed)
+                sib.computed, sib.parent = seq.computed, None
+        live = [s for s in group.seqs if not s.finished]
+        self._sample_and_emit(live, logits.expand(len(live), -1))
+
+    def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        groups = [s.group for s in seqs]
+        out = sample(logits, [g.choices[s.index].sampler for g, s in zip(groups, seqs)])
+        now = time.perf_counter()
+        for seq, group, tok, lp in zip(seqs, groups, out.token_ids, out.logprobs):
+            self._emit_token(seq, group, tok, lp, now)
+
+    def _emit_token(self, seq: Sequence, group: RequestGroup, tok: int, lp: TokenLogprob | None,
+                    now: float) -> None:
+        choice = group.choices[seq.index]
+        params = group.params
+        seq.output_ids.append(tok)
+        choice.sampler.observe(tok)
+        group.completion_tokens += 1
+        if not group.first_token:
+            group.first_token = now
+            self.stats_.ttft.append(now - group.submitted)
+        if choice.last_token_time:
+            self.stats_.itl.append(now - choice.last_token_time)
+        else:
+            choice.first_token_time = now
+        choice.last_token_time = now
+        reason, matched = None, None
+        text = ""
+        if tok in group.stop_ids:
+            reason, matched = "stop", tok
+        else:
+            text, matched = choice.stopper.feed(choice.detok.add([tok]))
+            if matched is not None:
+                reason = "stop"
+        if reason is None and params.max_tokens is not None and \
+                len(seq.output_ids) >= params.max_tokens:
+            reason = "length"
+        if reason is None and seq.total_len >= self.max_context:
+            reason = "length"
+        if reason is not None and matched is None:  # flush what was held back
+            tail, late = choice.stopper.feed(choice.detok.finish())
+            text += tail if late is not None else tail + choice.stopper.flush()
+        if lp is not None:
+            lp.token = self.tokenizer.decode([tok])
+            lp.bytes = list(self.tokenizer.token_bytes(tok))
+            lp.top = [(i, self.tokenizer.decode([i]), v) for i, _, v in lp.top]
+        if text or lp is not None or reason is None:
+            group.sink(Delta(seq.index, text, [tok], [lp] if lp is not None else None))
+        if reason is not None:
+            self._finish_seq(seq, group, reason, matched)
+
+    def _finish_seq(self, seq: Sequence, group: RequestGroup, reason: str, matched: Any = None,
+                    keep_cache: bool = True) -> None:
+        if seq.finished:
+            return
+        self.scheduler.finish(seq, keep_cache=keep_cache)
+        group.remaining -= 1
+        if group.remaining == 0:
+            group.done = True
+            with self._lock:
+                self._groups.pop(group.request_id, None)
+            self.stats_.finished[reason] = self.stats_.finished.get(reason, 0) + 1
+        choice = group.choices[seq.index]
+        n_out = len(seq.output_ids)
+        ttft = choice.first_token_time - group.submitted if choice.first_token_time else None
+        itl = (choice.last_token_time - choice.first_token_time) / (n_out - 1) \
+            if n_out > 1 and choice.first_token_time else None
+        group.sink(Finished(seq.index, reason, group.usage(), matched, ttft_s=ttft, itl_s=itl))
+        if group.done:
+            group.sink = drop_event  # the caller's closure may reference us: no cycle once done
+
+    def _mark_admitted(self, group: RequestGroup) -> None:
+        """The request left the queue (admitted, or ended while waiting)."""
+        if not group.admitted:
+            group.admitted = True
+            with self._lock:
+                self._queued -= 1
+
+    def _end_group(self, group: RequestGroup, reason: str) -> None:
+        self._mark_admitted(group)
+        for seq in group.seqs:
+            self._finish_seq(seq, group, reason)
+
+    def _fail(self, group: RequestGroup, message: str, kind: str) -> None:
+        if group.done:
+            return
+        self._mark_admitted(group)
+        for seq in group.seqs:
+            self.scheduler.finish(seq, keep_cache=False)
+        group.done = True
+        group.remaining = 0
+        with self._lock:
+            self._groups.pop(group.request_id, None)
+        self.stats_.finished["error"] = self.stats_.finished.get("error", 0) + 1
+        group.sink(ErrorEvent(message, kind, group.request_id))
+        group.sink = drop_event
+
+    def _fail_step(self, seqs: list[Sequence], exc: Exception) -> None:
+        log.error("model forward failed for %d sequences: %s\n%s", len(seqs), exc,
+                  traceback.format_exc())
+        self.stats_.errors += 1
+        for seq in seqs:
+            self._fail(seq.group, f"the model failed on this request: {exc}", "server_error")
