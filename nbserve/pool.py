@@ -84,6 +84,10 @@ class Pool(SyncHelpers):
     (one copy in memory): each Engine owns its own KV cache and thread. On CUDA, unless
     `max_batch` / `max_context` are given, each replica's KV cache is sized from
     `kv_memory_fraction` of the GPU's free memory (split between replicas on one GPU).
+    A replica leaves the rotation when its engine thread dies or its model raises
+    `max_model_errors` times in a row; `readmit_after` seconds later, once its engine runs
+    again (engines restart themselves after a crash), it gets another chance on probation (one
+    more failure takes it out again, for twice as long, up to 16x); None: never.
     Other keywords go to each Engine (max_queue, prefill_chunk, name, quiet, ...).
     """
 
@@ -91,13 +95,19 @@ class Pool(SyncHelpers):
 
     def __init__(self, model: Any, *, devices: Any = "auto", kv_memory_fraction: float = 0.9,
                  dtype: Any = None, device: str | None = None, tokenizer: Any = None,
-                 chat_template: Any = None, max_model_errors: int = 3, **engine_options: Any):
+                 chat_template: Any = None, max_model_errors: int = 3,
+                 readmit_after: float | None = 30.0, **engine_options: Any):
         if not 0 < kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction}")
         if not isinstance(max_model_errors, int) or max_model_errors < 1:
             raise ValueError(f"max_model_errors must be an integer >= 1, got {max_model_errors!r}")
+        if readmit_after is not None and not (isinstance(readmit_after, (int, float))
+                                              and readmit_after > 0):
+            raise ValueError(f"readmit_after must be a number of seconds > 0 (or None: never), "
+                             f"got {readmit_after!r}")
         self.devices = resolve_devices(devices, device)
         self.max_model_errors = max_model_errors
+        self.readmit_after = readmit_after
         load_options = {k: v for k, v in (("tokenizer", tokenizer),
                                           ("chat_template", chat_template)) if v is not None}
         loaded = load_replicas(model, self.devices, dtype=dtype, **load_options)
@@ -295,7 +305,8 @@ class Pool(SyncHelpers):
 
         def sink(ev: Event) -> None:
             if isinstance(ev, Delta):
-                rep.errors_in_row = 0
+                if rep.errors_in_row:
+                    rep.errors_in_row, rep.cooldown = 0, None  # it works again
                 if ev.index == 0:
                     attempt.output.extend(ev.token_ids)
             elif isinstance(ev, Finished):
@@ -403,16 +414,40 @@ class Pool(SyncHelpers):
             if not rep.healthy or self._closed:
                 return
             rep.healthy, rep.reason = False, reason
+            rep.down_since = time.monotonic()
+            if self.readmit_after is not None:  # each relapse doubles the wait, up to 16x
+                rep.cooldown = self.readmit_after if rep.cooldown is None else \
+                    min(rep.cooldown * 2, self.readmit_after * 16)
             attempts = list(rep.attempts)
         log.warning("replica %d (%s) is unhealthy: %s; %d request(s) affected", rep.index,
                     rep.device, reason, len(attempts))
         for attempt in attempts:
             attempt.ticket.post((attempt, _Down(dead, reason)))
-        if dead:
+        if dead and not getattr(rep.engine, "restart_on_failure", False):
             rep.engine.close()  # frees its bookkeeping; its thread is already gone
+
+    def _readmit_due(self) -> None:
+        """Give replicas whose cool-down is over, and whose engine runs again, another chance."""
+        if self.readmit_after is None:
+            return
+        now = time.monotonic()
+        for rep in self.replicas:
+            if rep.healthy or rep.cooldown is None or now - rep.down_since < rep.cooldown:
+                continue
+            if not rep.engine.health().get("ready"):
+                continue  # still restarting, or stopped for good
+            with self._lock:
+                if rep.healthy or self._closed:
+                    continue
+                rep.healthy, rep.reason = True, None
+                rep.errors_in_row = self.max_model_errors - 1  # probation: one more error trips
+                rep.last_error_mark = getattr(getattr(rep.engine, "stats_", None), "errors", None)
+            log.warning("replica %d (%s) is back in rotation on probation", rep.index,
+                        rep.device)
 
     def _watch(self) -> None:
         while not self._stop.wait(self.watch_interval):
             for rep in self.replicas:
                 if rep.healthy and not rep.alive:
                     self._mark_unhealthy(rep, "its engine thread died", dead=True)
+            self._readmit_due()

@@ -37,6 +37,8 @@ class Replica:
     reason: str | None = None  # why it is unhealthy
     errors_in_row: int = 0  # failed forward passes since the last good token
     last_error_mark: Any = None
+    down_since: float = 0.0  # time.monotonic() when it left the rotation
+    cooldown: float | None = None  # seconds it stays out before another chance
     recent: deque[list[int]] = field(default_factory=lambda: deque(maxlen=RECENT_PER_REPLICA))
     attempts: set[Any] = field(default_factory=set)  # requests in flight here
 

@@ -260,16 +260,19 @@ def test_affinity_yields_to_an_overloaded_replica(loaded):
 
 
 class FailingModel:
-    """Wraps a model; every forward raises (a broken GPU, say)."""
+    """Wraps a model; every forward raises while `broken` (a broken GPU, say)."""
 
     def __init__(self, inner: Any):
         self.inner = inner
+        self.broken = True
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("injected fault")
+        if self.broken:
+            raise RuntimeError("injected fault")
+        return self.inner.forward(*args, **kwargs)
 
 
 def test_model_that_keeps_raising_is_marked_unhealthy_and_nothing_is_lost(loaded, reference):
@@ -327,6 +330,60 @@ def test_replica_killed_mid_load_leaves_every_other_request_completed(loaded, re
         later = Request(prompt="still serving", params=greedy(4))
         assert len(ids_of(run_all(pool, [later])[0])) == 4 and later.metadata["replica"] == 0
         assert pool.stats()["replicas"][0]["in_flight"] == 0
+
+
+def test_a_replica_whose_model_recovers_comes_back_on_probation(loaded, reference):
+    with make_pool(loaded, readmit_after=0.3) as pool:
+        bad = pool.replicas[1]
+        failing = FailingModel(bad.engine.model)
+        bad.engine.model = failing
+        run_all(pool, [Request(prompt=p, params=greedy(8)) for p in PROMPTS])
+        assert not bad.healthy and bad.cooldown == pytest.approx(0.3)
+        failing.broken = False  # repaired while out of rotation
+        assert wait_for(lambda: bad.healthy, 5.0)
+        requests = [Request(prompt=p, params=greedy(24)) for p in PROMPTS]
+        results = run_all(pool, requests)
+        assert {r.metadata["replica"] for r in requests} == {0, 1}  # back in rotation
+        for p, events in zip(PROMPTS, results):
+            assert ids_of(events) == reference[p]
+        assert bad.cooldown is None and bad.errors_in_row == 0  # it served: probation over
+        assert pool.health()["status"] == "ready"
+
+
+def test_a_relapse_on_probation_doubles_the_cool_down(loaded):
+    with make_pool(loaded, readmit_after=0.2) as pool:
+        bad = pool.replicas[1]
+        bad.engine.model = FailingModel(bad.engine.model)
+        run_all(pool, [Request(prompt=p, params=greedy(4)) for p in PROMPTS])
+        assert not bad.healthy and bad.cooldown == pytest.approx(0.2)
+        assert wait_for(lambda: bad.healthy, 5.0)  # the engine runs: a chance, still broken
+        assert bad.errors_in_row == pool.max_model_errors - 1  # on probation
+        requests = [Request(prompt=p, params=greedy(4)) for p in PROMPTS]
+        results = run_all(pool, requests)
+        assert not any(isinstance(ev[-1], ErrorEvent) for ev in results)  # moved, not lost
+        assert not bad.healthy and bad.cooldown == pytest.approx(0.4)  # out again, for longer
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_crashed_replica_restarts_and_rejoins(loaded, reference):
+    with make_pool(loaded, readmit_after=0.2) as pool:
+        victim = pool.replicas[1].engine
+        victim.restart_delay = 0.05
+        original = victim.step
+
+        def crash_once() -> bool:
+            victim.step = original
+            raise SystemExit  # ends the engine thread once
+
+        victim.step = crash_once
+        run_all(pool, [Request(prompt=p, params=greedy(4)) for p in PROMPTS])
+        assert wait_for(lambda: victim.restarts == 1, 5.0)
+        assert wait_for(lambda: pool.replicas[1].healthy, 5.0)
+        requests = [Request(prompt=p, params=greedy(24)) for p in PROMPTS]
+        results = run_all(pool, requests)
+        assert 1 in {r.metadata["replica"] for r in requests}
+        for p, events in zip(PROMPTS, results):
+            assert ids_of(events) == reference[p]
 
 
 def test_all_replicas_down_refuses_and_close_leaves_no_thread(loaded):
