@@ -69,6 +69,7 @@ class PeerSpec:
     name: str
     argv: list[str]
     requires: str | None = None  # module that must be importable, checked before starting
+    python: str = sys.executable  # the interpreter that must import it (argv[0] for Python peers)
     install_hint: str = ""
     env: dict[str, str] = field(default_factory=dict)
     prepare: Callable[[], None] | None = None  # runs first (e.g. writes the directory served)
@@ -104,15 +105,17 @@ def model_files(source: str) -> tuple[Path | None, Path | None]:
     return None, None
 
 
-def llama_cpp_spec(gguf: Path | None, context: int) -> PeerSpec:
-    """`python -m llama_cpp.server` on the .gguf file."""
+def llama_cpp_spec(gguf: Path | None, context: int, python: str = sys.executable) -> PeerSpec:
+    """`python -m llama_cpp.server` on the .gguf file (`python`: an interpreter that has
+    llama-cpp-python, e.g. a separate venv, so its dependencies stay out of nbserve's)."""
     if gguf is None:
         raise PeerError("llama_cpp.server needs a .gguf file (default model or --model x.gguf)")
     return PeerSpec(
         "llama_cpp",
-        [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+        [python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
          "--port", "{port}", "--n_ctx", str(context), "--interrupt_requests", "false"],
-        requires="llama_cpp", install_hint='pip install "llama-cpp-python[server]"')
+        requires="llama_cpp", install_hint='pip install "llama-cpp-python[server]"',
+        python=python)
 
 
 def transformers_spec(gguf: Path | None, hf_dir: Path | None, workdir: Path,
@@ -131,7 +134,8 @@ def transformers_spec(gguf: Path | None, hf_dir: Path | None, workdir: Path,
 
 
 def peer_specs(names: list[str], source: str, workdir: Path, context: int,
-               timeout: float) -> list[PeerSpec | PeerError]:
+               timeout: float, llama_cpp_python: str = sys.executable
+               ) -> list[PeerSpec | PeerError]:
     """A spec per peer name, or the PeerError saying why it cannot run."""
     try:
         gguf, hf_dir = model_files(source)
@@ -141,7 +145,7 @@ def peer_specs(names: list[str], source: str, workdir: Path, context: int,
     for name in names:
         try:
             if name == "llama_cpp":
-                out.append(llama_cpp_spec(gguf, context))
+                out.append(llama_cpp_spec(gguf, context, llama_cpp_python))
             elif name == "transformers":
                 out.append(transformers_spec(gguf, hf_dir, workdir, timeout))
             else:
@@ -189,9 +193,20 @@ def log_tail(path: Path, lines: int = 3, width: int = 400) -> str:
     return kept[-width:] or "(empty log)"
 
 
+def module_available(python: str, module: str) -> bool:
+    """Whether `python` (this interpreter or another one) can import `module`."""
+    if python == sys.executable:
+        return importlib.util.find_spec(module) is not None
+    try:
+        return subprocess.run([python, "-c", f"import {module}"], capture_output=True,
+                              timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 def start_peer(spec: PeerSpec, timeout: float, log_dir: Path) -> Peer:
     """Start `spec` on a free port and wait until it is ready; raise PeerError otherwise."""
-    if spec.requires and importlib.util.find_spec(spec.requires) is None:
+    if spec.requires and not module_available(spec.python, spec.requires):
         hint = f" ({spec.install_hint})" if spec.install_hint else ""
         raise PeerError(f"{spec.requires} is not installed{hint}")
     t0 = time.perf_counter()

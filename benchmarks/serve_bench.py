@@ -396,7 +396,7 @@ async def measure_peers(args: argparse.Namespace, levels: list[int], stop_ids: l
     results: Results = {}
     try:
         specs = peer_specs(args.peers, args.model, workdir, max(args.max_context, 2048),
-                           args.peer_timeout)
+                           args.peer_timeout, args.llama_cpp_python)
         for name, spec in zip(args.peers, specs):
             if isinstance(spec, PeerError):
                 print(f"peer {name}: skipped: {spec}", flush=True)
@@ -537,6 +537,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peers", default=",".join(PEER_NAMES),
                    help=f"peers to load-test when installed (default: {','.join(PEER_NAMES)})")
     p.add_argument("--no-peers", action="store_true", help="nbserve only")
+    p.add_argument("--llama-cpp-python", default=sys.executable,
+                   help="Python interpreter that has llama-cpp-python[server] installed (default: "
+                   "this one); a separate venv keeps its dependencies out of nbserve's")
     p.add_argument("--peer-timeout", type=float, default=600.0,
                    help="seconds a peer may take to get ready (model export and load)")
     p.add_argument("--plot", type=Path, default=DEFAULT_PLOT,

@@ -160,3 +160,17 @@ def test_bench_reports_skipped_peers_and_continues(
     assert results == {}
     assert "peer ghost: skipped: cannot run" in out
     assert "peer x: skipped: unknown peer 'x'" in out
+
+
+def test_a_peer_from_another_interpreter_is_checked_there(tmp_path):
+    import sys
+
+    import peers
+
+    assert peers.module_available(sys.executable, "json")
+    assert not peers.module_available(sys.executable, "no_such_module_xyz")
+    assert not peers.module_available(str(tmp_path / "no-python"), "json")  # cannot run: False
+    spec = peers.llama_cpp_spec(tmp_path / "m.gguf", 512, python=str(tmp_path / "no-python"))
+    assert spec.argv[0] == str(tmp_path / "no-python") and spec.python == spec.argv[0]
+    with pytest.raises(peers.PeerError, match="llama_cpp is not installed"):
+        peers.start_peer(spec, timeout=5, log_dir=tmp_path)
