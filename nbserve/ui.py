@@ -103,6 +103,22 @@ async def _closing(stream: AsyncIterator[Any]) -> AsyncIterator[AsyncIterator[An
             await aclose()
 
 
+PROGRESS_EVERY = 0.5  # seconds between updates of the speed line while an answer streams
+ANSWERING = "Answering: "
+
+
+def _progress_line(tokens: int, start: float, now: float) -> str:
+    elapsed = max(now - start, 1e-9)
+    return f"{ANSWERING}{tokens} tokens in {elapsed:.1f} s, **{tokens / elapsed:.1f} tokens/s**"
+
+
+def mark_stopped(line: str) -> str:
+    """The speed line after Stop (the answer's generator is cancelled and yields no more)."""
+    if line and line.startswith(ANSWERING):
+        return "Last answer (stopped): " + line[len(ANSWERING):]
+    return "Last answer: stopped before the first token"
+
+
 def _speed_line(tokens: int, start: float, first: float | None, end: float, reason: str) -> str:
     elapsed = max(end - start, 1e-9)
     line = f"Last answer: {tokens} tokens in {elapsed:.2f} s, **{tokens / elapsed:.1f} tokens/s**"
@@ -121,6 +137,7 @@ def make_chat_fn(backend: Backend):
                    max_tokens: float = DEFAULT_MAX_TOKENS) -> AsyncIterator[tuple[str, Any]]:
         text, tokens, first, reason = "", 0, None, ""
         start = time.perf_counter()
+        shown = 0.0  # when the speed line last showed progress
         try:
             params = SamplingParams(temperature=float(temperature), top_p=float(top_p),
                                     max_tokens=int(max_tokens))
@@ -131,8 +148,12 @@ def make_chat_fn(backend: Backend):
                     if isinstance(ev, Delta) and ev.index == 0:
                         tokens += len(ev.token_ids)
                         first = first or time.perf_counter()
-                        if ev.text:
-                            text += ev.text
+                        now = time.perf_counter()
+                        text += ev.text
+                        if now - shown >= PROGRESS_EVERY:
+                            shown = now
+                            yield text, _progress_line(tokens, start, now)
+                        elif ev.text:
                             yield text, gr.skip()
                     elif isinstance(ev, Finished) and ev.index == 0:
                         reason = ev.reason
@@ -184,7 +205,7 @@ def build_chat_ui(backend: Backend, *, title: str | None = None) -> gr.Blocks:
             gr.Slider(1, limit, value=min(DEFAULT_MAX_TOKENS, limit), step=1,
                       label="Max tokens", render=False),
         ]
-        gr.ChatInterface(
+        chat = gr.ChatInterface(
             make_chat_fn(backend),
             chatbot=gr.Chatbot(label="Chat", render=False,
                                placeholder="Ask the model anything. Stop ends an answer early."),
@@ -198,6 +219,8 @@ def build_chat_ui(backend: Backend, *, title: str | None = None) -> gr.Blocks:
             analytics_enabled=False,
             fill_height=True,
         )
+        chat.textbox.stop(mark_stopped, [speed], [speed], queue=False,
+                          api_visibility="undocumented")
         # The model can be swapped while serving (Server.update): show the current name.
         demo.load(lambda: _header(backend, title), None, header, queue=False,
                   show_progress="hidden", api_visibility="undocumented")

@@ -91,6 +91,7 @@ def test_chat_streams_and_stop_frees_the_slot(tiny_llama_dir):
                 time.sleep(0.8)
                 assert bot.nth(1).inner_text() == stopped_at  # nothing more arrives
                 expect(box).to_be_editable()
+                expect(page.locator("#nbserve-speed")).to_contain_text("stopped")
                 page.screenshot(path=str(ARTIFACTS / "chat_ui.png"), full_page=True)
             finally:
                 browser.close()

@@ -104,9 +104,19 @@ async def test_chat_streams_cumulative_text_then_speed_line():
     texts = [t for t, _ in out]
     assert texts == ["w0 ", "w0 w1 ", "w0 w1 w2 ", "w0 w1 w2 w3 ", "w0 w1 w2 w3 "]
     assert "4 tokens" in out[-1][1] and "tokens/s" in out[-1][1]
+    assert out[0][1].startswith("Answering: 1 tokens")  # progress from the first token on
     params = backend.requests[0].params
     assert (params.temperature, params.top_p, params.max_tokens) == (0.3, 0.8, 100)
     assert backend.requests[0].messages[0] == {"role": "system", "content": "sys"}
+
+
+def test_stop_turns_the_progress_line_into_a_stopped_answer():
+    from nbserve.ui import mark_stopped
+
+    line = "Answering: 120 tokens in 3.0 s, **40.0 tokens/s**"
+    assert mark_stopped(line) == "Last answer (stopped): 120 tokens in 3.0 s, **40.0 tokens/s**"
+    assert "stopped before the first token" in mark_stopped("Last answer: 9 tokens in 1 s")
+    assert "stopped before the first token" in mark_stopped("")
 
 
 @pytest.mark.parametrize("exc, needle", [
