@@ -83,6 +83,8 @@ class _Bucket:
 
     def record(self, threads: int, seconds: float) -> None:
         recent = self.samples.setdefault(threads, deque(maxlen=self.window))
+        if self.exploring == threads:
+            recent.clear()  # a re-check: judge the loser by now, not by what it did long ago
         recent.append(seconds)
         self.median[threads] = statistics.median_low(recent)
         if self.exploring == threads:

@@ -85,3 +85,12 @@ def test_one_stalled_forward_does_not_condemn_a_choice():
     tuner.record(16, t, 0.900)  # a single stall (another process took a core for a moment)
     picks = drive(tuner, 16, {1: 0.120, 2: 0.080}, 50)
     assert picks[-40:].count(2) >= 38
+
+
+def test_recovers_quickly_once_the_contention_is_over():
+    tuner = ThreadTuner((1, 2), min_gap=4, max_gap=64)
+    drive(tuner, 1, {1: 0.050, 2: 0.035}, 30)
+    drive(tuner, 1, {1: 0.050, 2: 0.450}, 300)  # a long busy period: 2 threads lose, often
+    picks = drive(tuner, 1, {1: 0.050, 2: 0.035}, 200)  # quiet again
+    first_back = picks.index(2)
+    assert first_back <= 64 and picks[first_back:].count(2) >= len(picks[first_back:]) - 8
