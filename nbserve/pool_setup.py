@@ -143,7 +143,11 @@ def replicate(loaded: LoadedModel, device: str) -> LoadedModel:
                 moved = t.detach().to(device)
                 memo[id(t)] = torch.nn.Parameter(moved, requires_grad=False) \
                     if isinstance(t, torch.nn.Parameter) else moved
-        return dataclasses.replace(loaded, model=copy.deepcopy(model, memo))
+        copied = copy.deepcopy(model, memo)
+        fuse = getattr(copied, "fuse_projections", None)
+        if callable(fuse):  # nbserve's model: its parameters become views of one fused copy
+            fuse(rebuild=True)
+        return dataclasses.replace(loaded, model=copied)
     if loaded.source:
         return load(loaded.source, device=device, dtype=getattr(model, "dtype", None),
                     verbose=False)

@@ -400,3 +400,18 @@ def test_all_replicas_down_refuses_and_close_leaves_no_thread(loaded):
     pool.close()
     pool.close()  # idempotent
     assert set(threading.enumerate()) == before
+
+
+def test_a_replica_copy_keeps_fused_weights_as_views(loaded):
+    from nbserve.pool_setup import replicate
+
+    copy = replicate(loaded, "meta").model  # another device; meta: no memory, same layout
+    att = copy.model.layers[0].self_attn
+    assert att.qkv_weight.device.type == "meta"
+    fused_bytes = att.qkv_weight.untyped_storage().nbytes()
+    assert fused_bytes > att.q_proj.weight.numel() * 4
+    # each projection is a view into the fused tensor (its storage), not a second copy
+    assert att.q_proj.weight.untyped_storage().nbytes() == fused_bytes
+    mlp = copy.model.layers[0].mlp
+    assert mlp.up_proj.weight.untyped_storage().nbytes() == \
+        mlp.gate_up_weight.untyped_storage().nbytes()

@@ -189,15 +189,16 @@ class LlamaModel(nn.Module):
         """
         self._head_t = self.lm_head.weight.t().contiguous() if enable else None
 
-    def fuse_projections(self) -> None:
+    def fuse_projections(self, rebuild: bool = False) -> None:
         """Run q/k/v and gate/up as one matmul each (`FusedProjection`): same parameters (as
         views), same results, fewer ops per token. Loaders do it; adopted models, whose tensors
-        must stay the caller's, do not."""
+        must stay the caller's, do not. `rebuild`: fuse again layers already fused, e.g. after
+        `.to()` or a deep copy moved the views and the fused tensor apart (two copies)."""
         for layer in self.model.layers:
             att, mlp = layer.self_attn, layer.mlp
-            if att.qkv is None:
+            if rebuild or att.qkv is None:
                 att.qkv = FusedProjection(att, "qkv", [att.q_proj, att.k_proj, att.v_proj])
-            if mlp.gate_up is None:
+            if rebuild or mlp.gate_up is None:
                 mlp.gate_up = FusedProjection(mlp, "gate_up", [mlp.gate_proj, mlp.up_proj])
 
     def use_16bit_weights(self) -> None:
