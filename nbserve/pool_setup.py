@@ -144,9 +144,9 @@ def replicate(loaded: LoadedModel, device: str) -> LoadedModel:
                 memo[id(t)] = torch.nn.Parameter(moved, requires_grad=False) \
                     if isinstance(t, torch.nn.Parameter) else moved
         copied = copy.deepcopy(model, memo)
-        fuse = getattr(copied, "fuse_projections", None)
-        if callable(fuse):  # nbserve's model: its parameters become views of one fused copy
-            fuse(rebuild=True)
+        refresh = getattr(copied, "refresh_derived", None)
+        if callable(refresh):  # nbserve's model: fused views, CPU-only extras (see there)
+            refresh()
         return dataclasses.replace(loaded, model=copied)
     if loaded.source:
         return load(loaded.source, device=device, dtype=getattr(model, "dtype", None),

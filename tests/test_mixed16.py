@@ -76,3 +76,22 @@ def test_cli_and_launch_pass_mixed16_to_the_loader(tiny_llama_dir):
     with backend:
         assert backend.model.weight_format == "mixed16"
         assert backend.complete("hi", max_tokens=3, temperature=0) is not None
+
+
+def test_moving_the_model_rebuilds_what_derives_from_its_weights(tiny_llama_dir):
+    model = nbserve.load(str(tiny_llama_dir), dtype="mixed16", verbose=False).model
+    ids = torch.tensor([[3, 17, 5]])
+
+    def logits(m):
+        return m.forward(ids, torch.arange(3)[None], torch.tensor([0]), m.make_cache(1, 16))
+
+    before = logits(model)
+    model.to(torch.float64)  # .to() moves parameters and buffers, not plain attributes
+    assert model.weight_format == "float64" and model._head_t is None
+    att = model.model.layers[0].self_attn
+    assert att.q_proj.weight.untyped_storage().data_ptr() == att.qkv_weight.data_ptr()
+    torch.testing.assert_close(logits(model).float(), before, rtol=1e-4, atol=1e-4)
+    model.to(torch.float32)  # back on CPU float32: the float16 copies come back
+    assert model.weight_format == "mixed16" and model._head_t is None
+    one = model.forward(ids[:, :1], torch.tensor([[0]]), torch.tensor([0]), model.make_cache(1, 8))
+    assert one.dtype == torch.float32

@@ -176,6 +176,7 @@ class LlamaModel(nn.Module):
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._head_t: torch.Tensor | None = None  # (H, V) copy of the LM head, see below
         self._head16: HalfCopy | None = None  # float16 copy of the head, see use_16bit_weights
+        self._wants = {"transposed_head": False, "16bit": False}  # kept across .to()
 
     def use_transposed_head(self, enable: bool = True) -> None:
         """Keep a (hidden, vocab) copy of the LM head for `x @ W_t`.
@@ -188,6 +189,7 @@ class LlamaModel(nn.Module):
         tensors.
         """
         self._head_t = self.lm_head.weight.t().contiguous() if enable else None
+        self._wants["transposed_head"] = enable
 
     def fuse_projections(self, rebuild: bool = False) -> None:
         """Run q/k/v and gate/up as one matmul each (`FusedProjection`): same parameters (as
@@ -223,7 +225,35 @@ class LlamaModel(nn.Module):
                 if getattr(module, "half_copy", None) is None:
                     module.half_copy = HalfCopy(module.weight, module.bias)
         self._head16 = HalfCopy(self.lm_head.weight)
-        self._head_t = None
+        self._head_t = None  # the float16 copy serves single rows better
+        self._wants.update({"16bit": True, "transposed_head": False})
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 -- nn.Module's hook for .to(), .half()...
+        result = super()._apply(fn, recurse)
+        self.refresh_derived()
+        return result
+
+    def refresh_derived(self) -> None:
+        """Rebuild what is derived from the weights after they moved (`.to()`, a deep copy):
+        the fused projections become views again, the CPU-float32-only extras (transposed
+        head, float16 copies) follow or are dropped, so no stale tensor on the old device or
+        dtype is ever used."""
+        if any(layer.self_attn.qkv is not None for layer in self.model.layers):
+            self.fuse_projections(rebuild=True)
+        cpu32 = self.device.type == "cpu" and self.dtype == torch.float32
+        if self._wants["transposed_head"]:
+            self._head_t = self.lm_head.weight.t().contiguous() if cpu32 else None
+        if self._wants["16bit"]:
+            self._head16 = None
+            for module in self.modules():
+                if getattr(module, "half_copy", None) is not None:
+                    module.half_copy = None
+            for layer in self.model.layers:
+                for fused in (layer.self_attn.qkv, layer.mlp.gate_up):
+                    if fused is not None:
+                        fused.half_copy = None
+            if cpu32:
+                self.use_16bit_weights()
 
     @property
     def weight_format(self) -> str:
