@@ -147,6 +147,45 @@ def transformers_figures(max_tokens: int, batch: int) -> None:
     print(json.dumps({"batch1": one, "batched": many}))
 
 
+LLAMA_CPP_CHILD = r"""
+import json, sys, time
+from llama_cpp import Llama
+path, max_tokens, ids = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+llm = Llama(model_path=path, n_ctx=512, verbose=False)  # its own default thread count
+
+def run(n):
+    times = []
+    for _ in llm.generate(ids, temp=0.0, top_k=1, reset=True):  # greedy, past end-of-text
+        times.append(time.perf_counter())
+        if len(times) >= n:
+            break
+    return times
+
+run(8)  # warm-up
+t = run(max_tokens)
+print(json.dumps({"decode": (len(t) - 1) / (t[-1] - t[0])}))
+"""
+
+
+def llama_cpp_in_subprocess(python: str, ids: list[int], max_tokens: int) -> float | None:
+    """llama.cpp's single-stream decode tokens/s on the same GGUF file and prompt, through
+    llama-cpp-python in `python` (its own venv is fine); None, with a line, if it cannot run."""
+    from nbserve.loading.default import default_model_path
+
+    try:
+        done = subprocess.run([python, "-c", LLAMA_CPP_CHILD, str(default_model_path()),
+                               str(max_tokens), json.dumps(ids)],
+                              capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        print(f"llama.cpp: skipped ({exc})")
+        return None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+        print(f"llama.cpp: skipped ({last}); install llama-cpp-python, see benchmarks/README.md")
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])["decode"]
+
+
 def transformers_in_subprocess(max_tokens: int, batch: int) -> tuple[float, float]:
     """transformers runs in a fresh process with torch's defaults: no thread pool left over
     from the engine can slow it (or flatter nbserve)."""
@@ -168,6 +207,9 @@ def main() -> None:
                     help='skip dtype="mixed16" (speed, and 20 greedy answers against float32)')
     ap.add_argument("--threads", type=int, default=None,
                     help="engine threads (default: tuned per forward size by timing)")
+    ap.add_argument("--llama-cpp-python", default=sys.executable,
+                    help="Python with llama-cpp-python installed, for llama.cpp's single-stream "
+                    "figure on the same GGUF (default: this one; skipped if it lacks it)")
     ap.add_argument("--transformers-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--hf-batch", type=int, default=16, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -216,6 +258,10 @@ def main() -> None:
             hf1, hf16 = transformers_in_subprocess(args.max_tokens, hf_batch)
             rows += [("transformers generate, batch 1", hf1),
                      (f"transformers generate, padded batch {hf_batch}", hf16)]
+    llama = llama_cpp_in_subprocess(args.llama_cpp_python, prompts[0], args.max_tokens) \
+        if args.model == "smollm2" else None
+    if llama:
+        rows.append(("llama.cpp (llama-cpp-python, Q4_1 file) single-stream decode", llama))
 
     print(f"\nload {load_s:.1f} s | {n_params / 1e6:.1f}M parameters | "
           f"{n_bytes / 2**20:.0f} MiB weights ({str(loaded.model.dtype).replace('torch.', '')})")
@@ -227,6 +273,10 @@ def main() -> None:
         key = hf_batch if hf_batch in agg else max(agg)
         print(f"ratio aggregate at {key} concurrent / transformers padded batch {hf_batch}: "
               f"{agg[key] / hf16:.2f}x")
+    if llama:
+        print(f"ratio single-stream decode / llama.cpp: float32 {decode / llama:.2f}x" +
+              "".join(f", mixed16 {v / llama:.2f}x" for k, v in rows
+                      if k.startswith("nbserve mixed16 single")))
     split = stats["step_time_s"]
     print(f"engine step time split: model {split['model']:.2f} s, sampling "
           f"{split['sampling']:.2f} s, bookkeeping {split['bookkeeping']:.2f} s "
