@@ -68,8 +68,9 @@ def test_chat_streams_and_stop_frees_the_slot(tiny_llama_dir):
                 box.press("Enter")
                 expect(page.locator('[data-testid="user"]').first).to_contain_text("Hello there")
                 bot = page.locator('[data-testid="bot"]')
-                expect(page.locator("#nbserve-speed")).to_contain_text("tokens/s", timeout=20000)
-                expect(page.locator("#nbserve-speed")).to_contain_text("30 tokens")
+                speed = page.locator("#nbserve-speed")
+                expect(speed).to_contain_text("Last answer: 30 tokens", timeout=20000)
+                expect(speed).to_contain_text("tokens/s")
                 assert bot.first.inner_text().strip()
 
                 # 2. a long answer: watch it grow, press Stop, see it end and the slot freed
@@ -91,7 +92,7 @@ def test_chat_streams_and_stop_frees_the_slot(tiny_llama_dir):
                 time.sleep(0.8)
                 assert bot.nth(1).inner_text() == stopped_at  # nothing more arrives
                 expect(box).to_be_editable()
-                expect(page.locator("#nbserve-speed")).to_contain_text("stopped")
+                expect(speed).to_contain_text("stopped", timeout=10000)
                 page.screenshot(path=str(ARTIFACTS / "chat_ui.png"), full_page=True)
             finally:
                 browser.close()
