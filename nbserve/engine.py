@@ -30,6 +30,7 @@ from .cpu_threads import ThreadTuner, torch_threads
 from .engine_requests import ChoiceState, Mailbox, RequestGroup, Sink, count_down, drop_event
 from .engine_stats import EngineStats
 from .engine_steps import EngineSteps
+from .stall_watch import StallWatch
 from .loading.bundle import LoadedModel
 from .sampling import SeqSampler
 from .scheduler import Scheduler, Sequence
@@ -53,10 +54,13 @@ class Engine(SyncHelpers, EngineSteps):
                  name: str | None = None, device: str | None = None, dtype: Any = None,
                  quiet: bool = False, queue_timeout: float | None = 600.0,
                  max_backlog: int | None = 1024, restart_on_failure: bool = True,
-                 threads: int | None = None):
+                 threads: int | None = None, step_timeout: float | None = 300.0):
         """`queue_timeout`: seconds a request may wait for a slot before it fails (None: no
         limit). `max_backlog`: events per choice a caller may leave unread before its request is
         cancelled (None: no limit). `restart_on_failure`: restart the engine thread if it dies.
+        `step_timeout`: seconds one step (a model forward) may run before the engine counts as
+        stuck: what is in flight fails, new requests are refused until the step returns (None:
+        no limit).
         `threads`: torch intra-op threads of the engine thread only (the caller's setting is
         untouched); default on CPU: chosen per forward size by timing (`cpu_threads`)."""
         if not isinstance(model, LoadedModel):
@@ -65,12 +69,12 @@ class Engine(SyncHelpers, EngineSteps):
             model = load(model, device=device, dtype=dtype)
         with torch_threads(1):  # no OpenMP pool in the caller's thread: see cpu_threads
             self._init(model, max_batch, max_context, max_queue, prefill_chunk, name, quiet,
-                       queue_timeout, max_backlog, restart_on_failure, threads)
+                       queue_timeout, max_backlog, restart_on_failure, threads, step_timeout)
 
     def _init(self, model: LoadedModel, max_batch: int, max_context: int | None,
               max_queue: int, prefill_chunk: int, name: str | None, quiet: bool,
               queue_timeout: float | None, max_backlog: int | None, restart_on_failure: bool,
-              threads: int | None) -> None:
+              threads: int | None, step_timeout: float | None) -> None:
         self.loaded = model
         self.model = model.model
         self.tokenizer = model.tokenizer
@@ -90,6 +94,10 @@ class Engine(SyncHelpers, EngineSteps):
                                               and queue_timeout > 0):
             raise ValueError(f"queue_timeout must be a number of seconds > 0 (or None for no "
                              f"limit), got {queue_timeout!r}")
+        if step_timeout is not None and not (isinstance(step_timeout, (int, float))
+                                             and step_timeout > 0):
+            raise ValueError(f"step_timeout must be a number of seconds > 0 (or None for no "
+                             f"limit), got {step_timeout!r}")
         if max_backlog is not None and (not isinstance(max_backlog, int) or max_backlog < 1):
             raise ValueError(f"max_backlog must be an integer >= 1 (or None for no limit), got "
                              f"{max_backlog!r}")
@@ -121,6 +129,10 @@ class Engine(SyncHelpers, EngineSteps):
         self._closed = False
         self._dead = False  # the engine thread died (and may be restarting)
         self._restart_timer: threading.Timer | None = None
+        self.step_timeout = step_timeout
+        self._stalled = False  # a step ran past step_timeout and has not returned yet
+        self._stall_watch = None if step_timeout is None else StallWatch(
+            step_timeout, self._on_stall, f"nbserve-stall-watch-{id(self):x}")
         self._thread = self._new_thread()
         if not quiet:
             print(f"nbserve: KV cache {max_batch} slots x {max_context} tokens, "
@@ -209,7 +221,8 @@ class Engine(SyncHelpers, EngineSteps):
         alive = self._thread.is_alive() and not (self._dead or self._stopping)
         restarting = not alive and self._restart_timer is not None and not self._stopping
         st = self.stats()
-        return {"ready": alive, "status": "ready" if alive else
+        return {"ready": alive and not self._stalled,
+                "status": "stalled" if alive and self._stalled else "ready" if alive else
                 "restarting" if restarting else "stopped",
                 "running": st["running"], "waiting": st["waiting"], "replicas": 1,
                 "model": self.model_name, "restarts": self.restarts}
@@ -229,6 +242,8 @@ class Engine(SyncHelpers, EngineSteps):
             thread = self._thread
         if threading.current_thread() is not thread:
             thread.join(timeout=30)
+        if self._stall_watch is not None:
+            self._stall_watch.stop()
         for group in list(self._groups.values()):
             self._fail(group, "the engine was stopped", "service_unavailable")
         self._groups.clear()
@@ -314,6 +329,10 @@ class Engine(SyncHelpers, EngineSteps):
     def _check_running(self) -> None:
         if self._stopping:
             raise EngineStoppedError("the engine is not running (stopped or shutting down)")
+        if self._stalled:
+            raise EngineStoppedError(
+                f"the model is stuck: one step has run for more than step_timeout="
+                f"{self.step_timeout:g} s; requests are refused until it returns")
         if self._dead or not self._thread.is_alive():
             raise EngineStoppedError(
                 "the engine thread crashed and is restarting; retry in a few seconds"
@@ -398,12 +417,36 @@ class Engine(SyncHelpers, EngineSteps):
                     self._lock.wait()
                 if self._stopping:
                     return
+            watch = self._stall_watch
+            if watch is not None:
+                watch.step_started()
             try:
                 self.step()
             except Exception:  # a bug in bookkeeping: fail everything running, keep serving
                 log.exception("engine step failed")
                 for seq in list(self.scheduler.running):
                     self._fail(seq.group, "internal engine error", "server_error")
+            finally:
+                if watch is not None and watch.step_ended():
+                    self._recover_from_stall()
+
+    def _on_stall(self, seconds: float) -> None:
+        """(watch thread) A step has run past step_timeout: fail what is in flight, refuse new
+        work. The step itself cannot be stopped; `_recover_from_stall` runs if it returns."""
+        log.error("one engine step has run for %.0f s (step_timeout=%g s): the model looks "
+                  "stuck; failing the requests in flight", seconds, self.step_timeout)
+        with self._lock:
+            self._stalled = True
+        self._fail_all(f"the model has been stuck in one step for {seconds:.0f} s (longer than "
+                       f"step_timeout={self.step_timeout:g} s); the request was abandoned",
+                       "service_unavailable")
+
+    def _recover_from_stall(self) -> None:
+        """(engine thread) The stuck step returned: forget its sequences, serve again."""
+        with self._lock:
+            self.scheduler = Scheduler(self.max_batch, self.prefill_chunk)
+            self._stalled = False
+        log.warning("the stuck engine step returned; the engine serves again")
 
 def accepts_hints(forward: Callable[..., Any]) -> bool:
     """Whether a StepModel's forward takes the optional `max_pos` / `contiguous_from` hints."""

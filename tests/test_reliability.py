@@ -349,6 +349,35 @@ def test_a_dead_engine_thread_is_reported_and_restarts(loaded: Any, kill: Any) -
     assert wait_until(lambda: engine_threads() <= before, 5)
 
 
+def test_a_stuck_forward_fails_what_is_in_flight_and_the_engine_recovers(loaded: Any) -> None:
+    engine, model = faulty_engine(loaded, max_batch=1, step_timeout=0.5)
+    with engine, app_running(engine) as url, ThreadPoolExecutor(4) as pool:
+        assert chat(url).status_code == 200
+        model.hang()  # the next forward never returns (until released)
+        in_flight = pool.submit(chat, url, True, max_tokens=50)
+        assert model.blocked.wait(10)
+        queued = pool.submit(chat, url, False, max_tokens=50)
+        assert wait_until(lambda: httpx.get(url + "/health").status_code == 503, 10)
+        assert httpx.get(url + "/health").json()["status"] == "stalled"
+        payloads = sse_payloads(in_flight.result(timeout=10))  # not left hanging
+        assert payloads[-1] == "[DONE]" and "stuck" in payloads[-2]["error"]["message"]
+        assert_error(queued.result(timeout=10), 503, "engine_unavailable")
+        refused = assert_error(chat(url), 503, "engine_unavailable")
+        assert "step_timeout=0.5" in refused["message"]
+        model.release()  # the stuck forward returns: the engine serves again
+        assert wait_until(lambda: httpx.get(url + "/health").status_code == 200, 10)
+        ok = chat(url, max_tokens=6, logit_bias=NO_EOS)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 6
+        st = engine.stats()
+        assert st["running"] == 0 and st["waiting"] == 0 and st["slots_used"] == 0
+
+
+def test_step_timeout_is_checked(loaded: Any) -> None:
+    for bad in (0, -1, "10"):
+        with pytest.raises(ValueError, match="step_timeout must be a number of seconds > 0"):
+            faulty_engine(loaded, step_timeout=bad)
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dead_engine_thread_without_restart_stays_unavailable(loaded: Any) -> None:
     engine, model = faulty_engine(loaded, max_batch=1, restart_on_failure=False)
