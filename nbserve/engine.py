@@ -217,6 +217,11 @@ class Engine(SyncHelpers, EngineSteps):
             device=str(self.model.device), dtype=str(self.model.dtype).replace("torch.", ""),
             threads=self.threads or (self._tuner.summary() if self._tuner else None))
 
+    @property
+    def stalled(self) -> bool:
+        """A step has run past `step_timeout` and not returned yet (see `StallWatch`)."""
+        return self._stalled
+
     def health(self) -> dict[str, Any]:
         alive = self._thread.is_alive() and not (self._dead or self._stopping)
         restarting = not alive and self._restart_timer is not None and not self._stopping

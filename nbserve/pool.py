@@ -275,9 +275,9 @@ class Pool(SyncHelpers):
                 self._end_attempt(attempt, ok=False)
                 busy = exc
                 continue
-            except EngineStoppedError:
+            except EngineStoppedError as exc:  # stopped, crashed and restarting, or stuck
                 self._end_attempt(attempt, ok=False)
-                self._mark_unhealthy(rep, "its engine was stopped", dead=True)
+                self._mark_unhealthy(rep, f"its engine refused work: {exc}", dead=True)
                 continue
             except BaseException:
                 self._end_attempt(attempt, ok=False)
@@ -450,4 +450,7 @@ class Pool(SyncHelpers):
             for rep in self.replicas:
                 if rep.healthy and not rep.alive:
                     self._mark_unhealthy(rep, "its engine thread died", dead=True)
+                elif rep.healthy and getattr(rep.engine, "stalled", False):
+                    self._mark_unhealthy(rep, "its model is stuck in one step (longer than "
+                                         "step_timeout)", dead=False)
             self._readmit_due()

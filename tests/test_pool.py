@@ -386,6 +386,46 @@ def test_a_crashed_replica_restarts_and_rejoins(loaded, reference):
             assert ids_of(events) == reference[p]
 
 
+class HangingModel:
+    """Wraps a model; a forward blocks while `gate` is clear."""
+
+    def __init__(self, inner: Any):
+        self.inner, self.gate, self.blocked = inner, threading.Event(), threading.Event()
+        self.gate.set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.gate.is_set():
+            self.blocked.set()
+            self.gate.wait(30)
+        return self.inner.forward(*args, **kwargs)
+
+
+def test_a_stuck_replica_leaves_the_rotation_and_returns_when_its_step_does(loaded, reference):
+    with make_pool(loaded, step_timeout=0.3, readmit_after=0.2) as pool:
+        stuck = pool.replicas[1]
+        model = HangingModel(stuck.engine.model)
+        stuck.engine.model = model
+        model.gate.clear()
+        requests = [Request(prompt=p, params=greedy(24)) for p in PROMPTS]
+        results = run_all(pool, requests)  # the ones sent to replica 1 move to replica 0
+        assert model.blocked.is_set()
+        for p, r, events in zip(PROMPTS, requests, results):
+            if not isinstance(events[-1], ErrorEvent):
+                assert ids_of(events) == reference[p]
+            else:  # only a request that had streamed on replica 1 may fail
+                assert r.metadata["replica"] == 1 and "stuck" in events[-1].message
+        assert sum(isinstance(e[-1], ErrorEvent) for e in results) <= 1
+        assert not stuck.healthy and "stuck" in stuck.reason
+        model.gate.set()  # the step returns
+        assert wait_for(lambda: stuck.healthy, 10)
+        later = [Request(prompt=p, params=greedy(8)) for p in PROMPTS]
+        run_all(pool, later)
+        assert 1 in {r.metadata["replica"] for r in later}
+
+
 def test_all_replicas_down_refuses_and_close_leaves_no_thread(loaded):
     before = set(threading.enumerate())
     pool = make_pool(loaded)
