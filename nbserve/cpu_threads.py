@@ -59,25 +59,26 @@ class _Bucket:
     min_gap: int
     max_gap: int
     window: int
-    samples: dict[int, deque] = field(default_factory=dict)
-    median: dict[int, float] = field(default_factory=dict)  # of `samples`, by choice
+    samples: dict[int, deque] = field(default_factory=dict)  # the last few, by choice
     gap: int = 0
     since: int = 0
     exploring: int | None = None
 
+    def median(self, choice: int) -> float:
+        return statistics.median_low(self.samples[choice])
+
     def best(self) -> int:
-        return min(self.median, key=self.median.__getitem__)
+        return min(self.samples, key=self.median)
 
     def choose(self) -> int:
         for c in reversed(self.choices):  # time each once, most threads first
-            if c not in self.median:
+            if c not in self.samples:
                 return c
         best = self.best()
         self.since += 1
         if self.since >= (self.gap or self.min_gap):
             self.since = 0
-            self.exploring = min((c for c in self.choices if c != best),
-                                 key=self.median.__getitem__)
+            self.exploring = min((c for c in self.choices if c != best), key=self.median)
             return self.exploring
         return best
 
@@ -86,7 +87,6 @@ class _Bucket:
         if self.exploring == threads:
             recent.clear()  # a re-check: judge the loser by now, not by what it did long ago
         recent.append(seconds)
-        self.median[threads] = statistics.median_low(recent)
         if self.exploring == threads:
             self.exploring = None
             won = self.best() == threads
@@ -143,6 +143,6 @@ class ThreadTuner:
             b = self._buckets[key]
             lo, hi = 1 << (key - 1), (1 << key) - 1
             label = str(lo) if lo == hi else f"{lo}-{hi}"
-            out[label] = {"threads": b.best() if b.median else None,
-                          "ms": {str(c): round(s * 1e3, 2) for c, s in sorted(b.median.items())}}
+            out[label] = {"threads": b.best() if b.samples else None,
+                          "ms": {str(c): round(b.median(c) * 1e3, 2) for c in sorted(b.samples)}}
         return out

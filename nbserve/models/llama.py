@@ -211,19 +211,9 @@ class LlamaModel(nn.Module):
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise ValueError("16-bit weights are a CPU float32 option: load the model with "
                              "dtype='float32' on cpu (on a GPU use dtype='bfloat16')")
-        for layer in self.model.layers:
-            att, mlp = layer.self_attn, layer.mlp
-            for fused in (att.qkv, mlp.gate_up):
-                if fused is not None and fused.half_copy is None:
-                    fused.half_copy = HalfCopy(fused.weight, fused.bias)
-            unfused = [att.o_proj, mlp.down_proj]
-            if att.qkv is None:
-                unfused += [att.q_proj, att.k_proj, att.v_proj]
-            if mlp.gate_up is None:
-                unfused += [mlp.gate_proj, mlp.up_proj]
-            for module in unfused:
-                if getattr(module, "half_copy", None) is None:
-                    module.half_copy = HalfCopy(module.weight, module.bias)
+        for holder in self._matmuls():
+            if getattr(holder, "half_copy", None) is None:
+                holder.half_copy = HalfCopy(holder.weight, holder.bias)
         self._head16 = HalfCopy(self.lm_head.weight)
         self._head_t = None  # the float16 copy serves single rows better
         self._wants.update({"16bit": True, "transposed_head": False})
@@ -245,15 +235,26 @@ class LlamaModel(nn.Module):
             self._head_t = self.lm_head.weight.t().contiguous() if cpu32 else None
         if self._wants["16bit"]:
             self._head16 = None
-            for module in self.modules():
-                if getattr(module, "half_copy", None) is not None:
-                    module.half_copy = None
-            for layer in self.model.layers:
-                for fused in (layer.self_attn.qkv, layer.mlp.gate_up):
-                    if fused is not None:
-                        fused.half_copy = None
+            for holder in self._matmuls():
+                holder.half_copy = None
             if cpu32:
                 self.use_16bit_weights()
+
+    def _matmuls(self) -> list[nn.Linear | FusedProjection]:
+        """What runs each layer matmul: fused projections where there are, else the Linears."""
+        out: list[nn.Linear | FusedProjection] = []
+        for layer in self.model.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            out += [att.qkv] if att.qkv is not None else [att.q_proj, att.k_proj, att.v_proj]
+            out += [att.o_proj]
+            out += [mlp.gate_up] if mlp.gate_up is not None else [mlp.gate_proj, mlp.up_proj]
+            out += [mlp.down_proj]
+        return out
+
+    def half_copies(self) -> list[torch.Tensor]:
+        """The float16 copies `use_16bit_weights` added (for counting memory)."""
+        return [h.half_copy.weight for h in self._matmuls() if getattr(h, "half_copy", None)] + \
+            ([self._head16.weight] if self._head16 is not None else [])
 
     @property
     def weight_format(self) -> str:
@@ -365,13 +366,6 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     seen: dict[int, torch.Tensor] = {}
     for p in model.parameters():
         seen.setdefault(p.data_ptr(), p)
-    extra = [m.half_copy.weight for m in model.modules() if getattr(m, "half_copy", None)]
-    for m in model.modules():  # fused projections keep their float16 copy themselves
-        for fused in (getattr(m, "qkv", None), getattr(m, "gate_up", None)):
-            if isinstance(fused, FusedProjection) and fused.half_copy is not None:
-                extra.append(fused.half_copy.weight)
-    head16 = getattr(model, "_head16", None)
-    if head16 is not None:
-        extra.append(head16.weight)
+    extra = model.half_copies() if isinstance(model, LlamaModel) else []
     return (sum(p.numel() for p in seen.values()),
             sum(p.numel() * p.element_size() for p in [*seen.values(), *extra]))
