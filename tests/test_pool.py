@@ -355,13 +355,15 @@ def test_a_relapse_on_probation_doubles_the_cool_down(loaded):
         bad = pool.replicas[1]
         bad.engine.model = FailingModel(bad.engine.model)
         run_all(pool, [Request(prompt=p, params=greedy(4)) for p in PROMPTS])
-        assert not bad.healthy and bad.cooldown == pytest.approx(0.2)
+        first_out = bad.down_since  # taken out (on a busy machine it may be back already)
+        assert first_out > 0 and bad.cooldown == pytest.approx(0.2)
         assert wait_for(lambda: bad.healthy, 5.0)  # the engine runs: a chance, still broken
         assert bad.errors_in_row == pool.max_model_errors - 1  # on probation
         requests = [Request(prompt=p, params=greedy(4)) for p in PROMPTS]
         results = run_all(pool, requests)
         assert not any(isinstance(ev[-1], ErrorEvent) for ev in results)  # moved, not lost
-        assert not bad.healthy and bad.cooldown == pytest.approx(0.4)  # out again, for longer
+        assert bad.down_since > first_out and bad.cooldown == pytest.approx(0.4)  # out again,
+        # for longer
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")

@@ -119,7 +119,7 @@ def take_over(model: Any, max_context: int | None = None) -> LlamaModel | None:
             cfg.max_position_embeddings = int(max_context)
         device, dtype = placements.pop()
         step = build_llama(cfg, params, device=device, dtype=dtype, transposed_head=False,
-                           fuse=False)
+                           fuse=False, pack=False)
     except ValueError as exc:
         print(f"nbserve: {arch} cannot use nbserve's own model ({exc}); serving it through "
               "TransformersAdapter", flush=True)

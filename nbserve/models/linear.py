@@ -17,12 +17,16 @@ from torch import nn
 SPLIT_MAX_ROWS = 128  # past this, F.linear's GEMM threads well on its own
 
 
-def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+def linear(x: torch.Tensor, layer: nn.Linear | FusedProjection) -> torch.Tensor:
     """`layer(x)`: through its float16 copy for a row or two when it has one (`HalfCopy`), else
-    with the output rows split across threads when that is faster (see above)."""
+    through its oneDNN copy when it has one (`PackedCopy`), else with the output rows split
+    across threads when that is faster (see above)."""
     half = getattr(layer, "half_copy", None)
     if half is not None and half.applies(x):
         return half(x)
+    packed = getattr(layer, "packed", None)
+    if packed is not None:
+        return packed(x)
     return split_linear(x, layer.weight, layer.bias)
 
 
@@ -49,6 +53,43 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor,
     y = torch.bmm(x.reshape(1, rows, in_features).expand(k, rows, in_features), blocks)
     y = y.transpose(0, 1).reshape(*x.shape[:-1], out_features)  # (k, rows, out/k) -> (..., out)
     return y if bias is None else y + bias
+
+
+# ------------------------------------------------------------------ oneDNN-packed copies
+PACK_FOR_ROWS = 16  # the row count oneDNN is told to expect; measured best from 1 to 256 rows
+
+
+def packing_available(weight: torch.Tensor) -> bool:
+    """Whether `PackedCopy` can serve this weight: a CPU float32 matrix, torch built with
+    oneDNN (mkldnn) and its linear ops present."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class PackedCopy:
+    """A copy of a float32 weight in oneDNN's blocked layout, multiplied by oneDNN's own
+    kernel (the path `torch.compile`'s weight freezing takes on CPU, here without compiling).
+
+    Measured on this project's 2-core CPU in the engine thread (benchmarks/README.md, "Linear
+    layers"), SmolLM2's 30 layers: 21 ms at one row (split linear 21, F.linear 38), 27 ms at
+    16 rows (split 43, F.linear 52), 44 ms at 32 (61, 73); its 49152 x 576 LM head: 4.1 ms at
+    one row (transposed copy 4.7), 5.9 ms at 16 (split 13, F.linear 18). Outputs differ from
+    F.linear's in the last bits (another summation order). Costs one more copy of the weight.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        dense = weight.detach().contiguous()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(dense, PACK_FOR_ROWS)
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.nbytes = dense.numel() * dense.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def __deepcopy__(self, memo: dict) -> PackedCopy:  # oneDNN tensors have no storage to copy
+        return PackedCopy(self.weight.to_dense(), self.bias)
 
 
 # ------------------------------------------------------------- float16 copies for single rows
@@ -107,6 +148,7 @@ class FusedProjection:
                 layer.bias = nn.Parameter(bias[start:start + size], requires_grad=False)
             start += size
         self.half_copy: HalfCopy | None = None
+        self.packed: PackedCopy | None = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -117,7 +159,4 @@ class FusedProjection:
         return getattr(self.owner, f"{self.name}_bias")
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        half = self.half_copy
-        y = half(x) if half is not None and half.applies(x) else \
-            split_linear(x, self.weight, self.bias)
-        return y.split(self.sizes, dim=-1)
+        return linear(x, self).split(self.sizes, dim=-1)

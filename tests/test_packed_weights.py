@@ -1,0 +1,94 @@
+"""oneDNN-packed copies of the matmul weights (`PackedCopy`, `LlamaModel.pack_weights`)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import nbserve
+from nbserve.models.linear import PackedCopy, linear, packing_available
+from nbserve.models.llama import LlamaModel, count_parameters
+
+pytestmark = pytest.mark.skipif(not packing_available(torch.zeros(2, 2)),
+                                reason="torch built without oneDNN")
+
+
+def _logits(model: LlamaModel, rows: int) -> torch.Tensor:
+    """One decode step of `rows` sequences after an 8-token prefill each."""
+    torch.manual_seed(0)
+    cache = model.make_cache(rows, 32)
+    ids = torch.randint(0, model.vocab_size, (rows, 8))
+    slots = torch.arange(rows)
+    model.forward(ids, torch.arange(8).expand(rows, 8), slots, cache)
+    return model.forward(ids[:, -1:], torch.full((rows, 1), 8), slots, cache)[:, -1]
+
+
+@pytest.mark.parametrize("shape", [(1, 24), (16, 24), (2, 3, 24)])
+def test_packed_copy_computes_the_linear_layer(shape):
+    weight, bias = torch.randn(40, 24), torch.randn(40)
+    packed = PackedCopy(weight, bias)
+    x = torch.randn(*shape)
+    torch.testing.assert_close(packed(x), torch.nn.functional.linear(x, weight, bias),
+                               rtol=1e-5, atol=1e-5)
+    again = copy.deepcopy(packed)  # oneDNN tensors have no storage: the copy re-packs
+    torch.testing.assert_close(again(x), packed(x), rtol=0, atol=0)
+
+
+def test_loaders_pack_cpu_float32_models_and_the_packed_copies_serve(tiny_llama_dir,
+                                                                    monkeypatch):
+    packed = nbserve.load(str(tiny_llama_dir), verbose=False).model
+    plain = copy.deepcopy(packed)
+    for holder in plain._weight_holders():
+        holder.packed = None
+    plain._wants["packed"] = False
+    assert all(h.packed is not None for h in packed._weight_holders())
+    assert packed._head_t is None  # the packed head replaces the transposed copy
+    calls: list[int] = []
+    run = PackedCopy.__call__
+    monkeypatch.setattr(PackedCopy, "__call__", lambda self, x: calls.append(1) or run(self, x))
+    for rows in (1, 4, 16):
+        calls.clear()
+        a, b = _logits(packed, rows), _logits(plain, rows)
+        # prefill and decode, each: 4 matmuls a layer and the LM head, all packed
+        assert len(calls) == 2 * (4 * packed.config.num_hidden_layers + 1)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # the same result
+    (n_packed, bytes_packed), (n_plain, bytes_plain) = (count_parameters(packed),
+                                                        count_parameters(plain))
+    assert n_packed == n_plain and bytes_packed > bytes_plain  # the copies are counted
+
+
+def test_packing_follows_the_weights_across_dtype_changes(tiny_llama_dir):
+    model = nbserve.load(str(tiny_llama_dir), verbose=False).model
+    before = _logits(model, 2)
+    model.to(torch.float64)  # oneDNN packing is float32-only: dropped, not left stale
+    assert all(h.packed is None for h in model._weight_holders())
+    torch.testing.assert_close(_logits(model, 2).float(), before, rtol=1e-4, atol=1e-4)
+    model.to(torch.float32)
+    assert all(h.packed is not None for h in model._weight_holders())
+    torch.testing.assert_close(_logits(model, 2), before, rtol=0, atol=0)
+
+
+def test_mixed16_keeps_packed_copies_for_batches(tiny_llama_dir):
+    model = nbserve.load(str(tiny_llama_dir), dtype="mixed16", verbose=False).model
+    holder = model._weight_holders()[0]
+    assert holder.half_copy is not None and holder.packed is not None
+    calls = []
+    real = holder.packed
+
+    class Spy:
+        def __call__(self, x):
+            calls.append(x.shape[:-1].numel())
+            return real(x)
+
+    holder.packed = Spy()
+    linear(torch.randn(1, holder.weight.shape[1]), holder)  # one row: the float16 copy
+    linear(torch.randn(8, holder.weight.shape[1]), holder)  # a batch: the packed copy
+    assert calls == [8]
+
+
+def test_pack_weights_says_what_it_needs(tiny_llama_dir):
+    model = nbserve.load(str(tiny_llama_dir), dtype="bfloat16", verbose=False).model
+    with pytest.raises(ValueError, match="CPU float32 model"):
+        model.pack_weights()
