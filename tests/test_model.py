@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from nbserve.models.config import LlamaConfig
-from nbserve.models.llama import build_llama
+from nbserve.models.llama import apply_rope, build_llama
 
 VOCAB = 300
 
@@ -139,3 +139,14 @@ def test_fused_projections_keep_names_values_and_memory(arch: str) -> None:
     outs = [m.forward(seq, torch.arange(7).expand(2, 7), torch.tensor([0, 1]),
                       m.make_cache(2, 32)) for m in (fused, plain)]
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_rope_by_roll_is_rotate_half_bit_for_bit() -> None:
+    torch.manual_seed(0)
+    x, angles = torch.randn(3, 5, 12, 64), torch.randn(3, 5, 1, 32)
+    cos = torch.cat((angles.cos(), angles.cos()), -1)
+    sin = torch.cat((angles.sin(), angles.sin()), -1)
+    x1, x2 = x.chunk(2, -1)
+    reference = x * cos + torch.cat((-x2, x1), -1) * sin  # transformers' rotate_half form
+    sin_signed = torch.cat((-angles.sin(), angles.sin()), -1)
+    assert torch.equal(apply_rope(x, cos, sin_signed), reference)

@@ -37,9 +37,11 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     return inv.float()
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x (..., D): x * cos + rotate_half(x) * sin, where rotate_half(x) =
+    [-x2, x1]. Written as x * cos + [x2, x1] * [-sin, sin] (`sin_signed`, one roll): the
+    same values bit for bit (only signs move), in 4 ops instead of 6."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 class Attention(nn.Module):
@@ -57,16 +59,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: "StepInputs",
                 cache: KVCache) -> torch.Tensor:
         b, t, _ = x.shape
-        cos, sin = rope  # (B, T, 1, D)
-        if self.qkv is not None:
-            q, k, v = self.qkv(x)
+        cos, sin_signed = rope  # (B, T, 1, D)
+        hq, hkv = self.hq, self.hkv
+        if self.qkv is not None:  # one matmul; rope on q and k heads together
+            heads = linear(x, self.qkv).view(b, t, hq + 2 * hkv, self.d)
+            qk = apply_rope(heads[:, :, :hq + hkv], cos, sin_signed)
+            q, k, v = qk[:, :, :hq], qk[:, :, hq:], heads[:, :, hq + hkv:]
         else:
-            q, k, v = linear(x, self.q_proj), linear(x, self.k_proj), linear(x, self.v_proj)
-        q = q.view(b, t, self.hq, self.d)
-        k = k.view(b, t, self.hkv, self.d)
-        v = v.view(b, t, self.hkv, self.d)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+            q = apply_rope(linear(x, self.q_proj).view(b, t, hq, self.d), cos, sin_signed)
+            k = apply_rope(linear(x, self.k_proj).view(b, t, hkv, self.d), cos, sin_signed)
+            v = linear(x, self.v_proj).view(b, t, hkv, self.d)
         cache.write(self.layer, step.slots, step.positions, k, v)
         keys, values = cache.read(self.layer, step.slots, step.kv_len, step.contiguous_from)
         if t == 1:
@@ -302,8 +304,9 @@ class LlamaModel(nn.Module):
             inv = rope_inv_freq(self.config).to(self.device)
             pos = torch.arange(self.max_context, device=self.device, dtype=torch.float32)
             freqs = torch.outer(pos, inv)
-            emb = torch.cat((freqs, freqs), dim=-1)  # (max_context, D)
-            self._rope_cache = {key: (emb.cos().to(self.dtype), emb.sin().to(self.dtype))}
+            cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)  # (max_context, D)
+            sin_signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)  # see apply_rope
+            self._rope_cache = {key: (cos.to(self.dtype), sin_signed.to(self.dtype))}
         return self._rope_cache[key]
 
     @torch.inference_mode()
@@ -318,8 +321,8 @@ class LlamaModel(nn.Module):
         if max_pos is None:
             max_pos = int(positions.max())
         step = StepInputs(positions, slots, max_pos, contiguous_from)
-        cos_t, sin_t = self._rope_table()
-        rope = (cos_t[positions].unsqueeze(2), sin_t[positions].unsqueeze(2))  # (B, T, 1, D)
+        cos_t, sin_signed_t = self._rope_table()
+        rope = (cos_t[positions].unsqueeze(2), sin_signed_t[positions].unsqueeze(2))  # (B,T,1,D)
         x = self.model.embed_tokens(ids)  # (B, T, H)
         for layer in self.model.layers:
             x = layer(x, rope, step, cache)
