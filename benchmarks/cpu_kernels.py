@@ -1,9 +1,10 @@
 """Micro-benchmarks behind the CPU choices in nbserve/models/linear.py and nbserve/cpu_threads.py.
 
 For SmolLM2-135M's shapes (30 layers of q, k, v, o, gate, up, down; the 49152 x 576 LM head) it
-times, at 1 and 16 input rows: float32 `F.linear`, float32 split by output rows (`bmm`),
-float16 and bfloat16 `F.linear`; each in the main thread and in a fresh non-main thread (where
-the engine runs). Random weights: only shapes matter.
+times, at 1 and 16 input rows: float32 `F.linear`, float32 split by output rows (`bmm`), float32
+through oneDNN-packed copies (`PackedCopy`), float16 and bfloat16 `F.linear`; each in the main
+thread and in a fresh non-main thread (where the engine runs). Random weights: only shapes
+matter.
 
     python benchmarks/cpu_kernels.py               # ~1 minute on 2 cores
 """
@@ -15,8 +16,15 @@ import threading
 import time
 from collections.abc import Callable
 
+import os
+import sys
+
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from nbserve.models.linear import PackedCopy  # noqa: E402
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 HEAD = (49152, 576)
@@ -45,14 +53,18 @@ def cases(rows: int) -> dict[str, Callable[[], object]]:
     x = {i: torch.randn(rows, i, generator=g) for i in (576, 1536)}
     half = [w.half() for w in layers]
     bf = [w.bfloat16() for w in layers]
+    packed = [PackedCopy(w) for w in layers]
+    packed_head = PackedCopy(head)
     return {
         "layers f32 F.linear": lambda: [F.linear(x[w.shape[1]], w) for w in layers],
         "layers f32 split bmm": lambda: [split(x[w.shape[1]], w) for w in layers],
+        "layers f32 packed": lambda: [p(x[p.weight.shape[1]]) for p in packed],
         "layers f16 F.linear": lambda: [F.linear(x[w.shape[1]].half(), w).float() for w in half],
         "layers bf16 F.linear": lambda: [F.linear(x[w.shape[1]].bfloat16(), w).float()
                                          for w in bf],
         "head f32 F.linear": lambda: F.linear(x[576], head),
         "head f32 split bmm": lambda: split(x[576], head),
+        "head f32 packed": lambda: packed_head(x[576]),
     }
 
 

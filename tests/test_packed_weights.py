@@ -92,3 +92,15 @@ def test_pack_weights_says_what_it_needs(tiny_llama_dir):
     model = nbserve.load(str(tiny_llama_dir), dtype="bfloat16", verbose=False).model
     with pytest.raises(ValueError, match="CPU float32 model"):
         model.pack_weights()
+
+
+def test_loaders_skip_packing_when_the_copies_would_crowd_the_memory(tiny_llama_dir,
+                                                                     monkeypatch):
+    from nbserve.models import linear as linear_module
+
+    assert linear_module.packing_affordable(1 << 20)  # a MiB fits on any machine we run on
+    monkeypatch.setattr(linear_module, "PACK_MEMORY_SHARE", 0.0)  # as if the model were huge
+    model = nbserve.load(str(tiny_llama_dir), verbose=False).model
+    assert all(getattr(h, "packed", None) is None for h in model._weight_holders())
+    assert model._head_t is not None  # the older single-row head copy instead
+    assert _logits(model, 2).shape == (2, model.vocab_size)

@@ -16,7 +16,8 @@ from torch import nn
 
 from ..kv_cache import KVCache
 from .config import LlamaConfig
-from .linear import FusedProjection, HalfCopy, PackedCopy, linear, packing_available
+from .linear import (FusedProjection, HalfCopy, PackedCopy, linear, packing_affordable,
+                     packing_available)
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
@@ -341,7 +342,8 @@ def build_llama(cfg: LlamaConfig, tensors: Iterable[tuple[str, torch.Tensor]],
     """Create a LlamaModel from HF-named tensors, moving each to (device, dtype) as it arrives.
 
     `fuse` concatenates q/k/v and gate/up (`LlamaModel.fuse_projections`); `pack` (default: on
-    for CPU float32 where torch has oneDNN) adds the faster packed copies of
+    for CPU float32 where torch has oneDNN and the copies take at most a quarter of the RAM,
+    `packing_affordable`) adds the faster packed copies of
     `LlamaModel.pack_weights`; `transposed_head` (default: on for CPU float32 when not packed)
     keeps the LM-head copy of `LlamaModel.use_transposed_head`. Pass False to all three to
     share every tensor with the caller.
@@ -375,7 +377,8 @@ def build_llama(cfg: LlamaConfig, tensors: Iterable[tuple[str, torch.Tensor]],
     if fuse:
         model.fuse_projections()
     if pack is None:
-        pack = packing_available(model.lm_head.weight)
+        pack = packing_available(model.lm_head.weight) and packing_affordable(
+            sum(h.weight.numel() * h.weight.element_size() for h in model._weight_holders()))
     if pack:
         model.pack_weights()
     if transposed_head is None:
