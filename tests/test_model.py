@@ -150,3 +150,37 @@ def test_rope_by_roll_is_rotate_half_bit_for_bit() -> None:
     reference = x * cos + torch.cat((-x2, x1), -1) * sin  # transformers' rotate_half form
     sin_signed = torch.cat((-angles.sin(), angles.sin()), -1)
     assert torch.equal(apply_rope(x, cos, sin_signed), reference)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "mixed16"])
+def test_a_lone_decode_step_takes_the_short_path_to_the_same_values(tiny_llama_dir, dtype,
+                                                                     monkeypatch) -> None:
+    import nbserve
+    from nbserve.models.llama import DecoderLayer
+
+    model = nbserve.load(str(tiny_llama_dir), dtype=dtype, verbose=False).model
+    caches = [model.make_cache(3, 64), model.make_cache(3, 64)]
+    prompt = torch.tensor([[3, 17, 5, 9, 11, 2]])
+    for cache in caches:
+        model.forward(prompt, torch.arange(6)[None], torch.tensor([2]), cache)
+    lone_calls = []
+    real = DecoderLayer.lone_step
+    monkeypatch.setattr(DecoderLayer, "lone_step",
+                        lambda self, *a: lone_calls.append(1) or real(self, *a))
+    token = torch.tensor([[7]])
+    for pos in range(6, 11):
+        short = model.forward(token, torch.tensor([[pos]]), torch.tensor([2]), caches[0],
+                              logit_index=torch.zeros(1, dtype=torch.long), max_pos=pos,
+                              contiguous_from=2)
+        assert len(lone_calls) == model.config.num_hidden_layers * (pos - 5)
+        general = model.forward(token, torch.tensor([[pos]]), torch.tensor([2]), caches[1],
+                                logit_index=torch.zeros(1, dtype=torch.long))
+        assert len(lone_calls) == model.config.num_hidden_layers * (pos - 5)  # not taken
+        assert short.shape == general.shape == (1, model.vocab_size)
+        assert torch.equal(short, general)
+        token = short.argmax(-1, keepdim=True)
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        assert torch.equal(a, b)
+    no_index = model.forward(token, torch.tensor([[11]]), torch.tensor([2]), caches[0],
+                             max_pos=11, contiguous_from=2)
+    assert no_index.shape == (1, 1, model.vocab_size)  # (B, T, V) as the general path gives
