@@ -6,6 +6,10 @@ through oneDNN-packed copies (`PackedCopy`), float16 and bfloat16 `F.linear`; ea
 thread and in a fresh non-main thread (where the engine runs). Random weights: only shapes
 matter.
 
+Then the OpenMP trap (`nbserve/openmp_pool.py`): the same one-row packed layers and a 2-thread
+add of 70k floats in a fresh thread, with no pool in the main thread, with one, and after
+`release_openmp_pool()` freed it.
+
     python benchmarks/cpu_kernels.py               # ~1 minute on 2 cores
 """
 
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nbserve.models.linear import PackedCopy  # noqa: E402
+from nbserve.openmp_pool import release_openmp_pool  # noqa: E402
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 HEAD = (49152, 576)
@@ -76,12 +81,44 @@ def run(where: str, threads: int, rows_list: list[int], n: int) -> None:
                   f"{median_ms(fn, n):8.1f} ms", flush=True)
 
 
+def openmp_trap(n: int) -> None:
+    """Fresh-thread timings with and without an OpenMP pool in the main thread."""
+    g = torch.Generator().manual_seed(0)
+    packed = [PackedCopy(torch.randn(o, i, generator=g)) for _ in range(30) for o, i in SHAPES]
+    x = {i: torch.randn(1, i, generator=g) for i in (576, 1536)}
+    a, b, out = torch.randn(70_000), torch.randn(70_000), torch.empty(70_000)
+
+    def in_thread(label: str) -> None:
+        def body() -> None:
+            torch.set_num_threads(2)
+            add = median_ms(lambda: [torch.add(a, b, out=out) for _ in range(100)], n) * 10
+            layers = median_ms(lambda: [p(x[p.weight.shape[1]]) for p in packed], n)
+            print(f"openmp trap, {label:<34} add {add:6.1f} us   layers f32 packed 1 row "
+                  f"{layers:6.1f} ms", flush=True)
+        t = threading.Thread(target=body)
+        t.start()
+        t.join()
+
+    release_openmp_pool()  # building the weights above may have started one
+    in_thread("no pool in the main thread")
+    torch.set_num_threads(2)
+    torch.randn(4_000_000).exp()  # the main thread now has a pool
+    in_thread("main thread holds a pool")
+    release_openmp_pool()
+    in_thread("after release_openmp_pool()")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,16")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--n", type=int, default=10)
+    ap.add_argument("--trap-only", action="store_true", help="only the OpenMP trap figures")
     args = ap.parse_args()
+    if args.trap_only:
+        openmp_trap(args.n)
+        return
+    openmp_trap(args.n)  # first: the rest leaves a pool in the main thread
     rows = [int(r) for r in args.rows.split(",")]
     for th in (int(t) for t in args.threads.split(",")):
         # a fresh thread first: once the main thread has run parallel ops, other threads slow

@@ -32,6 +32,7 @@ from .engine_stats import EngineStats
 from .engine_steps import EngineSteps
 from .stall_watch import StallWatch
 from .loading.bundle import LoadedModel
+from .openmp_pool import release_after_each_cell, release_openmp_pool
 from .sampling import SeqSampler
 from .scheduler import Scheduler, Sequence
 from .sync_helpers import SyncHelpers
@@ -67,6 +68,8 @@ class Engine(SyncHelpers, EngineSteps):
             from .loading import load
 
             model = load(model, device=device, dtype=dtype)
+        release_openmp_pool()  # the caller's pool would slow the engine thread: see there
+        release_after_each_cell()
         with torch_threads(1):  # no OpenMP pool in the caller's thread: see cpu_threads
             self._init(model, max_batch, max_context, max_queue, prefill_chunk, name, quiet,
                        queue_timeout, max_backlog, restart_on_failure, threads, step_timeout)
