@@ -104,3 +104,14 @@ def test_loaders_skip_packing_when_the_copies_would_crowd_the_memory(tiny_llama_
     assert all(getattr(h, "packed", None) is None for h in model._weight_holders())
     assert model._head_t is not None  # the older single-row head copy instead
     assert _logits(model, 2).shape == (2, model.vocab_size)
+
+
+def test_the_load_line_shows_the_copies_apart_from_the_weights(tiny_llama_dir):
+    from nbserve.loading import summary_line
+
+    loaded = nbserve.load(str(tiny_llama_dir), verbose=False)
+    copies = loaded.model.derived_bytes()
+    line = summary_line(loaded, 1.0)
+    assert copies > 0 and f"+ {copies / 2**20:.0f} MiB of copies for speed" in line, line
+    plain = nbserve.load(str(tiny_llama_dir), dtype="bfloat16", verbose=False)  # no copies
+    assert "copies" not in summary_line(plain, 1.0)

@@ -139,11 +139,13 @@ def summary_line(loaded: LoadedModel, seconds: float) -> str:
     from ..models.llama import count_parameters
 
     n, nbytes = count_parameters(loaded.model)
+    copies = getattr(loaded.model, "derived_bytes", lambda: 0)()
     dtype = getattr(loaded.model, "weight_format", None) or \
         str(getattr(loaded.model, "dtype", "?")).replace("torch.", "")
+    extra = f" + {copies / 2**20:.0f} MiB of copies for speed" if copies else ""
     return (f"nbserve: loaded {loaded.name} ({n / 1e6:.1f}M parameters, {dtype}, "
-            f"{getattr(loaded.model, 'device', '?')}, {nbytes / 2**20:.0f} MiB of weights) "
-            f"in {seconds:.1f} s")
+            f"{getattr(loaded.model, 'device', '?')}, {(nbytes - copies) / 2**20:.0f} MiB of "
+            f"weights{extra}) in {seconds:.1f} s")
 
 
 __all__ = ["LoadedModel", "load", "resolve_dtype", "default_device", "summary_line"]
