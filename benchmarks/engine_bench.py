@@ -263,8 +263,10 @@ def main() -> None:
     if llama:
         rows.append(("llama.cpp (llama-cpp-python, Q4_1 file) single-stream decode", llama))
 
+    copies = getattr(loaded.model, "derived_bytes", lambda: 0)()
     print(f"\nload {load_s:.1f} s | {n_params / 1e6:.1f}M parameters | "
-          f"{n_bytes / 2**20:.0f} MiB weights ({str(loaded.model.dtype).replace('torch.', '')})")
+          f"{(n_bytes - copies) / 2**20:.0f} MiB weights "
+          f"({str(loaded.model.dtype).replace('torch.', '')}) + {copies / 2**20:.0f} MiB copies")
     print(f"{'measure':<58} {'tokens/s':>9}")
     for name, value in rows:
         print(f"{name:<58} {value:>9.1f}")
