@@ -115,3 +115,22 @@ def test_the_load_line_shows_the_copies_apart_from_the_weights(tiny_llama_dir):
     assert copies > 0 and f"+ {copies / 2**20:.0f} MiB of copies for speed" in line, line
     plain = nbserve.load(str(tiny_llama_dir), dtype="bfloat16", verbose=False)  # no copies
     assert "copies" not in summary_line(plain, 1.0)
+
+
+def test_a_row_or_two_are_padded_to_the_faster_kernel_and_keep_their_values():
+    from nbserve.models.linear import PACK_MIN_ROWS
+
+    weight, bias = torch.randn(40, 24), torch.randn(40)
+    packed = PackedCopy(weight, bias)
+    seen = []
+    real = packed._matmul
+    packed._matmul = lambda x: seen.append(tuple(x.shape)) or real(x)
+    for shape in [(1, 24), (2, 24), (1, 1, 24), (PACK_MIN_ROWS, 24)]:
+        x = torch.randn(*shape)
+        y = packed(x)
+        assert y.shape == (*shape[:-1], 40)
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, weight, bias),
+                                   rtol=1e-5, atol=1e-5)
+        padded = torch.cat([x.reshape(-1, 24), torch.zeros(PACK_MIN_ROWS, 24)])[:PACK_MIN_ROWS]
+        assert torch.equal(y.reshape(-1, 40), real(padded)[:y.numel() // 40])
+    assert seen == [(PACK_MIN_ROWS, 24)] * 4  # 1, 2, 1 rows padded; 4 rows as they are

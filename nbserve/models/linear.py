@@ -62,6 +62,7 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor,
 
 # ------------------------------------------------------------------ oneDNN-packed copies
 PACK_FOR_ROWS = 16  # the row count oneDNN is told to expect; measured best from 1 to 256 rows
+PACK_MIN_ROWS = 4  # fewer input rows are padded with zero rows up to this many (see PackedCopy)
 
 
 def packing_available(weight: torch.Tensor) -> bool:
@@ -96,6 +97,11 @@ class PackedCopy:
     16 rows (split 43, F.linear 52), 44 ms at 32 (61, 73); its 49152 x 576 LM head: 4.1 ms at
     one row (transposed copy 4.7), 5.9 ms at 16 (split 13, F.linear 18). Outputs differ from
     F.linear's in the last bits (another summation order). Costs one more copy of the weight.
+
+    oneDNN's kernel for 1 or 2 rows is slower than the one it picks for 3 to 6 (the 30 layers:
+    21.0 and 22.5 ms at 1 and 2 rows, 18-19.6 ms at 3 to 6; the LM head 4.45 ms at 1 row, 3.44
+    at 4), so fewer than PACK_MIN_ROWS rows are padded with zero rows up to it: a lone float32
+    decode step of SmolLM2 went from 31.8 to 30.6 ms (medians over 6 alternating rounds).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -105,6 +111,13 @@ class PackedCopy:
         self.nbytes = dense.numel() * dense.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if 0 < rows < PACK_MIN_ROWS:  # see above: a faster kernel for a few more rows
+            padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, PACK_MIN_ROWS - rows))
+            return self._matmul(padded)[:rows].view(*x.shape[:-1], -1)
+        return self._matmul(x)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def __deepcopy__(self, memo: dict) -> PackedCopy:  # oneDNN tensors have no storage to copy
