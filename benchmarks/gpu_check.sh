@@ -3,8 +3,9 @@
 #
 #     bash benchmarks/gpu_check.sh
 #
-# 1. makes sure torch (a CUDA build) and the engine's dependencies import, installing only what
-#    is missing (plain `pip install torch` gives a CUDA build on Linux x86-64);
+# 1. makes sure torch (a CUDA build) and nbserve's dependencies import, installing only what is
+#    missing (plain `pip install torch` gives a CUDA build on Linux x86-64; an installed torch is
+#    kept);
 # 2. runs the CUDA correctness tests in bfloat16 (tests/test_cuda.py) and the pool tests;
 # 3. runs the engine benchmark at batch 1 and 64 on a random-weight Qwen2.5-1.5B-shaped model,
 #    printing decode tokens/s beside the GPU's memory-bandwidth bound.
@@ -22,12 +23,10 @@ importable() { "$PY" -c "import $1" 2>/dev/null; }
 if ! importable torch; then
     "$PY" -m pip install -q torch || { echo "gpu_check: torch is missing and pip could not install it"; exit 1; }
 fi
-missing=""
-for pkg in tokenizers safetensors jinja2 numpy pytest transformers; do
-    importable "$pkg" || missing="$missing $pkg"
-done
-if [ -n "$missing" ]; then
-    "$PY" -m pip install -q $missing || echo "gpu_check: warning: could not install:$missing"
+# nbserve's own dependencies (pyproject's, torch kept as found) and what the checks import
+if ! "$PY" -c "import nbserve, pytest, pytest_asyncio, transformers, httpx" 2>/dev/null; then
+    "$PY" -m pip install -q -e . pytest pytest-asyncio "transformers>=4.45" accelerate httpx \
+        || echo "gpu_check: warning: could not install nbserve's dependencies"
 fi
 
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader || true
