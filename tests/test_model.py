@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from nbserve.models.config import LlamaConfig
-from nbserve.models.llama import apply_rope, build_llama
+from nbserve.models.llama import Attention, StepInputs, apply_rope, build_llama
 
 VOCAB = 300
 
@@ -184,3 +184,25 @@ def test_a_lone_decode_step_takes_the_short_path_to_the_same_values(tiny_llama_d
     no_index = model.forward(token, torch.tensor([[11]]), torch.tensor([2]), caches[0],
                              max_pos=11, contiguous_from=2)
     assert no_index.shape == (1, 1, model.vocab_size)  # (B, T, V) as the general path gives
+
+
+def test_decode_attention_with_scale_and_mask_in_one_matmul_keeps_the_values() -> None:
+    torch.manual_seed(0)
+    cfg = LlamaConfig.from_hf({"architectures": ["LlamaForCausalLM"], "hidden_size": 48,
+                               "num_attention_heads": 6, "num_key_value_heads": 2,
+                               "intermediate_size": 64, "num_hidden_layers": 1,
+                               "vocab_size": 32, "max_position_embeddings": 64})
+    att = Attention(cfg, 0)
+    b, d, hkv, g = 5, cfg.head_dim, 2, 3
+    positions = torch.tensor([[3], [9], [0], [12], [7]])
+    step = StepInputs(positions, torch.arange(b), 12, 0)
+    cache_k = torch.randn(8, hkv, 64, d)
+    cache_v = torch.randn(8, hkv, 64, d)
+    keys, values = cache_k[:b, :, :13], cache_v[:b, :, :13]  # strided views, as the cache gives
+    q = torch.randn(b, 1, hkv * g + hkv, d)[:, :, :hkv * g]  # a slice, as the fused qkv gives
+    got = att._decode_attention(q, keys, values, step)
+    qg = q.reshape(b, hkv, g, d)  # the former formulation: matmul, scale, masked fill
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * (d ** -0.5)
+    scores = scores.masked_fill(~step.mask, float("-inf"))
+    want = torch.matmul(torch.softmax(scores, dim=-1), values).reshape(b, 1, hkv * g * d)
+    assert torch.equal(got, want)

@@ -73,7 +73,7 @@ class Attention(nn.Module):
         cache.write(self.layer, step.slots, step.positions, k, v)
         keys, values = cache.read(self.layer, step.slots, step.kv_len, step.contiguous_from)
         if t == 1:
-            out = self._decode_attention(q, keys, values, step.mask)  # (B, 1, H*D)
+            out = self._decode_attention(q, keys, values, step)  # (B, 1, H*D)
         else:  # (B, H, T, D) x (B, Hkv, L, D) -> (B, H, T, D)
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys, values, attn_mask=step.mask,
@@ -81,18 +81,24 @@ class Attention(nn.Module):
         return linear(out, self.o_proj)
 
     def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                          mask: torch.Tensor | None) -> torch.Tensor:
-        """One query per row as two small batched matmuls: on CPU, SDPA's kernels cost
-        milliseconds of setup per call for a single query."""
-        b = q.shape[0]
-        g = self.hq // self.hkv
-        qg = q.view(b, self.hkv, g, self.d)  # (B, Hkv, G, D): query heads grouped by kv head
-        scores = torch.matmul(qg, keys.transpose(-1, -2)) * (self.d ** -0.5)  # (B, Hkv, G, L)
-        if mask is not None:  # (B, 1, 1, L) -> broadcast over heads
-            scores = scores.masked_fill(~mask, float("-inf"))
+                          step: "StepInputs") -> torch.Tensor:
+        """One query per row as two batched matmuls over (row, kv head) pairs, the query heads
+        of each kv head together: on CPU, SDPA's kernels cost milliseconds of setup per call
+        for a single query. Scale and mask ride in the first matmul (`baddbmm` with an
+        additive mask): the same values as a matmul, a multiply and a masked fill, and 25-35%
+        faster for 16-32 rows (benchmarks/README.md)."""
+        b, hkv, length, d = keys.shape
+        g = self.hq // hkv
+        qg = q.reshape(b * hkv, g, d)  # (B*Hkv, G, D): query heads grouped by kv head
+        k_t = keys.reshape(b * hkv, length, d).transpose(1, 2)  # a view for contiguous slots
+        bias = step.decode_bias(hkv, g, q.dtype)
+        if bias is None:
+            scores = torch.bmm(qg, k_t) * (d ** -0.5)
+        else:
+            scores = torch.baddbmm(bias, qg, k_t, alpha=d ** -0.5)  # (B*Hkv, G, L)
         probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-        return torch.matmul(probs, values).view(b, 1, self.hq * self.d)  # (B, 1, H*D)
-
+        out = torch.bmm(probs, values.reshape(b * hkv, length, d))
+        return out.view(b, 1, self.hq * d)  # (B, 1, H*D)
 
     def lone_step(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], pos: int,
                   slot: int, cache: KVCache) -> torch.Tensor:
@@ -171,7 +177,7 @@ class Backbone(nn.Module):
 class StepInputs:
     """Per-forward values shared by every layer: slots, positions, mask, cache read length."""
 
-    __slots__ = ("slots", "positions", "kv_len", "mask", "contiguous_from")
+    __slots__ = ("slots", "positions", "kv_len", "mask", "contiguous_from", "_bias")
 
     def __init__(self, positions: torch.Tensor, slots: torch.Tensor, max_pos: int,
                  contiguous_from: int | None):
@@ -184,6 +190,20 @@ class StepInputs:
         else:  # key j is visible to the query at position p iff j <= p
             keys = torch.arange(self.kv_len, device=positions.device)
             self.mask = (keys[None, None, None, :] <= positions[:, None, :, None])  # (B,1,T,L)
+        self._bias: torch.Tensor | None = None
+
+    def decode_bias(self, kv_heads: int, group: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask of a decode step (T = 1) as 0 / -inf, (B * kv_heads, group, L), for
+        `baddbmm`; made once per step, shared by every layer. None when all keys are visible."""
+        if self.mask is None:
+            return None
+        if self._bias is None:
+            b, _, _, length = self.mask.shape
+            bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            bias.masked_fill_(~self.mask, float("-inf"))
+            self._bias = bias.expand(b, kv_heads, group, length).reshape(b * kv_heads, group,
+                                                                         length)
+        return self._bias
 
 
 class LlamaModel(nn.Module):
