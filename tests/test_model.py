@@ -200,7 +200,7 @@ def test_decode_attention_with_scale_and_mask_in_one_matmul_keeps_the_values() -
     cache_v = torch.randn(8, hkv, 64, d)
     keys, values = cache_k[:b, :, :13], cache_v[:b, :, :13]  # strided views, as the cache gives
     q = torch.randn(b, 1, hkv * g + hkv, d)[:, :, :hkv * g]  # a slice, as the fused qkv gives
-    got = att._decode_attention(q, keys, values, step)
+    got = att._decode_attention(q, keys, values, step.decode_bias(hkv, g, q.dtype))
     qg = q.reshape(b, hkv, g, d)  # the former formulation: matmul, scale, masked fill
     scores = torch.matmul(qg, keys.transpose(-1, -2)) * (d ** -0.5)
     scores = scores.masked_fill(~step.mask, float("-inf"))

@@ -73,7 +73,8 @@ class Attention(nn.Module):
         cache.write(self.layer, step.slots, step.positions, k, v)
         keys, values = cache.read(self.layer, step.slots, step.kv_len, step.contiguous_from)
         if t == 1:
-            out = self._decode_attention(q, keys, values, step)  # (B, 1, H*D)
+            bias = step.decode_bias(hkv, hq // hkv, q.dtype)
+            out = self._decode_attention(q, keys, values, bias)  # (B, 1, H*D)
         else:  # (B, H, T, D) x (B, Hkv, L, D) -> (B, H, T, D)
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys, values, attn_mask=step.mask,
@@ -81,7 +82,7 @@ class Attention(nn.Module):
         return linear(out, self.o_proj)
 
     def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                          step: "StepInputs") -> torch.Tensor:
+                          bias: torch.Tensor | None) -> torch.Tensor:
         """One query per row as two batched matmuls over (row, kv head) pairs, the query heads
         of each kv head together: on CPU, SDPA's kernels cost milliseconds of setup per call
         for a single query. Scale and mask ride in the first matmul (`baddbmm` with an
@@ -91,7 +92,6 @@ class Attention(nn.Module):
         g = self.hq // hkv
         qg = q.reshape(b * hkv, g, d)  # (B*Hkv, G, D): query heads grouped by kv head
         k_t = keys.reshape(b * hkv, length, d).transpose(1, 2)  # a view for contiguous slots
-        bias = step.decode_bias(hkv, g, q.dtype)
         if bias is None:
             scores = torch.bmm(qg, k_t) * (d ** -0.5)
         else:
@@ -111,10 +111,8 @@ class Attention(nn.Module):
         keys, values = cache.k[self.layer][slot], cache.v[self.layer][slot]  # (Hkv, ctx, D)
         keys[:, pos] = qk[hq:]
         values[:, pos] = heads[hq + hkv:]
-        scores = torch.matmul(qk[:hq].view(hkv, hq // hkv, d),
-                              keys[:, :pos + 1].transpose(-1, -2)) * (d ** -0.5)
-        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)  # as _decode_attention
-        out = torch.matmul(probs, values[:, :pos + 1])
+        out = self._decode_attention(qk[None, :hq], keys[None, :, :pos + 1],
+                                     values[None, :, :pos + 1], None)  # all keys visible
         return linear(out.view(1, hq * d), self.o_proj)
 
 
@@ -374,11 +372,13 @@ class LlamaModel(nn.Module):
             x = layer(x, rope, step, cache)
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # (B, H)
-        x = self.model.norm(x)
+        return self._logits(self.model.norm(x))
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head over normalised hidden states, as float32."""
         if self._head_t is not None and x.numel() == x.shape[-1]:  # one row: see above
             return (x @ self._head_t).float()
         return linear(x, self.lm_head).float()
-
 
     @property
     def _lone_ready(self) -> bool:
@@ -395,9 +395,8 @@ class LlamaModel(nn.Module):
         x = F.embedding(ids.view(1), self.model.embed_tokens.weight)  # (1, H)
         for layer in self.model.layers:
             x = layer.lone_step(x, rope, pos, slot, cache)
-        x = self.model.norm(x)
-        logits = (x @ self._head_t if self._head_t is not None else linear(x, self.lm_head))
-        return logits.float().view(1, 1, -1) if keep_time_dim else logits.float()
+        logits = self._logits(self.model.norm(x))
+        return logits.view(1, 1, -1) if keep_time_dim else logits
 
 
 def build_llama(cfg: LlamaConfig, tensors: Iterable[tuple[str, torch.Tensor]],
