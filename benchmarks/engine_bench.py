@@ -111,11 +111,14 @@ async def answers(engine: Engine, prompts: list[list[int]], max_tokens: int,
     return [await one(p) for p in prompts]
 
 
-def mixed16_figures(model: str, prompts: list[list[int]], reference: list[list[int]],
-                    max_tokens: int, quality_tokens: int) -> list[tuple[str, float]]:
-    """dtype="mixed16": single-stream decode, and how many greedy answers differ from float32
-    (each answered alone, so that its steps use the float16 copies)."""
-    loaded = nbserve.load(model, dtype="mixed16", verbose=False)
+WEIGHT_FORMATS = ("mixed16", "quantized")  # dtypes that add copies for single-stream steps
+
+
+def format_figures(fmt: str, model: str, prompts: list[list[int]], reference: list[list[int]],
+                   max_tokens: int, quality_tokens: int) -> list[tuple[str, float]]:
+    """dtype=`fmt` (mixed16, quantized): single-stream decode, and how many greedy answers
+    differ from float32 (each answered alone, so that its steps use the copies)."""
+    loaded = nbserve.load(model, dtype=fmt, verbose=False)
     with Engine(loaded, max_batch=4, max_context=512, quiet=True) as engine:
         single_stream(engine, prompts[0], 8)  # warm-up
         _, decode = single_stream(engine, prompts[0], max_tokens)
@@ -123,10 +126,10 @@ def mixed16_figures(model: str, prompts: list[list[int]], reference: list[list[i
     changed = [i for i, (a, b) in enumerate(zip(got, reference)) if a != b]
     first = [next((j for j, (x, y) in enumerate(zip(got[i], reference[i])) if x != y),
                   min(len(got[i]), len(reference[i]))) for i in changed]
-    print(f"mixed16: {len(changed)} of {len(reference)} greedy answers ({quality_tokens} tokens) "
+    print(f"{fmt}: {len(changed)} of {len(reference)} greedy answers ({quality_tokens} tokens) "
           f"differ from float32" + (f", first differing token at {first}" if first else ""))
-    return [("nbserve mixed16 single-stream decode", decode),
-            (f"mixed16 greedy answers equal to float32, of {len(reference)}",
+    return [(f"nbserve {fmt} single-stream decode", decode),
+            (f"{fmt} greedy answers equal to float32, of {len(reference)}",
              float(len(reference) - len(changed)))]
 
 
@@ -203,8 +206,9 @@ def main() -> None:
     ap.add_argument("--levels", default="1,4,16,32")
     ap.add_argument("--quick", action="store_true", help="levels 1,4 and a batch of 4 for HF")
     ap.add_argument("--no-transformers", action="store_true")
-    ap.add_argument("--no-mixed16", action="store_true",
-                    help='skip dtype="mixed16" (speed, and 20 greedy answers against float32)')
+    ap.add_argument("--formats", default=",".join(WEIGHT_FORMATS),
+                    help="weight formats to time single-stream and check against float32's "
+                    "20 greedy answers (default: %(default)s; '' for none)")
     ap.add_argument("--threads", type=int, default=None,
                     help="engine threads (default: tuned per forward size by timing)")
     ap.add_argument("--llama-cpp-python", default=sys.executable,
@@ -244,11 +248,13 @@ def main() -> None:
                      r["tok_s"]))
     stats = engine.stats()
     quality_tokens = 32
-    reference = None if args.no_mixed16 else asyncio.run(
-        answers(engine, prompts[:20], quality_tokens, True))
+    formats = [f for f in args.formats.split(",") if f]
+    reference = asyncio.run(answers(engine, prompts[:20], quality_tokens, True)) \
+        if formats else None
     engine.close()
-    if reference is not None:
-        rows += mixed16_figures(args.model, prompts, reference, args.max_tokens, quality_tokens)
+    for fmt in formats:
+        rows += format_figures(fmt, args.model, prompts, reference, args.max_tokens,
+                               quality_tokens)
 
     hf1 = hf16 = None
     if not args.no_transformers:
@@ -277,8 +283,8 @@ def main() -> None:
               f"{agg[key] / hf16:.2f}x")
     if llama:
         print(f"ratio single-stream decode / llama.cpp: float32 {decode / llama:.2f}x" +
-              "".join(f", mixed16 {v / llama:.2f}x" for k, v in rows
-                      if k.startswith("nbserve mixed16 single")))
+              "".join(f", {k.split()[1]} {v / llama:.2f}x" for k, v in rows
+                      if k.endswith("single-stream decode") and k.split()[1] in WEIGHT_FORMATS))
     split = stats["step_time_s"]
     print(f"engine step time split: model {split['model']:.2f} s, sampling "
           f"{split['sampling']:.2f} s, bookkeeping {split['bookkeeping']:.2f} s "

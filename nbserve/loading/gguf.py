@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -23,6 +23,9 @@ from tokenizers import pre_tokenizers as pre
 from tqdm.auto import tqdm
 
 from .bundle import LoadedModel
+
+if TYPE_CHECKING:
+    from ..models.quant import QuantBlocks
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # llama covers Mistral
 SUPPORTED_TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1,
@@ -90,6 +93,24 @@ class GGUFTensors:
             if heads:
                 w = unpermute_qk(w, heads)
             yield hf_tensor_name(t.name), w.to(self._dtype)
+
+
+    def quant_blocks(self) -> dict[str, QuantBlocks]:
+        """The tensors stored as Q4_0, Q4_1 or Q8_0, as they are (not dequantized), by HF
+        name, with llama.cpp's Q/K row order undone (dtype="quantized" multiplies them)."""
+        from ..models.quant import QuantBlocks
+
+        found: dict[str, QuantBlocks] = {}
+        for t in self._tensors:
+            blocks = QuantBlocks.from_gguf(np.asarray(t.data), t.tensor_type.name)
+            if blocks is None:
+                continue
+            heads = self._heads.get(t.name.split(".")[2], 0) if t.name.startswith("blk.") else 0
+            if heads:
+                order = unpermute_qk(torch.arange(blocks.shape[0])[:, None], heads)[:, 0]
+                blocks = blocks.take_rows(order)
+            found[hf_tensor_name(t.name)] = blocks
+        return found
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -23,9 +23,12 @@ SPLIT_MAX_ROWS = 128  # past this, F.linear's GEMM threads well on its own
 
 
 def linear(x: torch.Tensor, layer: nn.Linear | FusedProjection) -> torch.Tensor:
-    """`layer(x)`: through its float16 copy for a row or two when it has one (`HalfCopy`), else
-    through its oneDNN copy when it has one (`PackedCopy`), else with the output rows split
-    across threads when that is faster (see above)."""
+    """`layer(x)`: through its quantized copy (`QuantCopy`, models/quant.py) or its float16
+    copy (`HalfCopy`) for a few rows when it has one, else through its oneDNN copy when it has
+    one (`PackedCopy`), else with the output rows split across threads when that is faster."""
+    quant = getattr(layer, "quant_copy", None)
+    if quant is not None and quant.applies(x):
+        return quant(x)
     half = getattr(layer, "half_copy", None)
     if half is not None and half.applies(x):
         return half(x)
@@ -181,6 +184,7 @@ class FusedProjection:
             start += size
         self.half_copy: HalfCopy | None = None
         self.packed: PackedCopy | None = None
+        self.quant_copy = None  # a models.quant.QuantCopy, see LlamaModel.use_quantized_weights
 
     @property
     def weight(self) -> torch.Tensor:

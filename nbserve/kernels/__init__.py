@@ -1,0 +1,1 @@
+"""Small C kernels nbserve compiles for this machine at first use (see `build.py`)."""

@@ -1,0 +1,107 @@
+"""Compile nbserve's C kernels for this CPU at first use and load them with ctypes.
+
+Why C and not a torch extension: the kernel is one plain C file with no torch headers, so it
+builds in about a second (a torch C++ extension takes about a minute) and needs only a C
+compiler. It is built with `-march=native` (the AVX-512 or AVX2 path where the CPU has one)
+and `-fopenmp`, which links the OpenMP runtime torch has already loaded (same soname), so the
+kernels share torch's thread pool instead of starting a second one. The library is cached
+under `$NBSERVE_CACHE/kernels` (default `~/.cache/nbserve/kernels`), keyed by the source, the
+compiler and the CPU's flags.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("quant_matmul.c")
+FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
+_lock = threading.Lock()
+_loaded: ctypes.CDLL | None = None
+
+
+class KernelBuildError(RuntimeError):
+    """The C kernels could not be compiled or loaded; the message says what to do."""
+
+
+def quant_kernels(arch: list[str] | None = None) -> ctypes.CDLL:
+    """The compiled quantized-matmul library (built once per machine, then loaded from cache).
+
+    `arch`: compiler flags to build it with instead of `-march=native` (tests use them to run
+    the AVX2 and plain C paths on any x86 machine); such builds are not kept in this process.
+    """
+    global _loaded
+    with _lock:
+        if arch is not None:
+            return _declare(ctypes.CDLL(str(_build(SOURCE, [arch]))))
+        if _loaded is None:
+            _loaded = _declare(ctypes.CDLL(str(_build(SOURCE, [["-march=native"], []]))))
+        return _loaded
+
+
+def compiler() -> str:
+    """The C compiler to use: `$CC`, else `cc` or `gcc` on the PATH."""
+    found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not found or not shutil.which(found.split()[0]):
+        raise KernelBuildError(
+            "nbserve's quantized weights (dtype='quantized') compile a small C kernel at first "
+            "use and found no C compiler (tried $CC, cc, gcc). Install one (Debian/Ubuntu: "
+            "`apt install gcc`), or load the model with dtype='mixed16' or 'float32'.")
+    return found
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("NBSERVE_CACHE")
+    return (Path(env).expanduser() if env else Path.home() / ".cache" / "nbserve") / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build(source: Path, arch_options: list[list[str]]) -> Path:
+    """The library built from `source` with the first of `arch_options` that compiles (some
+    compilers or CPUs have no -march=native), from the cache when built before."""
+    cc = compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                             check=False).stdout
+    key = hashlib.sha256(source.read_bytes() + version.encode() + _cpu_flags().encode()
+                         + repr((FLAGS, arch_options)).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    errors = ""
+    for arch in arch_options:
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        run = subprocess.run([cc, *FLAGS, *arch, "-o", tmp, str(source)],
+                             capture_output=True, text=True, check=False)
+        if run.returncode == 0:
+            os.replace(tmp, target)  # atomic: a concurrent build of the same key is harmless
+            return target
+        os.unlink(tmp)
+        errors = run.stderr.strip()[-2000:]
+    raise KernelBuildError(f"compiling {source.name} with {cc} failed:\n{errors}\n"
+                           "Load the model with dtype='mixed16' or 'float32' instead.")
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.nbq_q4_matmul.argtypes = [ptr, i32, i32, ptr, ptr, ptr, i32, ptr, i32]
+    lib.nbq_q8_matmul.argtypes = [ptr, i32, i32, ptr, ptr, i32, ptr, i32]
+    lib.nbq_q4_matmul.restype, lib.nbq_q8_matmul.restype = i32, None
+    lib.nbq_simd_width.restype = i32
+    return lib

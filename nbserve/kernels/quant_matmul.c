@@ -1,0 +1,266 @@
+/* Matrix products over quantized weight blocks, for nbserve's "quantized" weights.
+ *
+ * y[i, n] = sum_k x[i, k] * w[n, k] for float32 inputs x (R, K) and a weight w (N, K) stored as
+ * blocks of 32 consecutive k:
+ *   q4: w = d * q + m, q a 4-bit code (0..15), 16 bytes a block: byte j holds code j in its low
+ *       nibble and code j + 16 in its high one (the GGUF Q4_0/Q4_1 order; Q4_0 is m = -8 d);
+ *   q8: w = d * q, q a signed byte, 32 bytes a block (the GGUF Q8_0 order).
+ * d and m are float32 arrays (N, K / 32). Everything else is float32 too. The AVX-512 path
+ * rebuilds each weight exactly as GGUF's dequantization does (d * q, then + m) and multiplies
+ * it as a float32 model would, so a product differs from one over the dequantized weights only
+ * in summation order; the AVX2 and plain C paths add d * sum(x * q) + m * sum(x) per block.
+ *
+ * Output rows are shared among `threads` OpenMP threads (the same OpenMP runtime as torch's,
+ * so the same pool). x is read once per output row from L1; each weight block is decoded once
+ * for up to TILE input rows. Built at first use with -march=native (nbserve/kernels/build.py): the
+ * AVX-512 or AVX2 path where the CPU has it, plain C elsewhere.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define BLOCK 32
+#define TILE 4
+#define INLINE static inline __attribute__((always_inline))
+
+int nbq_simd_width(void) {
+#if defined(__AVX512F__)
+    return 16;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 8;
+#else
+    return 1;
+#endif
+}
+
+/* sums[i * nb + b] = sum of x[i, 32 b .. 32 b + 31] (the m terms of q4) */
+static inline void block_sums(const float *x, int rows, int k, float *sums) {
+    int nb = k / BLOCK;
+    for (int i = 0; i < rows; i++)
+        for (int b = 0; b < nb; b++) {
+            const float *v = x + (size_t)i * k + (size_t)b * BLOCK;
+            float s = 0.f;
+            for (int j = 0; j < BLOCK; j++) s += v[j];
+            sums[i * nb + b] = s;
+        }
+}
+
+#if defined(__AVX512F__)
+/* Per block, the weights themselves: q4 codes index a 16-entry table d * j + m (one register,
+ * vpermps), q8 codes are converted and scaled; both give the dequantized float32 weights
+ * exactly (one rounding each for d * j and + m, as GGUF's dequantization). Each input row then
+ * takes two FMAs per block into two accumulators: no per-block scale chain, no m term. */
+#define HAS_TABLE_PATH 1
+/* one block's weights (two registers of 16) times `rows` input rows, into acc[2 i], acc[2 i + 1] */
+INLINE void fma_rows(__m512 w0, __m512 w1, const float *x, int rows, int k, __m512 *acc) {
+    for (int i = 0; i < rows; i++) {
+        const float *v = x + (size_t)i * k;
+        acc[2 * i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v), acc[2 * i]);
+        acc[2 * i + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v + 16), acc[2 * i + 1]);
+    }
+}
+
+/* the 32 weights of block b: q4 (q4 = 1) or q8 (q4 = 0, m unused) */
+INLINE void block_weights(int q4, const uint8_t *qs, int b, const float *d, const float *m,
+                          __m512 *w0, __m512 *w1) {
+    __m512 scale = _mm512_set1_ps(d[b]);
+    if (q4) {
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + b * 16)));
+        __m512 table = _mm512_add_ps(_mm512_mul_ps(iota, scale), _mm512_set1_ps(m[b]));
+        *w0 = _mm512_permutexvar_ps(codes, table);  /* uses the low 4 bits: the low nibble */
+        *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
+    } else {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(qs + b * BLOCK));
+        __m512i lo = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(q));
+        __m512i hi = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1));
+        *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), scale);
+        *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(hi), scale);
+    }
+}
+
+/* Output row of weight blocks `qs` against `rows` input rows. Even and odd blocks sum into
+ * separate accumulators: a single chain of FMAs would wait 4 cycles a block on the last one. */
+INLINE void dot_rows(int q4, const float *x, int rows, int k, const uint8_t *qs,
+                     const float *d, const float *m, float *out, int n_out) {
+    int nb = k / BLOCK, b = 0;
+    __m512 even[2 * TILE], odd[2 * TILE], w0, w1;
+    for (int i = 0; i < 2 * TILE; i++) even[i] = odd[i] = _mm512_setzero_ps();
+    for (; b + 1 < nb; b += 2) {
+        block_weights(q4, qs, b, d, m, &w0, &w1);
+        fma_rows(w0, w1, x + (size_t)b * BLOCK, rows, k, even);
+        block_weights(q4, qs, b + 1, d, m, &w0, &w1);
+        fma_rows(w0, w1, x + (size_t)(b + 1) * BLOCK, rows, k, odd);
+    }
+    if (b < nb) {
+        block_weights(q4, qs, b, d, m, &w0, &w1);
+        fma_rows(w0, w1, x + (size_t)b * BLOCK, rows, k, even);
+    }
+    for (int i = 0; i < rows; i++) {
+        __m512 sum = _mm512_add_ps(_mm512_add_ps(even[2 * i], even[2 * i + 1]),
+                                   _mm512_add_ps(odd[2 * i], odd[2 * i + 1]));
+        out[(size_t)i * n_out] = _mm512_reduce_add_ps(sum);
+    }
+}
+
+INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const float *d,
+                   const float *m, const float *xs, float *out, int n_out) {
+    (void)xs;
+    dot_rows(1, x, rows, k, qs, d, m, out, n_out);
+}
+
+INLINE void q8_row(const float *x, int rows, int k, const int8_t *qs, const float *d,
+                   float *out, int n_out) {
+    dot_rows(0, x, rows, k, (const uint8_t *)qs, d, d, out, n_out);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 u8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+static inline __m256 i8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const float *d,
+                   const float *m, const float *xs, float *out, int n_out) {
+    int nb = k / BLOCK;
+    __m256 acc[TILE];
+    float macc[TILE] = {0};
+    for (int i = 0; i < TILE; i++) acc[i] = _mm256_setzero_ps();
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int b = 0; b < nb; b++) {
+        __m128i packed = _mm_loadu_si128((const __m128i *)(qs + (size_t)b * 16));
+        __m128i lo = _mm_and_si128(packed, low);
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
+        __m256 w0 = u8x8(lo), w1 = u8x8(_mm_srli_si128(lo, 8));
+        __m256 w2 = u8x8(hi), w3 = u8x8(_mm_srli_si128(hi, 8));
+        __m256 scale = _mm256_set1_ps(d[b]);
+        for (int i = 0; i < rows; i++) {
+            const float *v = x + (size_t)i * k + (size_t)b * BLOCK;
+            __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(v));
+            t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v + 8), t);
+            t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v + 16), t);
+            t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v + 24), t);
+            acc[i] = _mm256_fmadd_ps(scale, t, acc[i]);
+            macc[i] += m[b] * xs[i * nb + b];
+        }
+    }
+    for (int i = 0; i < rows; i++) out[(size_t)i * n_out] = hsum(acc[i]) + macc[i];
+}
+
+INLINE void q8_row(const float *x, int rows, int k, const int8_t *qs, const float *d,
+                   float *out, int n_out) {
+    int nb = k / BLOCK;
+    __m256 acc[TILE];
+    for (int i = 0; i < TILE; i++) acc[i] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const int8_t *q = qs + (size_t)b * BLOCK;
+        __m256 w0 = i8x8(_mm_loadl_epi64((const __m128i *)q));
+        __m256 w1 = i8x8(_mm_loadl_epi64((const __m128i *)(q + 8)));
+        __m256 w2 = i8x8(_mm_loadl_epi64((const __m128i *)(q + 16)));
+        __m256 w3 = i8x8(_mm_loadl_epi64((const __m128i *)(q + 24)));
+        __m256 scale = _mm256_set1_ps(d[b]);
+        for (int i = 0; i < rows; i++) {
+            const float *v = x + (size_t)i * k + (size_t)b * BLOCK;
+            __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(v));
+            t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v + 8), t);
+            t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v + 16), t);
+            t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v + 24), t);
+            acc[i] = _mm256_fmadd_ps(scale, t, acc[i]);
+        }
+    }
+    for (int i = 0; i < rows; i++) out[(size_t)i * n_out] = hsum(acc[i]);
+}
+
+#else  /* plain C */
+INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const float *d,
+                   const float *m, const float *xs, float *out, int n_out) {
+    int nb = k / BLOCK;
+    for (int i = 0; i < rows; i++) {
+        float acc = 0.f;
+        for (int b = 0; b < nb; b++) {
+            const float *v = x + (size_t)i * k + (size_t)b * BLOCK;
+            const uint8_t *q = qs + (size_t)b * 16;
+            float t = 0.f;
+            for (int j = 0; j < 16; j++) t += (q[j] & 15) * v[j] + (q[j] >> 4) * v[j + 16];
+            acc += d[b] * t + m[b] * xs[i * nb + b];
+        }
+        out[(size_t)i * n_out] = acc;
+    }
+}
+
+INLINE void q8_row(const float *x, int rows, int k, const int8_t *qs, const float *d,
+                   float *out, int n_out) {
+    int nb = k / BLOCK;
+    for (int i = 0; i < rows; i++) {
+        float acc = 0.f;
+        for (int b = 0; b < nb; b++) {
+            const float *v = x + (size_t)i * k + (size_t)b * BLOCK;
+            const int8_t *q = qs + (size_t)b * BLOCK;
+            float t = 0.f;
+            for (int j = 0; j < BLOCK; j++) t += q[j] * v[j];
+            acc += d[b] * t;
+        }
+        out[(size_t)i * n_out] = acc;
+    }
+}
+#endif
+
+/* y (R, N) = x (R, K) @ w.T for a q4 weight: qs (N, K/2) bytes, d and m (N, K/32).
+ * Returns 0, or -1 when it could not allocate its block sums (y is then not written). */
+int nbq_q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *d,
+                   const float *m, int n, float *y, int threads) {
+    int nb = k / BLOCK;
+#ifdef HAS_TABLE_PATH
+    float *xs = NULL;  /* the table path needs no block sums */
+#else
+    float *xs = malloc(sizeof(float) * (size_t)rows * nb);
+    if (!xs) return -1;
+    block_sums(x, rows, k, xs);
+#endif
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int r = 0; r < n; r++) {
+        const uint8_t *wq = qs + (size_t)r * nb * 16;
+        const float *wd = d + (size_t)r * nb, *wm = m + (size_t)r * nb;
+        for (int i0 = 0; i0 < rows; i0 += TILE) {
+            const float *xi = x + (size_t)i0 * k, *si = xs ? xs + (size_t)i0 * nb : NULL;
+            float *yi = y + (size_t)i0 * n + r;
+            switch (rows - i0 < TILE ? rows - i0 : TILE) {  /* constant row counts: the */
+            case 1: q4_row(xi, 1, k, wq, wd, wm, si, yi, n); break;  /* accumulators stay */
+            case 2: q4_row(xi, 2, k, wq, wd, wm, si, yi, n); break;  /* in registers */
+            case 3: q4_row(xi, 3, k, wq, wd, wm, si, yi, n); break;
+            default: q4_row(xi, TILE, k, wq, wd, wm, si, yi, n);
+            }
+        }
+    }
+    free(xs);
+    return 0;
+}
+
+/* y (R, N) = x (R, K) @ w.T for a q8 weight: qs (N, K) signed bytes, d (N, K/32) */
+void nbq_q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *d, int n,
+                   float *y, int threads) {
+    int nb = k / BLOCK;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int r = 0; r < n; r++) {
+        const int8_t *wq = qs + (size_t)r * k;
+        const float *wd = d + (size_t)r * nb;
+        for (int i0 = 0; i0 < rows; i0 += TILE) {
+            const float *xi = x + (size_t)i0 * k;
+            float *yi = y + (size_t)i0 * n + r;
+            switch (rows - i0 < TILE ? rows - i0 : TILE) {  /* as in nbq_q4_matmul */
+            case 1: q8_row(xi, 1, k, wq, wd, yi, n); break;
+            case 2: q8_row(xi, 2, k, wq, wd, yi, n); break;
+            case 3: q8_row(xi, 3, k, wq, wd, yi, n); break;
+            default: q8_row(xi, TILE, k, wq, wd, yi, n);
+            }
+        }
+    }
+}

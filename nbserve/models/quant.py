@@ -1,0 +1,159 @@
+"""Quantized weight copies (dtype="quantized"): matmuls of one to a few rows over blocks of
+4- or 8-bit codes, through nbserve's C kernel (`nbserve/kernels/quant_matmul.c`).
+
+A lone stream's decode step reads every weight once per token, so its speed is set by the bytes
+it reads: SmolLM2-135M's matmuls read 540 MB in float32, 270 MB in float16 and 96 MB as the
+GGUF's own Q4_1/Q8_0 blocks. The blocks are kept as the file stores them (no requantization:
+the same weights llama.cpp multiplies); weights of other types, and float checkpoints, are
+quantized to Q8_0 at load. Inputs, outputs and the arithmetic stay float32 (per block
+d * sum(x q) + m * sum(x)), so a product differs from one over the dequantized weights only in
+rounding. Steps of more rows keep the float32 (packed) weights, faster there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+BLOCK = 32  # weights per block, along the input dimension (GGUF's Q4_0, Q4_1, Q8_0)
+QUANT_MAX_ROWS = 4  # inputs of up to this many rows use the quantized copy (measured)
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # fp16 scale [fp16 min] codes
+
+
+@dataclass
+class QuantBlocks:
+    """A weight (N, K) as blocks of 32 along K, structure of arrays:
+    kind "q4": w = scale * q + min, q in 0..15, `codes` uint8 (N, K/2), byte j of a block holding
+    code j (low nibble) and code j + 16 (high nibble), GGUF's order; kind "q8": w = scale * q,
+    `codes` int8 (N, K). `scales` and `mins` are float32 (N, K/32)."""
+
+    kind: str
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scales.shape[0], self.scales.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.codes, self.scales] + ([] if self.mins is None else [self.mins])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, type_name: str) -> QuantBlocks | None:
+        """The blocks of a GGUF tensor stored as Q4_0, Q4_1 or Q8_0 (raw: its bytes, one row of
+        blocks per output row, as `gguf`'s reader gives them); None for other types."""
+        size = _BLOCK_BYTES.get(type_name)
+        if size is None:
+            return None
+        rows = raw.shape[0]
+        blocks = np.ascontiguousarray(raw).reshape(rows, -1, size)
+        scales = _half_field(blocks, 0)
+        if type_name == "Q8_0":
+            codes = blocks[:, :, 2:].reshape(rows, -1).view(np.int8)
+            return cls("q8", torch.from_numpy(np.ascontiguousarray(codes)), scales, None)
+        if type_name == "Q4_1":
+            mins, start = _half_field(blocks, 2), 4
+        else:  # Q4_0: w = d (q - 8) = d q + (-8 d), exact in float32
+            mins, start = scales * -8.0, 2
+        codes = np.ascontiguousarray(blocks[:, :, start:]).reshape(rows, -1)
+        return cls("q4", torch.from_numpy(codes), scales, mins)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> QuantBlocks | None:
+        """Q8_0 blocks of a float weight (scale = max |w| / 127 per block, codes rounded to
+        nearest, as llama.cpp quantizes Q8_0; the scale kept in float32); None when its input
+        dimension is not a multiple of 32."""
+        rows, k = weight.shape
+        if k % BLOCK:
+            return None
+        w = weight.detach().float().cpu().reshape(rows, k // BLOCK, BLOCK)
+        scales = w.abs().amax(-1) / 127.0
+        inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+        codes = torch.round(w * inverse[..., None]).clamp_(-127, 127).to(torch.int8)
+        return cls("q8", codes.reshape(rows, k).contiguous(), scales.contiguous(), None)
+
+    def take_rows(self, index: torch.Tensor) -> QuantBlocks:
+        """These blocks with their output rows reordered (`w[index]`)."""
+        pick = lambda t: None if t is None else t[index].contiguous()  # noqa: E731
+        return QuantBlocks(self.kind, pick(self.codes), pick(self.scales), pick(self.mins))
+
+    @classmethod
+    def cat(cls, parts: list[QuantBlocks]) -> QuantBlocks | None:
+        """The blocks of the weights stacked by output rows (a fused projection); None when the
+        parts differ in kind or input size."""
+        first = parts[0]
+        if any(p.kind != first.kind or p.shape[1] != first.shape[1] for p in parts):
+            return None
+        mins = None if first.mins is None else torch.cat([p.mins for p in parts])
+        return cls(first.kind, torch.cat([p.codes for p in parts]),
+                   torch.cat([p.scales for p in parts]), mins)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight (N, K) these blocks stand for."""
+        rows, k = self.shape
+        if self.kind == "q8":
+            q = self.codes.float().view(rows, -1, BLOCK)
+            return (q * self.scales[..., None]).view(rows, k)
+        packed = self.codes.view(rows, -1, BLOCK // 2)
+        q = torch.cat([packed & 15, packed >> 4], dim=-1).float()
+        return (q * self.scales[..., None] + self.mins[..., None]).view(rows, k)
+
+
+def _half_field(blocks: np.ndarray, offset: int) -> torch.Tensor:
+    """A float16 field of every block (bytes offset..offset+1) as float32 (rows, blocks)."""
+    field = np.ascontiguousarray(blocks[:, :, offset:offset + 2]).view(np.float16)[..., 0]
+    return torch.from_numpy(field.astype(np.float32))
+
+
+class QuantCopy:
+    """A weight's quantized blocks, multiplied by the C kernel for inputs of up to
+    QUANT_MAX_ROWS rows (`applies`); the model keeps its float32 weight for the others."""
+
+    def __init__(self, blocks: QuantBlocks, bias: torch.Tensor | None = None,
+                 kernels: ctypes.CDLL | None = None):
+        from ..kernels.build import quant_kernels
+
+        self.blocks = blocks
+        self.bias = None if bias is None else bias.detach().float()
+        self.out_features, self.in_features = blocks.shape
+        self._lib = kernels or quant_kernels()  # a build for another CPU path, in tests
+        b = blocks
+        self._pointers = (b.codes.data_ptr(), b.scales.data_ptr(),
+                          None if b.mins is None else b.mins.data_ptr())
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+    def applies(self, x: torch.Tensor) -> bool:
+        return (x.numel() <= QUANT_MAX_ROWS * x.shape[-1] and x.dtype == torch.float32
+                and x.device.type == "cpu")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        k, n = self.in_features, self.out_features
+        rows = x.numel() // k
+        flat = x.reshape(rows, k).contiguous()
+        y = torch.empty(rows, n, dtype=torch.float32)
+        codes, scales, mins = self._pointers
+        threads = torch.get_num_threads()
+        if self.blocks.kind == "q4":
+            if self._lib.nbq_q4_matmul(flat.data_ptr(), rows, k, codes, scales, mins, n,
+                                       y.data_ptr(), threads):
+                raise MemoryError("quantized matmul: out of memory for its block sums")
+        else:
+            self._lib.nbq_q8_matmul(flat.data_ptr(), rows, k, codes, scales, n, y.data_ptr(),
+                                    threads)
+        y = y.view(*x.shape[:-1], n)
+        return y if self.bias is None else y + self.bias
+
+    def __deepcopy__(self, memo: dict) -> QuantCopy:  # the pointers must follow the new tensors
+        import copy
+
+        return QuantCopy(copy.deepcopy(self.blocks, memo), copy.deepcopy(self.bias, memo),
+                         self._lib)

@@ -1,0 +1,203 @@
+"""dtype="quantized": matmuls of a few rows over 4/8-bit blocks, through nbserve's C kernel.
+
+The kernel is checked against a float64 product on every code path it has (AVX-512 where this
+CPU has it, AVX2, plain C: each built with its own compiler flags); the loaders are checked to
+multiply a GGUF's own blocks (not a requantization), and the model to give float32's logits up
+to rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+import platform
+
+import pytest
+import torch
+from gguf_util import hf_dir_to_gguf
+
+import nbserve
+from nbserve.kernels import build
+from nbserve.models.quant import QUANT_MAX_ROWS, QuantBlocks, QuantCopy
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+PATHS = [pytest.param(None, id="native"),
+         pytest.param(["-mavx2", "-mfma"], id="avx2",
+                      marks=pytest.mark.skipif(not X86, reason="x86 only")),
+         pytest.param(["-mno-avx", "-mno-avx2"] if X86 else [], id="plain-c")]
+WIDTH = {"avx2": 8, "plain-c": 1}
+
+
+def _random_blocks(kind: str, rows: int, k: int, seed: int = 0) -> QuantBlocks:
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.rand(rows, k // 32, generator=g) * 0.1 + 0.01
+    if kind == "q8":
+        codes = torch.randint(-127, 128, (rows, k), generator=g, dtype=torch.int8)
+        return QuantBlocks("q8", codes, scales, None)
+    codes = torch.randint(0, 256, (rows, k // 2), generator=g, dtype=torch.uint8)
+    return QuantBlocks("q4", codes, scales, -torch.rand(rows, k // 32, generator=g) * 0.5)
+
+
+@pytest.mark.parametrize("arch", PATHS)
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_kernel_equals_a_float64_product_on_every_path(arch, kind, request):
+    kernels = build.quant_kernels(arch)
+    path = request.node.callspec.id.split("-", 1)[1] if arch is not None else "native"
+    if path in WIDTH:
+        assert kernels.nbq_simd_width() == WIDTH[path]  # the path meant to run is the one built
+    for rows, k, n in [(1, 64, 7), (2, 96, 33), (3, 576, 50), (4, 160, 9), (9, 128, 17)]:
+        blocks = _random_blocks(kind, n, k, seed=rows)  # 96 and 160: an odd number of blocks
+        x = torch.randn(rows, k)
+        want = (x.double() @ blocks.dequantize().double().t()).float()
+        got = QuantCopy(blocks, kernels=kernels)(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_q4_dequantize_follows_the_gguf_nibble_order():
+    codes = torch.arange(16, dtype=torch.uint8).view(1, 16) | (torch.tensor([15 - i for i in range(16)], dtype=torch.uint8) << 4)
+    blocks = QuantBlocks("q4", codes, torch.tensor([[2.0]]), torch.tensor([[-1.0]]))
+    w = blocks.dequantize()[0]
+    assert w[:16].tolist() == [2.0 * i - 1 for i in range(16)]  # low nibbles: weights 0-15
+    assert w[16:].tolist() == [2.0 * (15 - i) - 1 for i in range(16)]  # high: 16-31
+
+
+def test_q8_0_from_float_is_within_half_a_step():
+    w = torch.randn(5, 96) * torch.logspace(-3, 1, 96)
+    blocks = QuantBlocks.from_float(w)
+    assert blocks.kind == "q8" and blocks.shape == (5, 96)
+    step = blocks.scales.repeat_interleave(32, dim=1)
+    assert ((blocks.dequantize() - w).abs() <= step / 2 + 1e-7).all()
+    assert QuantBlocks.from_float(torch.randn(4, 48)) is None  # rows not made of whole blocks
+    assert QuantBlocks.from_float(torch.zeros(2, 32)).dequantize().abs().sum() == 0
+
+
+def test_quant_copy_applies_to_a_few_float32_cpu_rows_only():
+    q = QuantCopy(_random_blocks("q8", 8, 32), bias=torch.ones(8))
+    assert q.applies(torch.randn(1, 32)) and q.applies(torch.randn(QUANT_MAX_ROWS, 1, 32))
+    assert not q.applies(torch.randn(QUANT_MAX_ROWS + 1, 32))
+    assert not q.applies(torch.randn(1, 32).double())
+    x = torch.randn(2, 1, 32)
+    torch.testing.assert_close(q(x), x @ q.blocks.dequantize().t() + 1, rtol=1e-5, atol=1e-5)
+
+
+def _gguf(hf_dir, folder, **types: str):
+    """The tiny llama (tied head) as a GGUF: Q4_1 layers, a Q4_0 down_proj, a Q8_0 embedding,
+    and `types` (GGUF name with "." as "__": type) on top."""
+    types = {"token_embd.weight": "Q8_0", "blk.0.ffn_down.weight": "Q4_0",
+             **{name.replace("__", "."): t for name, t in types.items()}}
+    return hf_dir_to_gguf(hf_dir, folder / "m.gguf", "Q4_1", tensor_types=types)
+
+
+@pytest.fixture(scope="module")
+def q4_gguf(tiny_llama_dir, tmp_path_factory):
+    return _gguf(tiny_llama_dir, tmp_path_factory.mktemp("q4"))
+
+
+def _lone_steps(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prefill logits of every prompt token, logits of one decode step after it)."""
+    cache = model.make_cache(1, 64)
+    pre = model.forward(torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([0]),
+                        cache)[0]
+    one = model.forward(torch.tensor([[ids[-1]]]), torch.tensor([[len(ids)]]),
+                        torch.tensor([0]), cache, contiguous_from=0)[0, -1]
+    return pre, one
+
+
+def test_a_gguf_is_multiplied_by_its_own_blocks(q4_gguf):
+    full = nbserve.load(str(q4_gguf), verbose=False).model
+    model = nbserve.load(str(q4_gguf), dtype="quantized", verbose=False).model
+    assert model.weight_format == "quantized" and full.weight_format == "float32"
+    holders = model._named_holders()
+    kinds = [holder.quant_copy.blocks.kind for holder, _ in holders]
+    assert kinds == ["q4"] * (len(holders) - 1) + ["q8"]  # the tied head: the Q8_0 embedding
+    for holder, names in holders:  # exactly the float32 model's (dequantized) weights: the
+        assert torch.equal(holder.quant_copy.blocks.dequantize(), holder.weight), names  # file's
+    ids = [3, 17, 5, 9, 11, 2]  # own blocks, Q/K rows unpermuted, Q4_0 as Q4_1 with m = -8 d
+    (pre_f, one_f), (pre_q, one_q) = _lone_steps(full, ids), _lone_steps(model, ids)
+    assert torch.equal(pre_q, pre_f)  # 6 rows: the float32 weights, as before
+    assert not torch.equal(one_q, one_f)  # 1 row: the kernel ran, in another summation order
+    torch.testing.assert_close(one_q, one_f, rtol=1e-4, atol=1e-4)
+
+
+def test_a_fused_projection_with_other_types_gets_q8_0_made_at_load(tiny_llama_dir, tmp_path):
+    path = _gguf(tiny_llama_dir, tmp_path, blk__1__attn_v__weight="F16")
+    model = nbserve.load(str(path), dtype="quantized", verbose=False).model
+    holder, names = model._named_holders()[4]
+    assert names[2] == "model.layers.1.self_attn.v_proj.weight"
+    blocks = holder.quant_copy.blocks  # Q4_1 q/k and an F16 v: one Q8_0 made from the floats
+    assert blocks.kind == "q8" and model._named_holders()[3][0].quant_copy.blocks.kind == "q4"
+    step = blocks.scales.repeat_interleave(32, dim=1)
+    assert ((blocks.dequantize() - holder.weight).abs() <= step / 2 + 1e-7).all()
+
+
+def test_a_float_checkpoint_gets_q8_0_copies(tiny_llama_dir):
+    full = nbserve.load(str(tiny_llama_dir), verbose=False).model
+    model = nbserve.load(str(tiny_llama_dir), dtype="quantized", verbose=False).model
+    assert {h.quant_copy.blocks.kind for h in model._weight_holders()} == {"q8"}
+    ids = [3, 17, 5, 9, 11, 2]
+    (_, one_f), (_, one_q) = _lone_steps(full, ids), _lone_steps(model, ids)
+    assert (one_q - one_f).abs().max() < 0.02 * one_f.abs().max()  # Q8_0: within a few tenths of %
+    n_full, bytes_full = nbserve.models.llama.count_parameters(full)
+    n_q, bytes_q = nbserve.models.llama.count_parameters(model)
+    assert n_q == n_full and bytes_q > bytes_full  # the copies are counted
+
+
+def test_moving_or_copying_the_model_keeps_the_copies_right(q4_gguf):
+    model = nbserve.load(str(q4_gguf), dtype="quantized", verbose=False).model
+    ids = [3, 17, 5]
+    _, before = _lone_steps(model, ids)
+    model.to(torch.float64)
+    assert model.weight_format == "float64"
+    assert all(h.quant_copy is None for h in model._weight_holders())  # float64 rows: no kernel
+    model.to(torch.float32)
+    assert model.weight_format == "quantized"
+    assert torch.equal(_lone_steps(model, ids)[1], before)
+    twin = copy.deepcopy(model)  # a replica: its own blocks, its own pointers
+    assert twin.lm_head.quant_copy.blocks.codes.data_ptr() != \
+        model.lm_head.quant_copy.blocks.codes.data_ptr()
+    assert torch.equal(_lone_steps(twin, ids)[1], before)
+
+
+def test_without_a_compiler_the_error_says_what_to_do(tiny_llama_dir, monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("NBSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "_loaded", None)
+    with pytest.raises(build.KernelBuildError, match="apt install gcc.*dtype='mixed16'"):
+        nbserve.load(str(tiny_llama_dir), dtype="quantized", verbose=False)
+    failing = tmp_path / "failing-cc"
+    failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && exit 0\n"
+                       "echo 'fatal: no such target' >&2; exit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("CC", str(failing))
+    with pytest.raises(build.KernelBuildError, match="no such target"):
+        build.quant_kernels()
+
+
+def test_quantized_needs_a_cpu_float32_model(tiny_llama_dir):
+    model = nbserve.load(str(tiny_llama_dir), dtype="bfloat16", verbose=False).model
+    with pytest.raises(ValueError, match="CPU float32 option"):
+        model.use_quantized_weights()
+    with pytest.raises(ValueError, match="applies to checkpoints nbserve loads itself"):
+        nbserve.load(torch.nn.Linear(2, 2), dtype="quantized")
+
+
+def test_cli_and_backend_serve_quantized(tiny_llama_dir):
+    from nbserve.backend_ref import build_backend
+    from nbserve.cli import build_parser, serve_kwargs
+
+    args = build_parser().parse_args(["serve", str(tiny_llama_dir), "--dtype", "quantized"])
+    assert serve_kwargs(args)["dtype"] == "quantized"
+    backend, owned = build_backend(str(tiny_llama_dir), dtype="quantized", max_batch=2,
+                                   max_context=64, quiet=True)
+    with backend:
+        assert backend.model.weight_format == "quantized"
+        assert backend.complete("hi", max_tokens=3, temperature=0) is not None
+
+
+@pytest.mark.slow
+def test_default_model_keeps_its_answer_quantized():
+    loaded = nbserve.load("smollm2", dtype="quantized", verbose=False)
+    assert {h.quant_copy.blocks.kind for h in loaded.model._weight_holders()} == {"q4", "q8"}
+    with nbserve.Engine(loaded, max_batch=2, max_context=256, quiet=True) as engine:
+        answer = engine.chat([{"role": "user", "content": "What is the capital of France?"}],
+                             max_tokens=16, temperature=0)
+    assert answer == "The capital of France is Paris."
