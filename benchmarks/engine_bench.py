@@ -1,8 +1,11 @@
 """In-process engine benchmark on the default model, beside `transformers` generate, in one run.
 
-Prints: load time, parameters, weight bytes; prefill tokens/s; single-stream decode tokens/s;
-aggregate decode tokens/s at 1, 4, 16, 32 concurrent requests; transformers `generate` at
-batch 1 and a left-padded batch of 16 on the same weights and prompts; and the ratios.
+Prints: load time, parameters, weight bytes; prefill tokens/s; single-stream decode tokens/s
+(float32, and dtype="mixed16" and "quantized" with how many of 20 greedy answers differ from
+float32); aggregate decode tokens/s at 1, 4, 16, 32 concurrent requests; transformers
+`generate` at batch 1 and a left-padded batch of 16 on the same weights and prompts; llama.cpp
+single-stream on the same GGUF (`--llama-cpp-python`); and the ratios. Single-stream figures,
+nbserve's and the peers', are the median of 3 runs after a warm-up run.
 
     python benchmarks/engine_bench.py               # full run (a few minutes on 2 cores)
     python benchmarks/engine_bench.py --quick       # fewer levels, for a smoke test
@@ -81,6 +84,19 @@ def single_stream(engine: Engine, ids: list[int], max_tokens: int) -> tuple[floa
     return prefill, decode
 
 
+STEADY_RUNS = 3  # single-stream figures: the median of this many runs after a warm-up run
+
+
+def steady_single_stream(engine: Engine, ids: list[int], max_tokens: int) -> tuple[float, float]:
+    """`single_stream` in steady state: one full warm-up run (the engine's thread tuner times
+    its choices over the first forwards), then the median of STEADY_RUNS runs. llama.cpp's
+    figure is taken the same way (LLAMA_CPP_CHILD)."""
+    single_stream(engine, ids, max_tokens)
+    runs = sorted(single_stream(engine, ids, max_tokens) for _ in range(STEADY_RUNS))
+    prefill = sorted(r[0] for r in runs)[len(runs) // 2]
+    return prefill, sorted(r[1] for r in runs)[len(runs) // 2]
+
+
 def hf_generate(model, prompts: list[list[int]], max_tokens: int, pad_id: int) -> float:
     """transformers generate, greedy, left-padded batch; returns output tokens/s."""
     width = max(len(p) for p in prompts)
@@ -120,8 +136,7 @@ def format_figures(fmt: str, model: str, prompts: list[list[int]], reference: li
     differ from float32 (each answered alone, so that its steps use the copies)."""
     loaded = nbserve.load(model, dtype=fmt, verbose=False)
     with Engine(loaded, max_batch=4, max_context=512, quiet=True) as engine:
-        single_stream(engine, prompts[0], 8)  # warm-up
-        _, decode = single_stream(engine, prompts[0], max_tokens)
+        _, decode = steady_single_stream(engine, prompts[0], max_tokens)
         got = asyncio.run(answers(engine, prompts[:len(reference)], quality_tokens, False))
     changed = [i for i, (a, b) in enumerate(zip(got, reference)) if a != b]
     first = [next((j for j, (x, y) in enumerate(zip(got[i], reference[i])) if x != y),
@@ -144,8 +159,9 @@ def transformers_figures(max_tokens: int, batch: int) -> None:
     path = default_model_path()
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                               dtype=torch.float32).eval()
-    hf_generate(hf, prompts[:1], 4, 0)  # warm-up
-    one = hf_generate(hf, prompts[:1], max_tokens, 0)
+    hf_generate(hf, prompts[:1], max_tokens, 0)  # warm-up, then the median of STEADY_RUNS
+    one = sorted(hf_generate(hf, prompts[:1], max_tokens, 0) for _ in range(STEADY_RUNS))[
+        STEADY_RUNS // 2]
     many = hf_generate(hf, prompts[:batch], max_tokens, 0)
     print(json.dumps({"batch1": one, "batched": many}))
 
@@ -164,9 +180,9 @@ def run(n):
             break
     return times
 
-run(8)  # warm-up
-t = run(max_tokens)
-print(json.dumps({"decode": (len(t) - 1) / (t[-1] - t[0])}))
+run(max_tokens)  # warm-up, then the median of 3 runs (as nbserve's steady_single_stream)
+rates = sorted((len(t) - 1) / (t[-1] - t[0]) for t in (run(max_tokens) for _ in range(3)))
+print(json.dumps({"decode": rates[1]}))
 """
 
 
@@ -237,8 +253,7 @@ def main() -> None:
     print(f"prompts: {len(prompts)} chats of {min(map(len, prompts))}-"
           f"{max(map(len, prompts))} tokens, {args.max_tokens} new tokens each, greedy")
 
-    single_stream(engine, prompts[0], 8)  # warm-up
-    prefill, decode = single_stream(engine, prompts[0], args.max_tokens)
+    prefill, decode = steady_single_stream(engine, prompts[0], args.max_tokens)
     rows = [("nbserve single-stream decode", decode), ("nbserve prefill (tokens/s)", prefill)]
     agg = {}
     for n in levels:

@@ -35,7 +35,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
                         help="weights: float32 (CPU default), bfloat16 (GPU default), float16, "
                         "mixed16 (CPU: float16 copies for single-stream steps, about 2x faster "
                         "alone, +50%% memory), or quantized (CPU: a GGUF's own 4/8-bit blocks, "
-                        "or Q8_0 made at load, for steps of up to 4 rows: about 2.7x faster "
+                        "or Q8_0 made at load, for steps of up to 12 rows: about 2.7x faster "
                         "alone; builds a small C kernel with the system's compiler)")
     parser.add_argument("--api-key", action="append", default=None, dest="api_keys",
                         help="require this key (Authorization: Bearer KEY); repeat for several")

@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("quant_matmul.c")
-FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
+FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11", "-lm"]
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None = None
 
@@ -50,9 +50,10 @@ def compiler() -> str:
     found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not found or not shutil.which(found.split()[0]):
         raise KernelBuildError(
-            "nbserve's quantized weights (dtype='quantized') compile a small C kernel at first "
-            "use and found no C compiler (tried $CC, cc, gcc). Install one (Debian/Ubuntu: "
-            "`apt install gcc`), or load the model with dtype='mixed16' or 'float32'.")
+            "nbserve's C kernel (one-stream speed for float32 and dtype='quantized') is "
+            "compiled at first use, and no C compiler was found (tried $CC, cc, gcc). Install "
+            "one (Debian/Ubuntu: `apt install gcc`), or load the model with dtype='mixed16' "
+            "or 'float32' (NBSERVE_KERNELS=0 turns the kernel off).")
     return found
 
 
@@ -95,13 +96,15 @@ def _build(source: Path, arch_options: list[list[str]]) -> Path:
         os.unlink(tmp)
         errors = run.stderr.strip()[-2000:]
     raise KernelBuildError(f"compiling {source.name} with {cc} failed:\n{errors}\n"
-                           "Load the model with dtype='mixed16' or 'float32' instead.")
+                           "Load the model with dtype='mixed16' or 'float32' instead "
+                           "(NBSERVE_KERNELS=0 turns the kernel off).")
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    lib.nbq_q4_matmul.argtypes = [ptr, i32, i32, ptr, ptr, ptr, i32, ptr, i32]
-    lib.nbq_q8_matmul.argtypes = [ptr, i32, i32, ptr, ptr, i32, ptr, i32]
-    lib.nbq_q4_matmul.restype, lib.nbq_q8_matmul.restype = i32, None
+    ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.nbq_q4_matmul.argtypes = [ptr, i32, i32, ptr, ptr, ptr, i32, ptr, i32, ptr, f32, i32]
+    lib.nbq_q8_matmul.argtypes = [ptr, i32, i32, ptr, ptr, i32, ptr, i32, ptr, f32, i32]
+    lib.nbq_f32_matmul.argtypes = [ptr, i32, i32, ptr, i32, ptr, i32, ptr, f32, i32]
+    lib.nbq_q4_matmul.restype = lib.nbq_q8_matmul.restype = lib.nbq_f32_matmul.restype = i32
     lib.nbq_simd_width.restype = i32
     return lib

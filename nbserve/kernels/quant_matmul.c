@@ -15,6 +15,7 @@
  * for up to TILE input rows. Built at first use with -march=native (nbserve/kernels/build.py): the
  * AVX-512 or AVX2 path where the CPU has it, plain C elsewhere.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +26,7 @@
 #define BLOCK 32
 #define TILE 4
 #define INLINE static inline __attribute__((always_inline))
+enum { Q4, Q8, F32 };  /* weight kinds */
 
 int nbq_simd_width(void) {
 #if defined(__AVX512F__)
@@ -63,11 +65,16 @@ INLINE void fma_rows(__m512 w0, __m512 w1, const float *x, int rows, int k, __m5
     }
 }
 
-/* the 32 weights of block b: q4 (q4 = 1) or q8 (q4 = 0, m unused) */
-INLINE void block_weights(int q4, const uint8_t *qs, int b, const float *d, const float *m,
+/* the 32 weights of block b: kind Q4, Q8 (m unused) or F32 (qs: float32 weights, d, m unused) */
+INLINE void block_weights(int kind, const uint8_t *qs, int b, const float *d, const float *m,
                           __m512 *w0, __m512 *w1) {
+    if (kind == F32) {
+        *w0 = _mm512_loadu_ps((const float *)qs + b * BLOCK);
+        *w1 = _mm512_loadu_ps((const float *)qs + b * BLOCK + 16);
+        return;
+    }
     __m512 scale = _mm512_set1_ps(d[b]);
-    if (q4) {
+    if (kind == Q4) {
         const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + b * 16)));
         __m512 table = _mm512_add_ps(_mm512_mul_ps(iota, scale), _mm512_set1_ps(m[b]));
@@ -84,19 +91,19 @@ INLINE void block_weights(int q4, const uint8_t *qs, int b, const float *d, cons
 
 /* Output row of weight blocks `qs` against `rows` input rows. Even and odd blocks sum into
  * separate accumulators: a single chain of FMAs would wait 4 cycles a block on the last one. */
-INLINE void dot_rows(int q4, const float *x, int rows, int k, const uint8_t *qs,
+INLINE void dot_rows(int kind, const float *x, int rows, int k, const uint8_t *qs,
                      const float *d, const float *m, float *out, int n_out) {
     int nb = k / BLOCK, b = 0;
     __m512 even[2 * TILE], odd[2 * TILE], w0, w1;
     for (int i = 0; i < 2 * TILE; i++) even[i] = odd[i] = _mm512_setzero_ps();
     for (; b + 1 < nb; b += 2) {
-        block_weights(q4, qs, b, d, m, &w0, &w1);
+        block_weights(kind, qs, b, d, m, &w0, &w1);
         fma_rows(w0, w1, x + (size_t)b * BLOCK, rows, k, even);
-        block_weights(q4, qs, b + 1, d, m, &w0, &w1);
+        block_weights(kind, qs, b + 1, d, m, &w0, &w1);
         fma_rows(w0, w1, x + (size_t)(b + 1) * BLOCK, rows, k, odd);
     }
     if (b < nb) {
-        block_weights(q4, qs, b, d, m, &w0, &w1);
+        block_weights(kind, qs, b, d, m, &w0, &w1);
         fma_rows(w0, w1, x + (size_t)b * BLOCK, rows, k, even);
     }
     for (int i = 0; i < rows; i++) {
@@ -109,12 +116,16 @@ INLINE void dot_rows(int q4, const float *x, int rows, int k, const uint8_t *qs,
 INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const float *d,
                    const float *m, const float *xs, float *out, int n_out) {
     (void)xs;
-    dot_rows(1, x, rows, k, qs, d, m, out, n_out);
+    dot_rows(Q4, x, rows, k, qs, d, m, out, n_out);
 }
 
 INLINE void q8_row(const float *x, int rows, int k, const int8_t *qs, const float *d,
                    float *out, int n_out) {
-    dot_rows(0, x, rows, k, (const uint8_t *)qs, d, d, out, n_out);
+    dot_rows(Q8, x, rows, k, (const uint8_t *)qs, d, d, out, n_out);
+}
+
+INLINE void f32_row(const float *x, int rows, int k, const float *w, float *out, int n_out) {
+    dot_rows(F32, x, rows, k, (const uint8_t *)w, NULL, NULL, out, n_out);
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -179,6 +190,17 @@ INLINE void q8_row(const float *x, int rows, int k, const int8_t *qs, const floa
     for (int i = 0; i < rows; i++) out[(size_t)i * n_out] = hsum(acc[i]);
 }
 
+INLINE void f32_row(const float *x, int rows, int k, const float *w, float *out, int n_out) {
+    __m256 acc[TILE];
+    for (int i = 0; i < TILE; i++) acc[i] = _mm256_setzero_ps();
+    for (int j = 0; j < k; j += 8) {
+        __m256 wj = _mm256_loadu_ps(w + j);
+        for (int i = 0; i < rows; i++)
+            acc[i] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(x + (size_t)i * k + j), acc[i]);
+    }
+    for (int i = 0; i < rows; i++) out[(size_t)i * n_out] = hsum(acc[i]);
+}
+
 #else  /* plain C */
 INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const float *d,
                    const float *m, const float *xs, float *out, int n_out) {
@@ -211,56 +233,98 @@ INLINE void q8_row(const float *x, int rows, int k, const int8_t *qs, const floa
         out[(size_t)i * n_out] = acc;
     }
 }
+INLINE void f32_row(const float *x, int rows, int k, const float *w, float *out, int n_out) {
+    for (int i = 0; i < rows; i++) {
+        float acc = 0.f;
+        for (int j = 0; j < k; j++) acc += w[j] * x[(size_t)i * k + j];
+        out[(size_t)i * n_out] = acc;
+    }
+}
 #endif
 
-/* y (R, N) = x (R, K) @ w.T for a q4 weight: qs (N, K/2) bytes, d and m (N, K/32).
- * Returns 0, or -1 when it could not allocate its block sums (y is then not written). */
-int nbq_q4_matmul(const float *x, int rows, int k, const uint8_t *qs, const float *d,
-                   const float *m, int n, float *y, int threads) {
+/* The input the product reads: x (R, K) itself; or x normalised, RMSNorm with weight `norm`
+ * (as torch: x * rsqrt(mean(x^2) + eps), then * norm); or, `gated`, silu(a) * b for x (R, 2K) =
+ * [a | b] (a SwiGLU MLP's gate and up). Returns x, or `*buf` (allocated, R * K floats; NULL
+ * when out of memory). Folding these into the call saves the ops around each matmul. */
+static const float *prepare(const float *x, int rows, int k, const float *norm, float eps,
+                            int gated, float **buf) {
+    *buf = NULL;
+    if (!norm && !gated) return x;
+    float *out = malloc(sizeof(float) * (size_t)rows * k);
+    if (!out) return NULL;
+    for (int i = 0; i < rows; i++) {
+        float *o = out + (size_t)i * k;
+        if (gated) {
+            const float *a = x + (size_t)i * 2 * k, *b = a + k;
+            for (int j = 0; j < k; j++) o[j] = a[j] / (1.0f + expf(-a[j])) * b[j];
+        } else {
+            const float *v = x + (size_t)i * k;
+            double squares = 0;
+            for (int j = 0; j < k; j++) squares += (double)v[j] * v[j];
+            float r = 1.0f / sqrtf((float)(squares / k) + eps);
+            for (int j = 0; j < k; j++) o[j] = v[j] * r * norm[j];
+        }
+    }
+    *buf = out;
+    return out;
+}
+
+/* y (R, N) = prepare(x) (R, K) @ w.T for a weight of `kind`: Q4 codes (N, K/2) bytes with
+ * d and m (N, K/32); Q8 codes (N, K) signed bytes with d (N, K/32); F32 (N, K) floats.
+ * Returns 0, or -1 when out of memory (y is then not written). */
+static int matmul(int kind, const float *x, int rows, int k, const void *codes, const float *d,
+                  const float *m, int n, float *y, int threads, const float *norm, float eps,
+                  int gated) {
     int nb = k / BLOCK;
-#ifdef HAS_TABLE_PATH
-    float *xs = NULL;  /* the table path needs no block sums */
-#else
-    float *xs = malloc(sizeof(float) * (size_t)rows * nb);
-    if (!xs) return -1;
-    block_sums(x, rows, k, xs);
+    size_t row_bytes = kind == Q4 ? (size_t)k / 2 : kind == Q8 ? (size_t)k : (size_t)k * 4;
+    float *buf, *xs = NULL;
+    x = prepare(x, rows, k, norm, eps, gated, &buf);
+    if (!x) return -1;
+#ifndef HAS_TABLE_PATH  /* the table path needs no block sums */
+    if (kind == Q4) {
+        xs = malloc(sizeof(float) * (size_t)rows * nb);
+        if (!xs) { free(buf); return -1; }
+        block_sums(x, rows, k, xs);
+    }
 #endif
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int r = 0; r < n; r++) {
-        const uint8_t *wq = qs + (size_t)r * nb * 16;
-        const float *wd = d + (size_t)r * nb, *wm = m + (size_t)r * nb;
+        const uint8_t *wq = (const uint8_t *)codes + (size_t)r * row_bytes;
+        const float *wd = d ? d + (size_t)r * nb : NULL, *wm = m ? m + (size_t)r * nb : NULL;
         for (int i0 = 0; i0 < rows; i0 += TILE) {
             const float *xi = x + (size_t)i0 * k, *si = xs ? xs + (size_t)i0 * nb : NULL;
             float *yi = y + (size_t)i0 * n + r;
-            switch (rows - i0 < TILE ? rows - i0 : TILE) {  /* constant row counts: the */
-            case 1: q4_row(xi, 1, k, wq, wd, wm, si, yi, n); break;  /* accumulators stay */
-            case 2: q4_row(xi, 2, k, wq, wd, wm, si, yi, n); break;  /* in registers */
-            case 3: q4_row(xi, 3, k, wq, wd, wm, si, yi, n); break;
-            default: q4_row(xi, TILE, k, wq, wd, wm, si, yi, n);
+            int t = rows - i0 < TILE ? rows - i0 : TILE;
+            /* constant row counts, so that the accumulators stay in registers */
+#define ROWS(T) if (kind == Q4) q4_row(xi, T, k, wq, wd, wm, si, yi, n); \
+                else if (kind == Q8) q8_row(xi, T, k, (const int8_t *)wq, wd, yi, n); \
+                else f32_row(xi, T, k, (const float *)wq, yi, n)
+            switch (t) {
+            case 1: ROWS(1); break;
+            case 2: ROWS(2); break;
+            case 3: ROWS(3); break;
+            default: ROWS(TILE);
             }
+#undef ROWS
         }
     }
     free(xs);
+    free(buf);
     return 0;
 }
 
-/* y (R, N) = x (R, K) @ w.T for a q8 weight: qs (N, K) signed bytes, d (N, K/32) */
-void nbq_q8_matmul(const float *x, int rows, int k, const int8_t *qs, const float *d, int n,
-                   float *y, int threads) {
-    int nb = k / BLOCK;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int r = 0; r < n; r++) {
-        const int8_t *wq = qs + (size_t)r * k;
-        const float *wd = d + (size_t)r * nb;
-        for (int i0 = 0; i0 < rows; i0 += TILE) {
-            const float *xi = x + (size_t)i0 * k;
-            float *yi = y + (size_t)i0 * n + r;
-            switch (rows - i0 < TILE ? rows - i0 : TILE) {  /* as in nbq_q4_matmul */
-            case 1: q8_row(xi, 1, k, wq, wd, yi, n); break;
-            case 2: q8_row(xi, 2, k, wq, wd, yi, n); break;
-            case 3: q8_row(xi, 3, k, wq, wd, yi, n); break;
-            default: q8_row(xi, TILE, k, wq, wd, yi, n);
-            }
-        }
-    }
+int nbq_q4_matmul(const float *x, int rows, int k, const uint8_t *codes, const float *d,
+                  const float *m, int n, float *y, int threads, const float *norm, float eps,
+                  int gated) {
+    return matmul(Q4, x, rows, k, codes, d, m, n, y, threads, norm, eps, gated);
+}
+
+int nbq_q8_matmul(const float *x, int rows, int k, const int8_t *codes, const float *d, int n,
+                  float *y, int threads, const float *norm, float eps, int gated) {
+    return matmul(Q8, x, rows, k, codes, d, NULL, n, y, threads, norm, eps, gated);
+}
+
+int nbq_f32_matmul(const float *x, int rows, int k, const float *w, int n, float *y,
+                   int threads, const float *norm, float eps, int gated) {
+    return matmul(F32, x, rows, k, w, NULL, NULL, n, y, threads, norm, eps, gated);
 }

@@ -81,10 +81,10 @@ def load(source: Any, *, device: str | None = None, dtype: Any = None,
     float32 plus float16 copies of the matmul weights for one- and two-row steps; about 2x
     faster single-stream decoding, +50% weight memory, outputs can differ from float32 in rare
     near-ties, see `LlamaModel.use_16bit_weights`), or "quantized" (CPU: float32 plus
-    quantized copies for steps of up to 4 rows, a GGUF's own Q4_0/Q4_1/Q8_0 blocks or Q8_0
-    made at load; about 2x faster again than mixed16 single-stream, +20-30% weight memory;
-    compiles a small C kernel at first use; see `LlamaModel.use_quantized_weights`). On CPU
-    in float32 (and mixed16, quantized) the loaders
+    quantized copies for steps of up to 12 rows, a GGUF's own Q4_0/Q4_1/Q8_0 blocks or Q8_0
+    made at load; about 2.7x float32's single-stream speed and 1.4x mixed16's, +20% weight
+    memory; compiles a small C kernel at first use; see `LlamaModel.use_quantized_weights`).
+    On CPU in float32 (and mixed16, quantized) the loaders
     also keep oneDNN-packed copies of the matmul weights, which make batched decoding about
     1.5x faster (+100% weight memory; skipped when the copies would take over a quarter of the
     RAM; see `LlamaModel.pack_weights`). The load line shows the copies apart.

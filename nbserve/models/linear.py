@@ -23,10 +23,10 @@ SPLIT_MAX_ROWS = 128  # past this, F.linear's GEMM threads well on its own
 
 
 def linear(x: torch.Tensor, layer: nn.Linear | FusedProjection) -> torch.Tensor:
-    """`layer(x)`: through its quantized copy (`QuantCopy`, models/quant.py) or its float16
+    """`layer(x)`: through its quantized copy (`KernelLinear`, models/quant.py) or its float16
     copy (`HalfCopy`) for a few rows when it has one, else through its oneDNN copy when it has
     one (`PackedCopy`), else with the output rows split across threads when that is faster."""
-    quant = getattr(layer, "quant_copy", None)
+    quant = getattr(layer, "kernel", None)
     if quant is not None and quant.applies(x):
         return quant(x)
     half = getattr(layer, "half_copy", None)
@@ -36,6 +36,26 @@ def linear(x: torch.Tensor, layer: nn.Linear | FusedProjection) -> torch.Tensor:
     if packed is not None:
         return packed(x)
     return split_linear(x, layer.weight, layer.bias)
+
+
+def normed_linear(x: torch.Tensor, norm: nn.Module, layer: nn.Linear | FusedProjection
+                  ) -> torch.Tensor:
+    """`linear(norm(x), layer)` for an RMSNorm `norm`; where the layer's quantized copy serves,
+    the normalisation runs inside its kernel call (one op instead of about eight)."""
+    quant = getattr(layer, "kernel", None)
+    if quant is not None and quant.applies(x) and norm.weight.dtype == torch.float32:
+        return quant(x, norm=norm)
+    return linear(norm(x), layer)
+
+
+def gated_linear(gate_up: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """`linear(silu(gate) * up, layer)` for gate_up (..., 2I) = [gate | up] (a SwiGLU MLP's
+    down projection); inside the quantized kernel call where it serves."""
+    quant = getattr(layer, "kernel", None)
+    half = gate_up.shape[-1] // 2
+    if quant is not None and quant.applies(gate_up[..., :half]):
+        return quant(gate_up, gated=True)
+    return linear(F.silu(gate_up[..., :half]) * gate_up[..., half:], layer)
 
 
 def split_ways(x: torch.Tensor, weight: torch.Tensor) -> int:
@@ -184,7 +204,7 @@ class FusedProjection:
             start += size
         self.half_copy: HalfCopy | None = None
         self.packed: PackedCopy | None = None
-        self.quant_copy = None  # a models.quant.QuantCopy, see LlamaModel.use_quantized_weights
+        self.kernel = None  # a models.quant.KernelLinear, see LlamaModel.use_quantized_weights
 
     @property
     def weight(self) -> torch.Tensor:

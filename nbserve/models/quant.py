@@ -7,7 +7,8 @@ GGUF's own Q4_1/Q8_0 blocks. The blocks are kept as the file stores them (no req
 the same weights llama.cpp multiplies); weights of other types, and float checkpoints, are
 quantized to Q8_0 at load. Inputs, outputs and the arithmetic stay float32 (per block
 d * sum(x q) + m * sum(x)), so a product differs from one over the dequantized weights only in
-rounding. Steps of more rows keep the float32 (packed) weights, faster there.
+rounding. Steps of more rows (batches of over 12 streams, prefills) keep the float32
+(packed) weights, faster there.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ import numpy as np
 import torch
 
 BLOCK = 32  # weights per block, along the input dimension (GGUF's Q4_0, Q4_1, Q8_0)
-QUANT_MAX_ROWS = 4  # inputs of up to this many rows use the quantized copy (measured)
+QUANT_MAX_ROWS = 12  # inputs of up to this many rows use the quantized copy. Measured, a
+# SmolLM2 decode step in the engine's thread, quantized against float32 packed weights (ms):
+# 2 rows 13.9 / 39.5, 4: 17.7 / 39, 8: 29.4 / 42.5, 12: 40 / 49, 16: 61 / 56.
+FLOAT_MAX_ROWS = 4  # the same for float32 weights; SmolLM2's matmuls in the engine's thread,
+# kernel against oneDNN-packed (ms): 1 row 13.6 / 20.3, 3: 17.3 / 20.2, 4: 16.7 / 17.1, 8: 29 / 22
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # fp16 scale [fp16 min] codes
 
 
@@ -111,49 +116,76 @@ def _half_field(blocks: np.ndarray, offset: int) -> torch.Tensor:
     return torch.from_numpy(field.astype(np.float32))
 
 
-class QuantCopy:
-    """A weight's quantized blocks, multiplied by the C kernel for inputs of up to
-    QUANT_MAX_ROWS rows (`applies`); the model keeps its float32 weight for the others."""
+class KernelLinear:
+    """A matmul through nbserve's C kernel for inputs of a few rows (`applies`): over a
+    weight's quantized blocks (up to QUANT_MAX_ROWS rows), or over a float32 weight as it is,
+    shared, not copied (up to FLOAT_MAX_ROWS rows). Larger inputs take the model's other paths.
+    """
 
-    def __init__(self, blocks: QuantBlocks, bias: torch.Tensor | None = None,
+    def __init__(self, weight: QuantBlocks | torch.Tensor, bias: torch.Tensor | None = None,
                  kernels: ctypes.CDLL | None = None):
         from ..kernels.build import quant_kernels
 
-        self.blocks = blocks
+        self.weight = weight
         self.bias = None if bias is None else bias.detach().float()
-        self.out_features, self.in_features = blocks.shape
+        self.out_features, self.in_features = weight.shape
         self._lib = kernels or quant_kernels()  # a build for another CPU path, in tests
-        b = blocks
-        self._pointers = (b.codes.data_ptr(), b.scales.data_ptr(),
-                          None if b.mins is None else b.mins.data_ptr())
+        if isinstance(weight, QuantBlocks):
+            self.kind, self.max_rows = weight.kind, QUANT_MAX_ROWS
+            self._pointers = (weight.codes.data_ptr(), weight.scales.data_ptr(),
+                              None if weight.mins is None else weight.mins.data_ptr())
+        else:
+            if not float_kernel_serves(weight):
+                raise ValueError("the float32 kernel needs a contiguous CPU float32 weight "
+                                 f"with rows of whole blocks of {BLOCK}")
+            self.kind, self.max_rows = "f32", FLOAT_MAX_ROWS
 
     @property
     def nbytes(self) -> int:
-        return self.blocks.nbytes
+        """Bytes this adds to the model: its blocks; nothing for a float32 weight (shared)."""
+        return self.weight.nbytes if isinstance(self.weight, QuantBlocks) else 0
 
     def applies(self, x: torch.Tensor) -> bool:
-        return (x.numel() <= QUANT_MAX_ROWS * x.shape[-1] and x.dtype == torch.float32
+        return (x.numel() <= self.max_rows * x.shape[-1] and x.dtype == torch.float32
                 and x.device.type == "cpu")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, norm: torch.nn.Module | None = None,
+                 gated: bool = False) -> torch.Tensor:
+        """x (..., K) @ w.T (+ bias). With `norm` (an RMSNorm: `.weight`, `.eps`), of norm(x);
+        `gated`: of silu(a) * b for x (..., 2K) = [a | b]. Both run inside the kernel call."""
         k, n = self.in_features, self.out_features
-        rows = x.numel() // k
-        flat = x.reshape(rows, k).contiguous()
+        width = 2 * k if gated else k
+        rows = x.numel() // width
+        flat = x.reshape(rows, width).contiguous()
         y = torch.empty(rows, n, dtype=torch.float32)
-        codes, scales, mins = self._pointers
+        prep = (None, 0.0) if norm is None else (norm.weight.data_ptr(), norm.eps)
         threads = torch.get_num_threads()
-        if self.blocks.kind == "q4":
-            if self._lib.nbq_q4_matmul(flat.data_ptr(), rows, k, codes, scales, mins, n,
-                                       y.data_ptr(), threads):
-                raise MemoryError("quantized matmul: out of memory for its block sums")
+        if self.kind == "f32":  # the pointer read per call: the weight is the model's own
+            failed = self._lib.nbq_f32_matmul(flat.data_ptr(), rows, k, self.weight.data_ptr(),
+                                              n, y.data_ptr(), threads, *prep, gated)
+        elif self.kind == "q4":
+            codes, scales, mins = self._pointers
+            failed = self._lib.nbq_q4_matmul(flat.data_ptr(), rows, k, codes, scales, mins, n,
+                                             y.data_ptr(), threads, *prep, gated)
         else:
-            self._lib.nbq_q8_matmul(flat.data_ptr(), rows, k, codes, scales, n, y.data_ptr(),
-                                    threads)
+            codes, scales, _ = self._pointers
+            failed = self._lib.nbq_q8_matmul(flat.data_ptr(), rows, k, codes, scales, n,
+                                             y.data_ptr(), threads, *prep, gated)
+        if failed:
+            raise MemoryError("kernel matmul: out of memory for its input buffer")
         y = y.view(*x.shape[:-1], n)
         return y if self.bias is None else y + self.bias
 
-    def __deepcopy__(self, memo: dict) -> QuantCopy:  # the pointers must follow the new tensors
+    def __deepcopy__(self, memo: dict) -> KernelLinear | None:  # pointers follow the copies
         import copy
 
-        return QuantCopy(copy.deepcopy(self.blocks, memo), copy.deepcopy(self.bias, memo),
-                         self._lib)
+        weight = copy.deepcopy(self.weight, memo)
+        if isinstance(weight, torch.Tensor) and not float_kernel_serves(weight):
+            return None  # copied onto another device (a replica): nothing for the kernel here
+        return KernelLinear(weight, copy.deepcopy(self.bias, memo), self._lib)
+
+
+def float_kernel_serves(weight: torch.Tensor) -> bool:
+    """Whether the C kernel can multiply this float32 weight as it is."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.is_contiguous() and weight.shape[1] % BLOCK == 0)
