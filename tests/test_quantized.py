@@ -73,7 +73,8 @@ def test_kernel_folds_in_the_norm_and_the_gate(arch):
 
 
 def test_q4_dequantize_follows_the_gguf_nibble_order():
-    codes = torch.arange(16, dtype=torch.uint8).view(1, 16) | (torch.tensor([15 - i for i in range(16)], dtype=torch.uint8) << 4)
+    low, high = torch.arange(16, dtype=torch.uint8), torch.arange(15, -1, -1, dtype=torch.uint8)
+    codes = (low | (high << 4)).view(1, 16)
     blocks = QuantBlocks("q4", codes, torch.tensor([[2.0]]), torch.tensor([[-1.0]]))
     w = blocks.dequantize()[0]
     assert w[:16].tolist() == [2.0 * i - 1 for i in range(16)]  # low nibbles: weights 0-15
@@ -228,3 +229,24 @@ def test_default_model_keeps_its_answer_quantized():
         answer = engine.chat([{"role": "user", "content": "What is the capital of France?"}],
                              max_tokens=16, temperature=0)
     assert answer == "The capital of France is Paris."
+
+
+def test_the_lone_attention_kernel_matches_torch():
+    from nbserve.models.llama import apply_rope
+    from nbserve.models.lone_attention import lone_attention
+
+    hq, hkv, d, ctx = 6, 2, 64, 40  # grouped-query: 3 query heads per kv head
+    for pos in (0, 1, 17, ctx - 1):
+        heads = torch.randn(hq + 2 * hkv, d)
+        keys, values = torch.randn(hkv, ctx, d), torch.randn(hkv, ctx, d)
+        angles = torch.rand(d // 2) * (pos + 1)
+        rope = (torch.cat([angles.cos()] * 2), torch.cat([-angles.sin(), angles.sin()]))
+        want_k, want_v = keys.clone(), values.clone()
+        qk = apply_rope(heads[:hq + hkv], *rope)
+        want_k[:, pos], want_v[:, pos] = qk[hq:], heads[hq + hkv:]
+        q = qk[:hq].view(hkv, hq // hkv, d).double()
+        scores = q @ want_k[:, :pos + 1].double().transpose(1, 2) / d ** 0.5
+        want = (torch.softmax(scores, -1) @ want_v[:, :pos + 1].double()).reshape(1, hq * d)
+        out = lone_attention(heads, hq, hkv, rope, keys, values, pos)
+        assert torch.equal(keys, want_k) and torch.equal(values, want_v)  # rope rounded as torch
+        torch.testing.assert_close(out, want.float(), rtol=1e-5, atol=1e-5)

@@ -1,12 +1,12 @@
 """Compile nbserve's C kernels for this CPU at first use and load them with ctypes.
 
-Why C and not a torch extension: the kernel is one plain C file with no torch headers, so it
-builds in about a second (a torch C++ extension takes about a minute) and needs only a C
-compiler. It is built with `-march=native` (the AVX-512 or AVX2 path where the CPU has one)
-and `-fopenmp`, which links the OpenMP runtime torch has already loaded (same soname), so the
-kernels share torch's thread pool instead of starting a second one. The library is cached
-under `$NBSERVE_CACHE/kernels` (default `~/.cache/nbserve/kernels`), keyed by the source, the
-compiler and the CPU's flags.
+Why C and not a torch extension: the kernels are plain C files with no torch headers, so they
+build in about a second (a torch C++ extension takes about a minute) and need only a C
+compiler. They are built into one library with `-march=native` (the AVX-512 or AVX2 path
+where the CPU has one) and `-fopenmp`, which links the OpenMP runtime torch has already loaded
+(same soname), so the kernels share torch's thread pool instead of starting a second one. The
+library is cached under `$NBSERVE_CACHE/kernels` (default `~/.cache/nbserve/kernels`), keyed
+by the sources, the compiler and the CPU's flags.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("quant_matmul.c")
-FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11", "-lm"]
+SOURCES = [Path(__file__).with_name(name) for name in ("quant_matmul.c", "lone_attention.c")]
+# -ffp-contract=off: a * b + c stays two roundings, as in torch's separate ops (no silent FMA)
+FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11", "-ffp-contract=off"]
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None = None
 
@@ -39,9 +40,9 @@ def quant_kernels(arch: list[str] | None = None) -> ctypes.CDLL:
     global _loaded
     with _lock:
         if arch is not None:
-            return _declare(ctypes.CDLL(str(_build(SOURCE, [arch]))))
+            return _declare(ctypes.CDLL(str(_build(SOURCES, [arch]))))
         if _loaded is None:
-            _loaded = _declare(ctypes.CDLL(str(_build(SOURCE, [["-march=native"], []]))))
+            _loaded = _declare(ctypes.CDLL(str(_build(SOURCES, [["-march=native"], []]))))
         return _loaded
 
 
@@ -72,15 +73,15 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(source: Path, arch_options: list[list[str]]) -> Path:
-    """The library built from `source` with the first of `arch_options` that compiles (some
+def _build(sources: list[Path], arch_options: list[list[str]]) -> Path:
+    """The library built from `sources` with the first of `arch_options` that compiles (some
     compilers or CPUs have no -march=native), from the cache when built before."""
     cc = compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              check=False).stdout
-    key = hashlib.sha256(source.read_bytes() + version.encode() + _cpu_flags().encode()
-                         + repr((FLAGS, arch_options)).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{source.stem}-{key}.so"
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + version.encode()
+                         + _cpu_flags().encode() + repr((FLAGS, arch_options)).encode())
+    target = _cache_dir() / f"nbserve-kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -88,14 +89,14 @@ def _build(source: Path, arch_options: list[list[str]]) -> Path:
     for arch in arch_options:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        run = subprocess.run([cc, *FLAGS, *arch, "-o", tmp, str(source)],
+        run = subprocess.run([cc, *FLAGS, *arch, "-o", tmp, *map(str, sources), "-lm"],
                              capture_output=True, text=True, check=False)
         if run.returncode == 0:
             os.replace(tmp, target)  # atomic: a concurrent build of the same key is harmless
             return target
         os.unlink(tmp)
         errors = run.stderr.strip()[-2000:]
-    raise KernelBuildError(f"compiling {source.name} with {cc} failed:\n{errors}\n"
+    raise KernelBuildError(f"compiling nbserve's kernels with {cc} failed:\n{errors}\n"
                            "Load the model with dtype='mixed16' or 'float32' instead "
                            "(NBSERVE_KERNELS=0 turns the kernel off).")
 
@@ -105,6 +106,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.nbq_q4_matmul.argtypes = [ptr, i32, i32, ptr, ptr, ptr, i32, ptr, i32, ptr, f32, i32]
     lib.nbq_q8_matmul.argtypes = [ptr, i32, i32, ptr, ptr, i32, ptr, i32, ptr, f32, i32]
     lib.nbq_f32_matmul.argtypes = [ptr, i32, i32, ptr, i32, ptr, i32, ptr, f32, i32]
+    lib.nbq_lone_attention.argtypes = [ptr, i32, i32, i32, ptr, ptr, ptr, ptr, i32, i32, ptr, i32]
     lib.nbq_q4_matmul.restype = lib.nbq_q8_matmul.restype = lib.nbq_f32_matmul.restype = i32
+    lib.nbq_lone_attention.restype = i32
     lib.nbq_simd_width.restype = i32
     return lib

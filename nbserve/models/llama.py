@@ -18,6 +18,7 @@ from ..kv_cache import KVCache
 from .config import LlamaConfig
 from .linear import (FusedProjection, HalfCopy, PackedCopy, gated_linear, linear,
                      normed_linear, packing_affordable, packing_available)
+from .lone_attention import lone_attention, lone_attention_serves
 from .quant import KernelLinear, QuantBlocks, float_kernel_serves
 
 
@@ -107,11 +108,16 @@ class Attention(nn.Module):
                   pos: int, slot: int, cache: KVCache) -> torch.Tensor:
         """`forward` for one sequence's one new token, x (1, H), with a fused q/k/v: the same
         ops on the same values (bit-for-bit equal output), minus the batch bookkeeping (index
-        tensors, advanced indexing into the cache, masks), which is a tenth of a lone step."""
+        tensors, advanced indexing into the cache, masks), which is a tenth of a lone step.
+        Where the model runs on nbserve's C kernels, the attention is one kernel call too (the
+        same values up to summation order; the cache gets the same k and v bit for bit)."""
         hq, hkv, d = self.hq, self.hkv, self.d
         heads = normed_linear(x, norm, self.qkv).view(hq + 2 * hkv, d)
-        qk = apply_rope(heads[:hq + hkv], *rope)
         keys, values = cache.k[self.layer][slot], cache.v[self.layer][slot]  # (Hkv, ctx, D)
+        if self.qkv.kernel is not None and lone_attention_serves(heads, keys):
+            out = lone_attention(heads, hq, hkv, rope, keys, values, pos)
+            return linear(out, self.o_proj)
+        qk = apply_rope(heads[:hq + hkv], *rope)
         keys[:, pos] = qk[hq:]
         values[:, pos] = heads[hq + hkv:]
         out = self._decode_attention(qk[None, :hq], keys[None, :, :pos + 1],
@@ -295,11 +301,13 @@ class LlamaModel(nn.Module):
 
     def use_quantized_weights(self, blocks: Mapping[str, QuantBlocks] | None = None) -> None:
         """Add a quantized copy of every matmul weight and of the LM head (`KernelLinear`) for
-        steps of up to QUANT_MAX_ROWS rows: a lone stream decodes about 2.7x faster than in
-        float32 and 1.4x faster than with float16 copies (it reads a sixth, a third of the bytes). `blocks`: a checkpoint's own blocks by
-        parameter name (a GGUF's Q4_0/Q4_1/Q8_0 tensors, see `loading.gguf`); other weights
-        are quantized to Q8_0 here. Builds the C kernel at first use (needs a C compiler).
-        Greedy output can differ from float32 where the quantization moves a near-tie."""
+        steps of up to QUANT_MAX_ROWS rows: a lone stream reads a fifth of float32's bytes
+        and decodes about 2x faster than float32 with the C kernel (benchmarks/README.md).
+        `blocks`: a checkpoint's own blocks by parameter name (a GGUF's Q4_0/Q4_1/Q8_0
+        tensors, see `loading.gguf`): the same values as the float32 weights dequantized from
+        them, so nothing is lost; other weights are quantized to Q8_0 here, and greedy output
+        can then differ from float32 where the quantization moves a near-tie. Builds the C
+        kernel at first use (needs a C compiler)."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise ValueError("quantized weights are a CPU float32 option: load the model with "
                              "dtype='float32' on cpu (on a GPU use dtype='bfloat16')")
@@ -386,7 +394,8 @@ class LlamaModel(nn.Module):
             half, packed = getattr(holder, "half_copy", None), getattr(holder, "packed", None)
             quant = getattr(holder, "kernel", None)
             total += 0 if half is None else half.weight.numel() * half.weight.element_size()
-            total += (0 if packed is None else packed.nbytes) + (0 if quant is None else quant.nbytes)
+            total += 0 if packed is None else packed.nbytes
+            total += 0 if quant is None else quant.nbytes
         return total
 
     @property
@@ -545,7 +554,7 @@ def kernels_available() -> bool:
         import warnings
 
         warnings.warn(f"nbserve: float32 models run without nbserve's C kernel (single-stream "
-                      f"decoding about 1.4x slower): {exc}", RuntimeWarning, stacklevel=3)
+                      f"decoding about 1.7x slower): {exc}", RuntimeWarning, stacklevel=3)
         return False
 
 
