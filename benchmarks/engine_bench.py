@@ -111,13 +111,13 @@ def hf_generate(model, prompts: list[list[int]], max_tokens: int, pad_id: int) -
 
 
 async def answers(engine: Engine, prompts: list[list[int]], max_tokens: int,
-                  together: bool) -> list[list[int]]:
+                  together: bool, ignore_eos: bool = False) -> list[list[int]]:
     """Greedy token ids for each prompt, all at once (batched) or one after another (alone)."""
 
     async def one(ids: list[int]) -> list[int]:
         out: list[int] = []
         async for ev in engine.generate(Request(prompt_ids=ids, params=SamplingParams(
-                temperature=0.0, max_tokens=max_tokens))):
+                temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos))):
             if isinstance(ev, Delta):
                 out += ev.token_ids
         return out
@@ -127,6 +127,7 @@ async def answers(engine: Engine, prompts: list[list[int]], max_tokens: int,
     return [await one(p) for p in prompts]
 
 
+QUALITY_PROMPTS = 20  # greedy answers compared: formats against float32, float32 against HF
 WEIGHT_FORMATS = ("mixed16", "quantized")  # dtypes that add copies for single-stream steps
 
 
@@ -148,14 +149,15 @@ def format_figures(fmt: str, model: str, prompts: list[list[int]], reference: li
              float(len(reference) - len(changed)))]
 
 
-def transformers_figures(max_tokens: int, batch: int) -> None:
-    """Child process: print transformers' (batch 1, padded batch) tokens/s as JSON."""
+def transformers_figures(max_tokens: int, batch: int, quality: int) -> None:
+    """Child process: print transformers' (batch 1, padded batch) tokens/s as JSON, and its
+    greedy answers (`quality` tokens, past end-of-text) to the first 20 prompts, each alone."""
     from transformers import AutoModelForCausalLM
 
     from nbserve.loading.default import default_model_path
 
     loaded = nbserve.load("smollm2", verbose=False)  # tokenizer and template only
-    prompts = chat_prompts(loaded.tokenizer, loaded.template, batch)
+    prompts = chat_prompts(loaded.tokenizer, loaded.template, max(batch, QUALITY_PROMPTS))
     path = default_model_path()
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                               dtype=torch.float32).eval()
@@ -163,7 +165,13 @@ def transformers_figures(max_tokens: int, batch: int) -> None:
     one = sorted(hf_generate(hf, prompts[:1], max_tokens, 0) for _ in range(STEADY_RUNS))[
         STEADY_RUNS // 2]
     many = hf_generate(hf, prompts[:batch], max_tokens, 0)
-    print(json.dumps({"batch1": one, "batched": many}))
+    greedy = []
+    with torch.no_grad():
+        for ids in prompts[:QUALITY_PROMPTS] if quality else []:
+            out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=quality,
+                              min_new_tokens=quality, do_sample=False, pad_token_id=0)
+            greedy.append(out[0, len(ids):].tolist())
+    print(json.dumps({"batch1": one, "batched": many, "greedy": greedy}))
 
 
 LLAMA_CPP_CHILD = r"""
@@ -205,14 +213,16 @@ def llama_cpp_in_subprocess(python: str, ids: list[int], max_tokens: int) -> flo
     return json.loads(done.stdout.strip().splitlines()[-1])["decode"]
 
 
-def transformers_in_subprocess(max_tokens: int, batch: int) -> tuple[float, float]:
+def transformers_in_subprocess(max_tokens: int, batch: int, quality: int
+                               ) -> tuple[float, float, list[list[int]]]:
     """transformers runs in a fresh process with torch's defaults: no thread pool left over
     from the engine can slow it (or flatter nbserve)."""
     out = subprocess.run([sys.executable, __file__, "--transformers-child",
-                          "--max-tokens", str(max_tokens), "--hf-batch", str(batch)],
+                          "--max-tokens", str(max_tokens), "--hf-batch", str(batch),
+                          "--quality-tokens", str(quality)],
                          check=True, capture_output=True, text=True).stdout
     figures = json.loads(out.strip().splitlines()[-1])
-    return figures["batch1"], figures["batched"]
+    return figures["batch1"], figures["batched"], figures["greedy"]
 
 
 def main() -> None:
@@ -232,9 +242,10 @@ def main() -> None:
                     "figure on the same GGUF (default: this one; skipped if it lacks it)")
     ap.add_argument("--transformers-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--hf-batch", type=int, default=16, help=argparse.SUPPRESS)
+    ap.add_argument("--quality-tokens", type=int, default=32, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.transformers_child:
-        transformers_figures(args.max_tokens, args.hf_batch)
+        transformers_figures(args.max_tokens, args.hf_batch, args.quality_tokens)
         return
     levels = [1, 4] if args.quick else [int(x) for x in args.levels.split(",")]
     hf_batch = 4 if args.quick else 16
@@ -262,9 +273,11 @@ def main() -> None:
         rows.append((f"nbserve aggregate, {n} concurrent (TTFT p50 {r['ttft_p50']:.2f} s)",
                      r["tok_s"]))
     stats = engine.stats()
-    quality_tokens = 32
+    quality_tokens = args.quality_tokens
     formats = [f for f in args.formats.split(",") if f]
-    reference = asyncio.run(answers(engine, prompts[:20], quality_tokens, True)) \
+    alone = None if args.no_transformers else asyncio.run(  # to compare with transformers'
+        answers(engine, prompts[:QUALITY_PROMPTS], quality_tokens, False, ignore_eos=True))
+    reference = asyncio.run(answers(engine, prompts[:QUALITY_PROMPTS], quality_tokens, True)) \
         if formats else None
     engine.close()
     for fmt in formats:
@@ -276,9 +289,15 @@ def main() -> None:
         if args.model != "smollm2":
             print("transformers comparison only wired for the default model; skipping")
         else:
-            hf1, hf16 = transformers_in_subprocess(args.max_tokens, hf_batch)
+            hf1, hf16, hf_greedy = transformers_in_subprocess(args.max_tokens, hf_batch,
+                                                              quality_tokens)
             rows += [("transformers generate, batch 1", hf1),
                      (f"transformers generate, padded batch {hf_batch}", hf16)]
+            same = sum(a == b for a, b in zip(alone or [], hf_greedy))
+            print(f"float32, each prompt alone: {same} of {len(hf_greedy)} greedy answers "
+                  f"({quality_tokens} tokens) identical to transformers'")
+            rows.append((f"float32 greedy answers equal to transformers', of {len(hf_greedy)}",
+                         float(same)))
     llama = llama_cpp_in_subprocess(args.llama_cpp_python, prompts[0], args.max_tokens) \
         if args.model == "smollm2" else None
     if llama:

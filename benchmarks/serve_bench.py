@@ -538,7 +538,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"peers to load-test when installed (default: {','.join(PEER_NAMES)})")
     p.add_argument("--no-peers", action="store_true", help="nbserve only")
     p.add_argument("--dtype", default=None,
-                   help="nbserve's weights: float32 (CPU default), mixed16, bfloat16, float16")
+                   help="nbserve's weights: float32 (CPU default), quantized, mixed16, "
+                   "bfloat16, float16")
     p.add_argument("--llama-cpp-python", default=sys.executable,
                    help="Python interpreter that has llama-cpp-python[server] installed (default: "
                    "this one); a separate venv keeps its dependencies out of nbserve's")
