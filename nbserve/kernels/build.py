@@ -23,6 +23,7 @@ from pathlib import Path
 SOURCES = [Path(__file__).with_name(name) for name in ("quant_matmul.c", "lone_attention.c")]
 # -ffp-contract=off: a * b + c stays two roundings, as in torch's separate ops (no silent FMA)
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11", "-ffp-contract=off"]
+BUILD_TIMEOUT_S = 120
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None = None
 
@@ -40,10 +41,19 @@ def quant_kernels(arch: list[str] | None = None) -> ctypes.CDLL:
     global _loaded
     with _lock:
         if arch is not None:
-            return _declare(ctypes.CDLL(str(_build(SOURCES, [arch]))))
+            return _load(_build(SOURCES, [arch]))
         if _loaded is None:
-            _loaded = _declare(ctypes.CDLL(str(_build(SOURCES, [["-march=native"], []]))))
+            _loaded = _load(_build(SOURCES, [["-march=native"], []]))
         return _loaded
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    try:
+        return _declare(ctypes.CDLL(str(path)))
+    except OSError as exc:  # e.g. a cache on a noexec mount
+        raise KernelBuildError(f"nbserve's C kernels were built but could not be loaded "
+                               f"({exc}); point NBSERVE_CACHE at another folder, or set "
+                               "NBSERVE_KERNELS=0 to run without them") from exc
 
 
 def compiler() -> str:
@@ -84,18 +94,27 @@ def _build(sources: list[Path], arch_options: list[list[str]]) -> Path:
     target = _cache_dir() / f"nbserve-kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     errors = ""
-    for arch in arch_options:
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        run = subprocess.run([cc, *FLAGS, *arch, "-o", tmp, *map(str, sources), "-lm"],
-                             capture_output=True, text=True, check=False)
-        if run.returncode == 0:
-            os.replace(tmp, target)  # atomic: a concurrent build of the same key is harmless
-            return target
-        os.unlink(tmp)
-        errors = run.stderr.strip()[-2000:]
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        for arch in arch_options:
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+            os.close(fd)
+            try:
+                run = subprocess.run([cc, *FLAGS, *arch, "-o", tmp, *map(str, sources), "-lm"],
+                                     capture_output=True, text=True, check=False,
+                                     timeout=BUILD_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                run = subprocess.CompletedProcess([], 1, "", f"timed out after {BUILD_TIMEOUT_S} s")
+            if run.returncode == 0:
+                os.replace(tmp, target)  # atomic: a concurrent build of the same key is fine
+                return target
+            os.unlink(tmp)
+            errors = run.stderr.strip()[-2000:]
+    except OSError as exc:
+        raise KernelBuildError(f"nbserve's C kernels could not be built in {target.parent} "
+                               f"({exc}); point NBSERVE_CACHE at a writable folder, or set "
+                               "NBSERVE_KERNELS=0 to run without them") from exc
     raise KernelBuildError(f"compiling nbserve's kernels with {cc} failed:\n{errors}\n"
                            "Load the model with dtype='mixed16' or 'float32' instead "
                            "(NBSERVE_KERNELS=0 turns the kernel off).")
