@@ -139,6 +139,14 @@ static inline float hsum(__m256 v) {
 static inline __m256 u8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 static inline __m256 i8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
+/* one block: its 32 codes as floats (four registers of 8) times v, summed lane-wise */
+INLINE __m256 block_dot(const __m256 *w, const float *v) {
+    __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(v));
+    t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(v + 8), t);
+    t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(v + 16), t);
+    return _mm256_fmadd_ps(w[3], _mm256_loadu_ps(v + 24), t);
+}
+
 INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const float *d,
                    const float *m, const float *xs, float *out, int n_out) {
     int nb = k / BLOCK;
@@ -150,16 +158,12 @@ INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const flo
         __m128i packed = _mm_loadu_si128((const __m128i *)(qs + (size_t)b * 16));
         __m128i lo = _mm_and_si128(packed, low);
         __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
-        __m256 w0 = u8x8(lo), w1 = u8x8(_mm_srli_si128(lo, 8));
-        __m256 w2 = u8x8(hi), w3 = u8x8(_mm_srli_si128(hi, 8));
+        __m256 w[4] = {u8x8(lo), u8x8(_mm_srli_si128(lo, 8)), u8x8(hi),
+                       u8x8(_mm_srli_si128(hi, 8))};
         __m256 scale = _mm256_set1_ps(d[b]);
         for (int i = 0; i < rows; i++) {
             const float *v = x + (size_t)i * k + (size_t)b * BLOCK;
-            __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(v));
-            t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v + 8), t);
-            t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v + 16), t);
-            t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v + 24), t);
-            acc[i] = _mm256_fmadd_ps(scale, t, acc[i]);
+            acc[i] = _mm256_fmadd_ps(scale, block_dot(w, v), acc[i]);
             macc[i] += m[b] * xs[i * nb + b];
         }
     }
@@ -173,18 +177,12 @@ INLINE void q8_row(const float *x, int rows, int k, const int8_t *qs, const floa
     for (int i = 0; i < TILE; i++) acc[i] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const int8_t *q = qs + (size_t)b * BLOCK;
-        __m256 w0 = i8x8(_mm_loadl_epi64((const __m128i *)q));
-        __m256 w1 = i8x8(_mm_loadl_epi64((const __m128i *)(q + 8)));
-        __m256 w2 = i8x8(_mm_loadl_epi64((const __m128i *)(q + 16)));
-        __m256 w3 = i8x8(_mm_loadl_epi64((const __m128i *)(q + 24)));
+        __m256 w[4];
+        for (int j = 0; j < 4; j++) w[j] = i8x8(_mm_loadl_epi64((const __m128i *)(q + 8 * j)));
         __m256 scale = _mm256_set1_ps(d[b]);
         for (int i = 0; i < rows; i++) {
             const float *v = x + (size_t)i * k + (size_t)b * BLOCK;
-            __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(v));
-            t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v + 8), t);
-            t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v + 16), t);
-            t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v + 24), t);
-            acc[i] = _mm256_fmadd_ps(scale, t, acc[i]);
+            acc[i] = _mm256_fmadd_ps(scale, block_dot(w, v), acc[i]);
         }
     }
     for (int i = 0; i < rows; i++) out[(size_t)i * n_out] = hsum(acc[i]);
