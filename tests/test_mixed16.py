@@ -65,16 +65,17 @@ def test_default_model_keeps_its_answer_with_mixed16():
     assert answer == "The capital of France is Paris."
 
 
-def test_cli_and_launch_pass_mixed16_to_the_loader(tiny_llama_dir):
+@pytest.mark.parametrize("fmt", ["mixed16", "quantized"])
+def test_cli_and_launch_pass_the_weight_format_to_the_loader(tiny_llama_dir, fmt):
     from nbserve.backend_ref import build_backend
     from nbserve.cli import build_parser, serve_kwargs
 
-    args = build_parser().parse_args(["serve", str(tiny_llama_dir), "--dtype", "mixed16"])
-    assert serve_kwargs(args)["dtype"] == "mixed16"
-    backend, owned = build_backend(str(tiny_llama_dir), dtype="mixed16", max_batch=2,
+    args = build_parser().parse_args(["serve", str(tiny_llama_dir), "--dtype", fmt])
+    assert serve_kwargs(args)["dtype"] == fmt
+    backend, owned = build_backend(str(tiny_llama_dir), dtype=fmt, max_batch=2,
                                    max_context=64, quiet=True)
     with backend:
-        assert backend.model.weight_format == "mixed16"
+        assert backend.model.weight_format == fmt
         assert backend.complete("hi", max_tokens=3, temperature=0) is not None
 
 

@@ -208,19 +208,6 @@ def test_quantized_needs_a_cpu_float32_model(tiny_llama_dir):
         nbserve.load(torch.nn.Linear(2, 2), dtype="quantized")
 
 
-def test_cli_and_backend_serve_quantized(tiny_llama_dir):
-    from nbserve.backend_ref import build_backend
-    from nbserve.cli import build_parser, serve_kwargs
-
-    args = build_parser().parse_args(["serve", str(tiny_llama_dir), "--dtype", "quantized"])
-    assert serve_kwargs(args)["dtype"] == "quantized"
-    backend, owned = build_backend(str(tiny_llama_dir), dtype="quantized", max_batch=2,
-                                   max_context=64, quiet=True)
-    with backend:
-        assert backend.model.weight_format == "quantized"
-        assert backend.complete("hi", max_tokens=3, temperature=0) is not None
-
-
 @pytest.mark.slow
 def test_default_model_keeps_its_answer_quantized():
     loaded = nbserve.load("smollm2", dtype="quantized", verbose=False)
