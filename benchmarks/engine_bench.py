@@ -253,7 +253,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
     t0 = time.perf_counter()
-    loaded = nbserve.load(args.model, verbose=False)
+    loaded = nbserve.load(args.model, dtype="float32", verbose=False)  # not the default for
+    # a GGUF of Q4/Q8 blocks ("quantized", timed below with the other formats): the baseline
     load_s = time.perf_counter() - t0
     n_params, n_bytes = count_parameters(loaded.model)
     print(summary_line(loaded, load_s))

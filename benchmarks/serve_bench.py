@@ -285,9 +285,11 @@ def load_engine(args: argparse.Namespace, levels: list[int]) -> Any:
     from nbserve.loading import load
 
     t0 = time.perf_counter()
-    engine = Engine(load(args.model, dtype=args.dtype), max_batch=args.max_batch or max(levels),
+    loaded = load(args.model, dtype=args.dtype)
+    engine = Engine(loaded, max_batch=args.max_batch or max(levels),
                     max_context=args.max_context, quiet=True)
-    print(f"loaded {engine.model_name} in {time.perf_counter() - t0:.1f} s; "
+    print(f"loaded {engine.model_name} in {time.perf_counter() - t0:.1f} s "
+          f"({getattr(loaded.model, 'weight_format', 'its own dtype')}); "
           f"max_batch={engine.max_batch}", flush=True)
     return engine
 
@@ -538,8 +540,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"peers to load-test when installed (default: {','.join(PEER_NAMES)})")
     p.add_argument("--no-peers", action="store_true", help="nbserve only")
     p.add_argument("--dtype", default=None,
-                   help="nbserve's weights: float32 (CPU default), quantized, mixed16, "
-                   "bfloat16, float16")
+                   help="nbserve's weights (default: the loader's: quantized for a GGUF of "
+                   "Q4/Q8 blocks, else float32 on CPU): float32, quantized, mixed16, bfloat16, "
+                   "float16")
     p.add_argument("--llama-cpp-python", default=sys.executable,
                    help="Python interpreter that has llama-cpp-python[server] installed (default: "
                    "this one); a separate venv keeps its dependencies out of nbserve's")

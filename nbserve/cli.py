@@ -32,11 +32,12 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
                         help="tokens per sequence (default: min(model's, 4096))")
     parser.add_argument("--dtype", default=None,
                         choices=["float32", "bfloat16", "float16", "mixed16", "quantized"],
-                        help="weights: float32 (CPU default), bfloat16 (GPU default), float16, "
-                        "mixed16 (CPU: float16 copies for single-stream steps, about 2x faster "
-                        "alone, +50%% memory), or quantized (CPU: a GGUF's own 4/8-bit blocks, "
-                        "or Q8_0 made at load, for steps of up to 12 rows: about 2.7x faster "
-                        "alone; builds a small C kernel with the system's compiler)")
+                        help="weights: float32 (CPU default; for a GGUF of Q4_0/Q4_1/Q8_0 "
+                        "blocks, quantized, lossless there), bfloat16 (GPU default), float16, "
+                        "mixed16 (CPU: float16 copies for one- and two-row steps, +50%% "
+                        "memory), or quantized (CPU: a GGUF's own 4/8-bit blocks, or Q8_0 made "
+                        "at load, for steps of up to 12 rows: about 2.5x float32's speed "
+                        "alone; nbserve's C kernels build with the system's compiler)")
     parser.add_argument("--api-key", action="append", default=None, dest="api_keys",
                         help="require this key (Authorization: Bearer KEY); repeat for several")
     parser.add_argument("--no-ui", dest="ui", action="store_false", help="serve only the API")

@@ -124,7 +124,7 @@ def _lone_steps(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_a_gguf_is_multiplied_by_its_own_blocks(q4_gguf, monkeypatch):
-    full = nbserve.load(str(q4_gguf), verbose=False).model  # float32, through the float kernel
+    full = nbserve.load(str(q4_gguf), dtype="float32", verbose=False).model  # the float kernel
     model = nbserve.load(str(q4_gguf), dtype="quantized", verbose=False).model
     monkeypatch.setenv("NBSERVE_KERNELS", "0")
     plain = nbserve.load(str(q4_gguf), verbose=False).model  # float32 without the C kernel
@@ -143,6 +143,18 @@ def test_a_gguf_is_multiplied_by_its_own_blocks(q4_gguf, monkeypatch):
     torch.testing.assert_close(one_q, one_p, rtol=1e-4, atol=1e-4)
     if build.quant_kernels().nbq_simd_width() == 16:  # AVX-512 rebuilds the float32 weights
         assert torch.equal(one_q, one_f)  # exactly and sums as the float kernel: lossless
+
+
+def test_a_gguf_of_q4_q8_blocks_keeps_them_by_default_on_cpu(q4_gguf, tiny_llama_dir, tmp_path,
+                                                              monkeypatch):
+    default = nbserve.load(str(q4_gguf), verbose=False).model  # dtype=None
+    assert default.weight_format == "quantized"  # lossless for these types: the file's blocks
+    assert {h.kernel.kind for h in default._weight_holders()} == {"q4", "q8"}
+    f16 = _gguf(tiny_llama_dir, tmp_path, blk__1__attn_v__weight="F16")
+    assert nbserve.load(str(f16), verbose=False).model.weight_format == "float32"  # lossy: no
+    assert nbserve.load(str(tiny_llama_dir), verbose=False).model.weight_format == "float32"
+    monkeypatch.setenv("NBSERVE_KERNELS", "0")
+    assert nbserve.load(str(q4_gguf), verbose=False).model.weight_format == "float32"
 
 
 def test_a_fused_projection_with_other_types_gets_q8_0_made_at_load(tiny_llama_dir, tmp_path):

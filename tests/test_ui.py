@@ -152,10 +152,11 @@ async def test_closing_the_chat_generator_aborts_the_backend_stream():
 
 
 async def test_stop_frees_the_engine_slot(tiny_llama_dir):
-    from nbserve.engine import Engine
-    from nbserve.loading.hf_dir import load_hf_dir
+    from test_launch import rambling  # never samples end-of-text: still running when checked
 
-    engine = Engine(load_hf_dir(tiny_llama_dir), max_batch=2)
+    from nbserve.engine import Engine
+
+    engine = Engine(rambling(tiny_llama_dir), max_batch=2)
     try:
         gen = make_chat_fn(engine)("tell me a story", [], "", 1.0, 1.0, 400)
         await gen.__anext__()

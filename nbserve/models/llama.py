@@ -299,7 +299,8 @@ class LlamaModel(nn.Module):
                 holder.kernel = KernelLinear(holder.weight, holder.bias)
         self._wants["float_kernel"] = True
 
-    def use_quantized_weights(self, blocks: Mapping[str, QuantBlocks] | None = None) -> None:
+    def use_quantized_weights(self, blocks: Mapping[str, QuantBlocks] | None = None,
+                              only_lossless: bool = False) -> bool:
         """Add a quantized copy of every matmul weight and of the LM head (`KernelLinear`) for
         steps of up to QUANT_MAX_ROWS rows: a lone stream reads a fifth of float32's bytes
         and decodes about 2x faster than float32 with the C kernel (benchmarks/README.md).
@@ -307,7 +308,8 @@ class LlamaModel(nn.Module):
         tensors, see `loading.gguf`): the same values as the float32 weights dequantized from
         them, so nothing is lost; other weights are quantized to Q8_0 here, and greedy output
         can then differ from float32 where the quantization moves a near-tie. Builds the C
-        kernel at first use (needs a C compiler)."""
+        kernel at first use (needs a C compiler). `only_lossless`: change nothing (and return
+        False) unless every weight has its checkpoint's own blocks."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise ValueError("quantized weights are a CPU float32 option: load the model with "
                              "dtype='float32' on cpu (on a GPU use dtype='bfloat16')")
@@ -315,16 +317,22 @@ class LlamaModel(nn.Module):
         if "lm_head.weight" not in blocks and \
                 self.lm_head.weight is self.model.embed_tokens.weight:  # tied head
             blocks["lm_head.weight"] = blocks.get("model.embed_tokens.weight")
-        copies: list[KernelLinear | None] = []
+        found: list[QuantBlocks | None] = []
         for holder, names in self._named_holders():
             parts = [blocks.get(name) for name in names]
-            found = QuantBlocks.cat(parts) if all(p is not None for p in parts) else None
-            if found is None or found.shape != tuple(holder.weight.shape):
-                found = QuantBlocks.from_float(holder.weight)
-            copies.append(None if found is None else KernelLinear(found, holder.bias))
+            own = QuantBlocks.cat(parts) if all(p is not None for p in parts) else None
+            found.append(own if own is not None and own.shape == tuple(holder.weight.shape)
+                         else None)
+        if only_lossless and any(b is None for b in found):
+            return False
+        copies: list[KernelLinear | None] = []
+        for holder, own in zip(self._weight_holders(), found):
+            made = own if own is not None else QuantBlocks.from_float(holder.weight)
+            copies.append(None if made is None else KernelLinear(made, holder.bias))
         self._quant_copies = copies
         self._wants["quantized"] = True
         self._attach_quant_copies()
+        return True
 
     def _attach_quant_copies(self) -> None:
         for holder, copy in zip(self._weight_holders(), self._quant_copies):
