@@ -52,9 +52,9 @@ def _add_weight_copies(loaded: LoadedModel, weight_format: str) -> None:
     blocks = None
     gguf_file = _gguf_file(str(loaded.source))
     if gguf_file is not None:
-        from .gguf import read_gguf
+        from .gguf import read_quant_blocks
 
-        blocks = read_gguf(gguf_file).tensors.quant_blocks()
+        blocks = read_quant_blocks(gguf_file)
     convert(blocks)
 
 
@@ -67,10 +67,10 @@ def _use_lossless_blocks(loaded: LoadedModel) -> None:
     if gguf_file is None or use is None:
         return
     from ..models.llama import kernels_available
-    from .gguf import read_gguf
+    from .gguf import read_quant_blocks
 
     if kernels_available():
-        use(read_gguf(gguf_file).tensors.quant_blocks(), only_lossless=True)
+        use(read_quant_blocks(gguf_file), only_lossless=True)
 
 
 def _gguf_file(source: str) -> Path | None:
