@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import platform
+import shutil
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ from nbserve.kernels import build
 from nbserve.models.quant import QUANT_MAX_ROWS, QuantBlocks, KernelLinear
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
+pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),
+                                reason="nbserve's C kernels need a C compiler (apt install gcc)")
 PATHS = [pytest.param(None, id="native"),
          pytest.param(["-mavx2", "-mfma"], id="avx2",
                       marks=pytest.mark.skipif(not X86, reason="x86 only")),
