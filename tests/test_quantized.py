@@ -235,7 +235,7 @@ def test_default_model_keeps_its_answer_quantized():
 
 def test_the_lone_attention_kernel_matches_torch():
     from nbserve.models.llama import apply_rope
-    from nbserve.models.lone_attention import lone_attention
+    from nbserve.models.lone_attention import lone_attention, lone_attention_serves
 
     hq, hkv, d, ctx = 6, 2, 64, 40  # grouped-query: 3 query heads per kv head
     for pos in (0, 1, 17, ctx - 1):
@@ -249,6 +249,9 @@ def test_the_lone_attention_kernel_matches_torch():
         q = qk[:hq].view(hkv, hq // hkv, d).double()
         scores = q @ want_k[:, :pos + 1].double().transpose(1, 2) / d ** 0.5
         want = (torch.softmax(scores, -1) @ want_v[:, :pos + 1].double()).reshape(1, hq * d)
+        assert lone_attention_serves(heads, keys, values, rope)
+        assert not lone_attention_serves(heads, keys, values.transpose(1, 2), rope)  # strided
+        assert not lone_attention_serves(heads.double(), keys, values, rope)
         out = lone_attention(heads, hq, hkv, rope, keys, values, pos)
         assert torch.equal(keys, want_k) and torch.equal(values, want_v)  # rope rounded as torch
         torch.testing.assert_close(out, want.float(), rtol=1e-5, atol=1e-5)

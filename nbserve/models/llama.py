@@ -114,7 +114,7 @@ class Attention(nn.Module):
         hq, hkv, d = self.hq, self.hkv, self.d
         heads = normed_linear(x, norm, self.qkv).view(hq + 2 * hkv, d)
         keys, values = cache.k[self.layer][slot], cache.v[self.layer][slot]  # (Hkv, ctx, D)
-        if self.qkv.kernel is not None and lone_attention_serves(heads, keys):
+        if self.qkv.kernel is not None and lone_attention_serves(heads, keys, values, rope):
             out = lone_attention(heads, hq, hkv, rope, keys, values, pos)
             return linear(out, self.o_proj)
         qk = apply_rope(heads[:hq + hkv], *rope)

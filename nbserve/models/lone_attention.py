@@ -11,10 +11,12 @@ from __future__ import annotations
 import torch
 
 
-def lone_attention_serves(heads: torch.Tensor, keys: torch.Tensor) -> bool:
+def lone_attention_serves(heads: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          rope: tuple[torch.Tensor, torch.Tensor]) -> bool:
     """Whether the kernel can take this step: CPU float32, contiguous tensors."""
-    return (heads.dtype == keys.dtype == torch.float32 and keys.device.type == "cpu"
-            and heads.is_contiguous() and keys.is_contiguous())
+    tensors = (heads, keys, values, *rope)
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+               for t in tensors)
 
 
 def lone_attention(heads: torch.Tensor, hq: int, hkv: int, rope: tuple[torch.Tensor, torch.Tensor],
