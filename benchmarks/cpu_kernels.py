@@ -10,7 +10,12 @@ Then the OpenMP trap (`nbserve/openmp_pool.py`): the same one-row packed layers 
 add of 70k floats in a fresh thread, with no pool in the main thread, with one, and after
 `release_openmp_pool()` freed it.
 
+With `--crossover`: nbserve's C kernels (`nbserve/models/quant.py`) against oneDNN-packed
+float32, the 30 layers and the head at 1 to 16 rows in a fresh thread: where FLOAT_MAX_ROWS and
+QUANT_MAX_ROWS come from (float32 weights as they are; random Q4_1-style and Q8_0 blocks).
+
     python benchmarks/cpu_kernels.py               # ~1 minute on 2 cores
+    python benchmarks/cpu_kernels.py --crossover   # ~1 minute; needs a C compiler
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nbserve.models.linear import PackedCopy  # noqa: E402
+from nbserve.models.quant import KernelLinear, QuantBlocks  # noqa: E402
 from nbserve.openmp_pool import release_openmp_pool  # noqa: E402
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
@@ -73,6 +79,45 @@ def cases(rows: int) -> dict[str, Callable[[], object]]:
     }
 
 
+def random_blocks(rows: int, k: int, kind: str, g: torch.Generator) -> QuantBlocks:
+    scales = torch.rand(rows, k // 32, generator=g) * 0.01
+    if kind == "q8":
+        return QuantBlocks("q8", torch.randint(-127, 128, (rows, k), generator=g,
+                                               dtype=torch.int8), scales, None)
+    return QuantBlocks("q4", torch.randint(0, 256, (rows, k // 2), generator=g,
+                                           dtype=torch.uint8), scales, -8 * scales)
+
+
+def crossover(rows_list: list[int], n: int) -> None:
+    """C kernel (float32 weights, q4 blocks) against oneDNN-packed float32, by input rows."""
+    g = torch.Generator().manual_seed(0)
+    layers = [torch.randn(o, i, generator=g) for _ in range(30) for o, i in SHAPES]
+    head = torch.randn(*HEAD, generator=g)
+    packed = [PackedCopy(w) for w in [*layers, head]]
+    f32 = [KernelLinear(w) for w in [*layers, head]]
+    quant = [KernelLinear(random_blocks(*w.shape, "q4", g)) for w in layers]
+    quant.append(KernelLinear(random_blocks(*head.shape, "q8", g)))
+
+    def body() -> None:
+        torch.set_num_threads(2)
+        for rows in rows_list:
+            x = {i: torch.randn(rows, i, generator=g) for i in (576, 1536)}
+            cells = []
+            for name, ops in (("f32 oneDNN-packed", packed), ("f32 C kernel", f32),
+                              ("q4/q8 C kernel", quant)):
+                def all_ops(ops=ops) -> None:  # noqa: ANN001
+                    for op in ops:
+                        op(x[op.weight.shape[1] if isinstance(op, PackedCopy)
+                             else op.in_features])
+                cells.append(f"{name} {median_ms(all_ops, n):6.1f} ms")
+            print(f"crossover rows={rows:<3} layers + head: " + " | ".join(cells), flush=True)
+
+    release_openmp_pool()
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+
+
 def run(where: str, threads: int, rows_list: list[int], n: int) -> None:
     torch.set_num_threads(threads)
     for rows in rows_list:
@@ -114,7 +159,12 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--n", type=int, default=10)
     ap.add_argument("--trap-only", action="store_true", help="only the OpenMP trap figures")
+    ap.add_argument("--crossover", action="store_true",
+                    help="only the C kernels against oneDNN, 1 to 16 rows")
     args = ap.parse_args()
+    if args.crossover:
+        crossover([1, 2, 3, 4, 6, 8, 12, 16], args.n)
+        return
     if args.trap_only:
         openmp_trap(args.n)
         return
