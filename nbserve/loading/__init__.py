@@ -48,29 +48,31 @@ def _add_weight_copies(loaded: LoadedModel, weight_format: str) -> None:
                          f"{type(loaded.model).__name__} does not have it")
     if weight_format == MIXED16:
         convert()
-        return
-    blocks = None
-    gguf_file = _gguf_file(str(loaded.source))
-    if gguf_file is not None:
-        from .gguf import read_quant_blocks
-
-        blocks = read_quant_blocks(gguf_file)
-    convert(blocks)
+    else:
+        convert(_file_blocks(loaded))
 
 
 def _use_lossless_blocks(loaded: LoadedModel) -> None:
     """CPU default for a GGUF whose matmul weights are all Q4_0, Q4_1 or Q8_0 blocks: keep
     them (dtype="quantized") when the C kernel is available. The blocks hold the float32
     weights' exact values, so nothing changes but the speed (about 2.5x a lone stream)."""
-    gguf_file = _gguf_file(str(loaded.source))
     use = getattr(loaded.model, "use_quantized_weights", None)
-    if gguf_file is None or use is None:
+    if use is None or _gguf_file(str(loaded.source)) is None:
         return
-    from ..models.llama import kernels_available
-    from .gguf import read_quant_blocks
+    from ..kernels.build import kernels_available
 
     if kernels_available():
-        use(read_quant_blocks(gguf_file), only_lossless=True)
+        use(_file_blocks(loaded), only_lossless=True)
+
+
+def _file_blocks(loaded: LoadedModel) -> dict | None:
+    """The Q4_0/Q4_1/Q8_0 blocks of the .gguf file a model was loaded from; None for others."""
+    gguf_file = _gguf_file(str(loaded.source))
+    if gguf_file is None:
+        return None
+    from .gguf import read_quant_blocks
+
+    return read_quant_blocks(gguf_file)
 
 
 def _gguf_file(source: str) -> Path | None:

@@ -23,12 +23,13 @@ SPLIT_MAX_ROWS = 128  # past this, F.linear's GEMM threads well on its own
 
 
 def linear(x: torch.Tensor, layer: nn.Linear | FusedProjection) -> torch.Tensor:
-    """`layer(x)`: through its quantized copy (`KernelLinear`, models/quant.py) or its float16
-    copy (`HalfCopy`) for a few rows when it has one, else through its oneDNN copy when it has
-    one (`PackedCopy`), else with the output rows split across threads when that is faster."""
-    quant = getattr(layer, "kernel", None)
-    if quant is not None and quant.applies(x):
-        return quant(x)
+    """`layer(x)`: through nbserve's C kernel (`KernelLinear`, models/quant.py: quantized
+    blocks or the float32 weight) or its float16 copy (`HalfCopy`) for a few rows when it has
+    one, else through its oneDNN copy when it has one (`PackedCopy`), else with the output
+    rows split across threads when that is faster."""
+    kernel = getattr(layer, "kernel", None)
+    if kernel is not None and kernel.applies(x):
+        return kernel(x)
     half = getattr(layer, "half_copy", None)
     if half is not None and half.applies(x):
         return half(x)
@@ -40,21 +41,21 @@ def linear(x: torch.Tensor, layer: nn.Linear | FusedProjection) -> torch.Tensor:
 
 def normed_linear(x: torch.Tensor, norm: nn.Module, layer: nn.Linear | FusedProjection
                   ) -> torch.Tensor:
-    """`linear(norm(x), layer)` for an RMSNorm `norm`; where the layer's quantized copy serves,
-    the normalisation runs inside its kernel call (one op instead of about eight)."""
-    quant = getattr(layer, "kernel", None)
-    if quant is not None and quant.applies(x) and norm.weight.dtype == torch.float32:
-        return quant(x, norm=norm)
+    """`linear(norm(x), layer)` for an RMSNorm `norm`; where the layer's C kernel serves, the
+    normalisation runs inside its call (one op instead of about eight)."""
+    kernel = getattr(layer, "kernel", None)
+    if kernel is not None and kernel.applies(x) and norm.weight.dtype == torch.float32:
+        return kernel(x, norm=norm)
     return linear(norm(x), layer)
 
 
 def gated_linear(gate_up: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """`linear(silu(gate) * up, layer)` for gate_up (..., 2I) = [gate | up] (a SwiGLU MLP's
-    down projection); inside the quantized kernel call where it serves."""
-    quant = getattr(layer, "kernel", None)
+    down projection); inside the C kernel's call where it serves."""
+    kernel = getattr(layer, "kernel", None)
     half = gate_up.shape[-1] // 2
-    if quant is not None and quant.applies(gate_up[..., :half]):
-        return quant(gate_up, gated=True)
+    if kernel is not None and kernel.applies(gate_up[..., :half]):
+        return kernel(gate_up, gated=True)
     return linear(F.silu(gate_up[..., :half]) * gate_up[..., half:], layer)
 
 
@@ -204,7 +205,8 @@ class FusedProjection:
             start += size
         self.half_copy: HalfCopy | None = None
         self.packed: PackedCopy | None = None
-        self.kernel = None  # a models.quant.KernelLinear, see LlamaModel.use_quantized_weights
+        self.kernel = None  # a models.quant.KernelLinear: LlamaModel.use_quantized_weights,
+        # LlamaModel.use_float_kernel
 
     @property
     def weight(self) -> torch.Tensor:

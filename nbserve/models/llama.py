@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.build import kernels_available
 from ..kv_cache import KVCache
 from .config import LlamaConfig
 from .linear import (FusedProjection, HalfCopy, PackedCopy, gated_linear, linear,
@@ -135,7 +136,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
         """The MLP of norm(x) (of x without a norm). With fused gate/up, the norm and the
-        silu(gate) * up run inside the matmuls where the quantized kernel serves them."""
+        silu(gate) * up run inside the matmuls where the C kernel serves them."""
         if self.gate_up is not None:
             gate_up = linear(x, self.gate_up) if norm is None else normed_linear(x, norm,
                                                                                  self.gate_up)
@@ -396,14 +397,15 @@ class LlamaModel(nn.Module):
         return [holder for holder, _ in self._named_holders()]
 
     def derived_bytes(self) -> int:
-        """Bytes of the weight copies kept for speed (float16, packed, transposed head)."""
+        """Bytes of the weight copies kept for speed (float16, packed, quantized, transposed
+        head); the float32 kernel shares the weights and adds none."""
         total = 0 if self._head_t is None else self._head_t.numel() * self._head_t.element_size()
         for holder in self._weight_holders():
             half, packed = getattr(holder, "half_copy", None), getattr(holder, "packed", None)
-            quant = getattr(holder, "kernel", None)
+            kernel = getattr(holder, "kernel", None)
             total += 0 if half is None else half.weight.numel() * half.weight.element_size()
             total += 0 if packed is None else packed.nbytes
-            total += 0 if quant is None else quant.nbytes
+            total += 0 if kernel is None else kernel.nbytes
         return total
 
     @property
@@ -544,26 +546,6 @@ def build_llama(cfg: LlamaConfig, tensors: Iterable[tuple[str, torch.Tensor]],
     if float_kernel:
         model.use_float_kernel()
     return model
-
-
-def kernels_available() -> bool:
-    """Whether nbserve's C kernel is built (or builds now) here; False, with a warning once, when
-    it cannot be (no C compiler), or when NBSERVE_KERNELS=0 turns it off."""
-    import os
-
-    from ..kernels.build import KernelBuildError, quant_kernels
-
-    if os.environ.get("NBSERVE_KERNELS", "1") == "0":
-        return False
-    try:
-        quant_kernels()
-        return True
-    except KernelBuildError as exc:
-        import warnings
-
-        warnings.warn(f"nbserve: float32 models run without nbserve's C kernel (single-stream "
-                      f"decoding about 1.7x slower): {exc}", RuntimeWarning, stacklevel=3)
-        return False
 
 
 def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.build import quant_kernels
+
 
 def lone_attention_serves(heads: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                           rope: tuple[torch.Tensor, torch.Tensor]) -> bool:
@@ -23,8 +25,6 @@ def lone_attention(heads: torch.Tensor, hq: int, hkv: int, rope: tuple[torch.Ten
                    keys: torch.Tensor, values: torch.Tensor, pos: int) -> torch.Tensor:
     """Rope the token's q/k heads, write its k and v into `keys`/`values` (hkv, ctx, d) at
     `pos`, attend over positions 0..pos; heads (hq + 2 hkv, d) -> out (1, hq * d)."""
-    from ..kernels.build import quant_kernels
-
     d = heads.shape[-1]
     cos, sin_signed = rope
     out = torch.empty(1, hq * d, dtype=torch.float32)
