@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nbserve.cli import add_serve_options, serve_kwargs
+from nbserve.serving.cli import add_serve_options, serve_kwargs
 
 
 def main() -> int:

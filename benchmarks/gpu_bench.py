@@ -28,7 +28,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import torch  # noqa: E402
 
 from nbserve.engine import Engine  # noqa: E402
-from nbserve.loading.bundle import LoadedModel  # noqa: E402
+from nbserve.models.base import LoadedModel  # noqa: E402
 from nbserve.models.config import LlamaConfig  # noqa: E402
 from nbserve.models.llama import LlamaModel, build_llama, count_parameters  # noqa: E402
 from nbserve.types import Delta, Request, SamplingParams  # noqa: E402

@@ -14,14 +14,14 @@ __version__ = "0.1.0"
 
 # Imported eagerly: a lazy import of the submodule nbserve.launch would replace the function
 # `nbserve.launch` with the module on first use (launch.py imports no heavy dependency at the top).
-from .launch import Server, launch, serve  # noqa: E402
+from .serving.launch import Server, launch, serve  # noqa: E402
 
 _EXPORTS = {
     "load": "nbserve.loading",
-    "LoadedModel": "nbserve.loading.bundle",
-    "Engine": "nbserve.engine",
-    "Pool": "nbserve.pool",
-    "create_app": "nbserve.server",
+    "LoadedModel": "nbserve.models.base",
+    "Engine": "nbserve.engine.engine",
+    "Pool": "nbserve.pool.pool",
+    "create_app": "nbserve.serving.app",
     "StepModel": "nbserve.models.base",
     "adopt": "nbserve.models.adopt",
     "snapshot": "nbserve.models.adopt",

@@ -25,7 +25,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "(or pip install 'ray[serve]>=2.60')") from exc
 from starlette.types import ASGIApp
 
-from .ray_asgi import (
+from .serving.ray_asgi import (
     PROXY_CALLBACK,
     PROXY_CALLBACK_ENV,
     REPLICA_HEADER,
@@ -76,7 +76,7 @@ class NbserveReplica:
     """One Ray Serve replica: builds its backend in its own process, serves `create_app`."""
 
     def __init__(self, model: Any, build_options: dict[str, Any], app_options: dict[str, Any]):
-        from .backend_ref import build_backend
+        from .serving.backend_ref import build_backend
 
         source = model() if _is_factory(model) else model
         self.backend, self._owned = build_backend(source, **build_options)
@@ -85,7 +85,7 @@ class NbserveReplica:
         log.info("replica %s serves %s", self.replica["id"], self.backend.model_name)
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
-        from .server import create_app
+        from .serving.app import create_app
 
         app = create_app(self.backend, **self._app_options)
         app.add_middleware(ReplicaMiddleware, replica=self.replica)  # outermost

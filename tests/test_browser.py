@@ -48,7 +48,7 @@ pytestmark = [
 def test_chat_streams_and_stop_frees_the_slot(tiny_llama_dir):
     from playwright.sync_api import expect, sync_playwright
 
-    from nbserve.launch import launch
+    from nbserve.serving.launch import launch
 
     ARTIFACTS.mkdir(exist_ok=True)
     srv = launch(rambling(tiny_llama_dir, delay=0.02), max_batch=2)

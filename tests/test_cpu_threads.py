@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbserve.cpu_threads import ThreadTuner, default_choices
+from nbserve.cpu.threads import ThreadTuner, default_choices
 
 
 def drive(tuner: ThreadTuner, tokens: int, cost: dict[int, float], n: int) -> list[int]:

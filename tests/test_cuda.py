@@ -16,7 +16,7 @@ import torch
 from nbserve.engine import Engine
 from nbserve.loading.hf_dir import load_hf_dir
 from nbserve.pool import Pool
-from nbserve.pool_setup import MAX_AUTO_BATCH
+from nbserve.pool.setup import MAX_AUTO_BATCH
 from nbserve.types import Delta, Finished, Request, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from nbserve.launch import Server, launch, running_servers
+from nbserve.serving.launch import Server, launch, running_servers
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [{"role": "user", "content": "Say something."}]
@@ -280,9 +280,9 @@ def test_share_offline_warns_quickly_and_serves_locally(tiny_llama_dir, capsys, 
 def test_share_service_that_never_answers_hits_the_deadline(tiny_llama_dir, capsys, monkeypatch):
     import gradio.networking
 
-    import nbserve.share
+    import nbserve.serving.share
 
-    monkeypatch.setattr(nbserve.share, "SHARE_DEADLINE_S", 0.5)
+    monkeypatch.setattr(nbserve.serving.share, "SHARE_DEADLINE_S", 0.5)
     monkeypatch.setattr(gradio.networking, "setup_tunnel", lambda *a, **k: time.sleep(3))
     srv = launch(str(tiny_llama_dir), share=True, max_batch=2)
     try:
@@ -355,7 +355,7 @@ def test_app_py_help_lists_the_options():
 @pytest.mark.slow
 def test_cli_serve_answers_then_stops_cleanly_on_ctrl_c(tiny_llama_dir):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "nbserve.cli", "serve", str(tiny_llama_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "nbserve.serving.cli", "serve", str(tiny_llama_dir),
                              "--port", "0", "--max-batch", "2"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -382,6 +382,6 @@ def test_nbserve_launch_stays_callable_after_its_module_is_imported():
 
     import nbserve
 
-    importlib.import_module("nbserve.launch")
+    importlib.import_module("nbserve.serving.launch")
     assert callable(nbserve.launch) and nbserve.launch is launch
-    assert nbserve.serve is importlib.import_module("nbserve.launch").serve
+    assert nbserve.serve is importlib.import_module("nbserve.serving.launch").serve

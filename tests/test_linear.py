@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nbserve.cpu_threads import torch_threads
+from nbserve.cpu.threads import torch_threads
 from nbserve.models.linear import SPLIT_MAX_ROWS, split_linear, split_ways
 
 

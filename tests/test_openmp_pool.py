@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nbserve.openmp_pool import release_openmp_pool
+from nbserve.cpu.openmp_pool import release_openmp_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,7 +41,7 @@ def run(code: str) -> dict:
 
 def test_release_frees_the_calling_threads_pool():
     got = run("""
-from nbserve.openmp_pool import release_openmp_pool
+from nbserve.cpu.openmp_pool import release_openmp_pool
 pool(); before = threads()
 released = release_openmp_pool(); after = threads()
 pool(); again = threads()

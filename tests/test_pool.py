@@ -14,7 +14,7 @@ import pytest
 from nbserve.engine import Engine
 from nbserve.loading.hf_dir import load_hf_dir
 from nbserve.pool import Pool
-from nbserve.pool_setup import choose_kv_size, resolve_devices
+from nbserve.pool.setup import choose_kv_size, resolve_devices
 from nbserve.types import (
     Delta,
     EngineStoppedError,
@@ -115,7 +115,7 @@ def test_devices_and_kv_sizing_rules():
 def test_cuda_sizing_splits_free_memory_between_replicas_of_one_gpu(loaded, monkeypatch):
     import torch
 
-    from nbserve.pool_setup import kv_bytes_per_token, plan_kv_caches
+    from nbserve.pool.setup import kv_bytes_per_token, plan_kv_caches
 
     free = 3 * 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 4 * free))
@@ -132,7 +132,7 @@ def test_cuda_sizing_splits_free_memory_between_replicas_of_one_gpu(loaded, monk
 
 
 def test_a_loaded_model_is_copied_to_another_device_with_ties_kept(loaded):
-    from nbserve.pool_setup import replicate
+    from nbserve.pool.setup import replicate
 
     assert replicate(loaded, "cpu") is loaded
     copy = replicate(loaded, "meta")
@@ -445,7 +445,7 @@ def test_all_replicas_down_refuses_and_close_leaves_no_thread(loaded):
 
 
 def test_a_replica_copy_keeps_fused_weights_as_views(loaded):
-    from nbserve.pool_setup import replicate
+    from nbserve.pool.setup import replicate
 
     copy = replicate(loaded, "meta").model  # another device; meta: no memory, same layout
     att = copy.model.layers[0].self_attn

@@ -17,7 +17,7 @@ import torch
 from gguf_util import hf_dir_to_gguf
 
 import nbserve
-from nbserve.kernels import build
+from nbserve.cpu.kernels import build
 from nbserve.models.quant import QUANT_MAX_ROWS, QuantBlocks, KernelLinear
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")

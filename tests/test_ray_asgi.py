@@ -10,7 +10,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from nbserve.ray_asgi import REPLICA_HEADER, OpenAIErrorsMiddleware, ReplicaMiddleware
+from nbserve.serving.ray_asgi import REPLICA_HEADER, OpenAIErrorsMiddleware, ReplicaMiddleware
 
 REPLICA = {"id": "r1", "node_id": "n1", "node_ip": "127.0.0.1"}
 

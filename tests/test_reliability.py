@@ -467,7 +467,7 @@ def _thread_names() -> set[str]:
 
 def test_stop_refuses_new_work_finishes_short_requests_and_cancels_long_ones(loaded: Any,
                                                                             capsys: Any) -> None:
-    from nbserve.launch import launch
+    from nbserve.serving.launch import launch
 
     before = _thread_names()
     srv = launch(dataclasses.replace(loaded, model=FaultyModel(loaded.model, 0.02)), ui=False,

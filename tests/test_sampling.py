@@ -1,4 +1,4 @@
-"""nbserve.sampling: per-row semantics inside one batch, seeds, logprobs, plus a timing print."""
+"""nbserve.engine.sampling: per-row semantics inside one batch, seeds, logprobs, plus a timing print."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nbserve import sampling
-from nbserve.sampling import SeqSampler, _top_k_, _top_p_sorted_, process_logits, sample
+from nbserve.engine.sampling import SeqSampler, _top_k_, _top_p_sorted_, process_logits, sample
 from nbserve.types import SamplingParams
 
 V = 100

@@ -19,7 +19,7 @@ from nbserve.types import (
     Started,
     Usage,
 )
-from nbserve.ui import ERROR_PREFIX, make_chat_fn, to_messages
+from nbserve.serving.ui import ERROR_PREFIX, make_chat_fn, to_messages
 
 
 class FakeBackend:
@@ -111,7 +111,7 @@ async def test_chat_streams_cumulative_text_then_speed_line():
 
 
 def test_stop_turns_the_progress_line_into_a_stopped_answer():
-    from nbserve.ui import mark_stopped
+    from nbserve.serving.ui import mark_stopped
 
     line = "Answering: 120 tokens in 3.0 s, **40.0 tokens/s**"
     assert mark_stopped(line) == "Last answer (stopped): 120 tokens in 3.0 s, **40.0 tokens/s**"
@@ -183,7 +183,7 @@ def test_ui_is_mounted_after_api_routes_and_answers_gradio_client(tiny_llama_dir
     from gradio_client import Client
     from test_launch import rambling  # the tiny model, never ending an answer by itself
 
-    from nbserve.launch import launch
+    from nbserve.serving.launch import launch
 
     srv = launch(rambling(tiny_llama_dir), max_batch=4)
     try:
@@ -214,7 +214,7 @@ def test_ui_behind_api_keys_needs_a_login(tiny_llama_dir):
     from gradio_client import Client
     from gradio_client.exceptions import AuthenticationError
 
-    from nbserve.launch import launch
+    from nbserve.serving.launch import launch
 
     srv = launch(str(tiny_llama_dir), api_keys=["sk-test-1"], max_batch=2)
     try:

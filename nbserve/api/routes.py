@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Match
 from starlette.types import Send
 
-from ..metrics import Trace
+from .trace import Trace
 from ..types import Backend, ErrorEvent, Event
 from .errors import APIError, error_event_to_api, from_exception
 from .limits import Limits

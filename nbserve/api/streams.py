@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..metrics import Trace
+from .trace import Trace
 from ..types import Delta, ErrorEvent, Event, Finished, Started, TokenLogprob, Usage
 from .tools import ToolCallStream, tool_call_delta
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from ..cpu_threads import torch_threads
-from .bundle import LoadedModel
+from ..cpu.threads import torch_threads
+from ..models.base import LoadedModel
 
 DEFAULT_NAMES = {"smollm2", "default", "smollm2-135m-instruct"}
 
@@ -59,7 +59,7 @@ def _use_lossless_blocks(loaded: LoadedModel) -> None:
     use = getattr(loaded.model, "use_quantized_weights", None)
     if use is None or _gguf_file(str(loaded.source)) is None:
         return
-    from ..kernels.build import kernels_available
+    from ..cpu.kernels.build import kernels_available
 
     if kernels_available():
         use(_file_blocks(loaded), only_lossless=True)

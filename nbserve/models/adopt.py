@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ..loading.bundle import LoadedModel
+from .base import LoadedModel
 from ..text import ChatTemplate, Tokenizer
 from .adapters import RecomputeAdapter, TransformersAdapter
 from .config import SUPPORTED_ARCHITECTURES, LlamaConfig

@@ -1,4 +1,5 @@
-"""The StepModel protocol: the one seam between the engine and any model it serves.
+"""The StepModel protocol, the one seam between the engine and any model it serves, and
+LoadedModel, what every loader (and model adoption) returns and the engine is built from.
 
 A StepModel computes logits for a batch of token rows at explicit positions, reading and
 writing a KV cache that it allocated itself, one "slot" (row of the cache) per sequence.
@@ -7,6 +8,7 @@ The same call serves a prefill chunk (T > 1) and a decode batch (T == 1).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -50,3 +52,15 @@ class StepModel(Protocol):
         cache: Any,
         logit_index: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready to serve: the StepModel, its tokenizer, chat template and stop ids."""
+
+    model: Any  # a StepModel
+    tokenizer: Any  # nbserve.text.Tokenizer
+    template: Any | None  # nbserve.text.ChatTemplate, None when the model has none
+    name: str
+    stop_token_ids: list[int] = field(default_factory=list)
+    source: str = ""

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.build import kernels_available
-from ..kv_cache import KVCache
+from ..cpu.kernels.build import kernels_available
+from .kv_cache import KVCache
 from .config import LlamaConfig
 from .linear import (FusedProjection, HalfCopy, PackedCopy, gated_linear, linear,
                      normed_linear, packing_affordable, packing_available)

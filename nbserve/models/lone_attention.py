@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.build import quant_kernels
+from ..cpu.kernels.build import quant_kernels
 
 
 def lone_attention_serves(heads: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -124,7 +124,7 @@ class KernelLinear:
 
     def __init__(self, weight: QuantBlocks | torch.Tensor, bias: torch.Tensor | None = None,
                  kernels: ctypes.CDLL | None = None):
-        from ..kernels.build import quant_kernels
+        from ..cpu.kernels.build import quant_kernels
 
         self.weight = weight
         self.bias = None if bias is None else bias.detach().float()

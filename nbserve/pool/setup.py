@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .loading import LoadedModel, load
+from ..loading import LoadedModel, load
 
 AUTO_CONTEXT_CAP = 8192  # longest automatic max_context (pass max_context= for more)
 MIN_AUTO_BATCH = 8  # automatic sizing shortens the context before going below this many slots

@@ -11,7 +11,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from .types import Backend, EngineStoppedError, Event, Request
+from ..types import Backend, EngineStoppedError, Event, Request
 
 
 class StoppedBackend:
@@ -200,19 +200,19 @@ def build_backend(model: Any, *, devices: Any = None, tokenizer: Any = None,
         return model, False
     import os
 
-    from .loading import LoadedModel, load
+    from ..loading import LoadedModel, load
 
     load_opts = {k: engine_options.pop(k) for k in ("device", "dtype", "chat_template")
                  if k in engine_options}
     if tokenizer is not None:
         load_opts["tokenizer"] = tokenizer
     if devices is not None and not (isinstance(devices, str) and devices != "auto"):
-        from .pool import Pool
+        from ..pool.pool import Pool
 
         return Pool(model, devices=devices, **load_opts, **engine_options), True
     if isinstance(devices, str):
         load_opts["device"] = devices
-    from .engine import Engine
+    from ..engine.engine import Engine
 
     if isinstance(model, LoadedModel):
         return Engine(model, **engine_options), True

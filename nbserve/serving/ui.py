@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 import gradio as gr
 from fastapi import FastAPI
 
-from .types import (
+from ..types import (
     Backend,
     Delta,
     ErrorEvent,

@@ -12,7 +12,7 @@ in advance. Measured on this project's 2-core machine (benchmarks/README.md, "Th
 
 So `ThreadTuner` times each candidate per forward size and keeps the faster, re-checking the
 slower one now and then (less and less often while it keeps losing). The second cause is also
-removed at its source where possible: `nbserve.openmp_pool` frees the caller's OpenMP pool.
+removed at its source where possible: `nbserve.cpu.openmp_pool` frees the caller's OpenMP pool.
 """
 
 from __future__ import annotations

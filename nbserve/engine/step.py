@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from .engine_requests import RequestGroup, drop_event
+from .requests import RequestGroup, drop_event
 from .sampling import sample
 from .scheduler import PrefillWork, Sequence, StepPlan
-from .types import Delta, ErrorEvent, Finished, Started, TokenLogprob
+from ..types import Delta, ErrorEvent, Finished, Started, TokenLogprob
 
 log = logging.getLogger("nbserve.engine")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from .types import Delta, ErrorEvent, Event, Request, SamplingParams
+from ..types import Delta, ErrorEvent, Event, Request, SamplingParams
 
 
 class SyncHelpers:

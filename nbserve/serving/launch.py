@@ -25,7 +25,7 @@ import uvicorn
 
 from .backend_ref import SwappableBackend, build_backend, is_backend
 from .share import close_share_links, open_share_link
-from .types import Backend
+from ..types import Backend
 
 _SERVERS: dict[int, Server] = {}
 _FLUSH_S = 3.0  # after the grace period: time for cancelled answers to reach their clients
@@ -367,7 +367,7 @@ def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.
 
 
 def _make_app(ref: SwappableBackend, keys: list[str], *, ui: bool, ui_keys: list[str]) -> Any:
-    from .server import create_app
+    from .app import create_app
 
     app = create_app(ref, api_keys=keys or None, ui=False)
     if ui:

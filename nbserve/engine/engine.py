@@ -26,18 +26,18 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 import torch
 
-from .cpu_threads import ThreadTuner, torch_threads
-from .engine_requests import ChoiceState, Mailbox, RequestGroup, Sink, count_down, drop_event
-from .engine_stats import EngineStats
-from .engine_steps import EngineSteps
+from ..cpu.threads import ThreadTuner, torch_threads
+from .requests import ChoiceState, Mailbox, RequestGroup, Sink, count_down, drop_event
+from .stats import EngineStats
+from .step import EngineSteps
 from .stall_watch import StallWatch
-from .loading.bundle import LoadedModel
-from .openmp_pool import release_after_each_cell, release_openmp_pool
+from ..models.base import LoadedModel
+from ..cpu.openmp_pool import release_after_each_cell, release_openmp_pool
 from .sampling import SeqSampler
 from .scheduler import Scheduler, Sequence
 from .sync_helpers import SyncHelpers
-from .text import IncrementalDetokenizer, StopStringMatcher
-from .types import (
+from ..text import IncrementalDetokenizer, StopStringMatcher
+from ..types import (
     BusyError, ContextLengthError, EngineStoppedError, ErrorEvent, Event, InvalidRequestError,
     Request,
 )
@@ -65,7 +65,7 @@ class Engine(SyncHelpers, EngineSteps):
         `threads`: torch intra-op threads of the engine thread only (the caller's setting is
         untouched); default on CPU: chosen per forward size by timing (`cpu_threads`)."""
         if not isinstance(model, LoadedModel):
-            from .loading import load
+            from ..loading import load
 
             model = load(model, device=device, dtype=dtype)
         release_openmp_pool()  # the caller's pool would slow the engine thread: see there

@@ -11,9 +11,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine import Engine
-from .engine_stats import percentile
-from .scheduler import common_prefix_len
+from ..engine.engine import Engine
+from ..engine.stats import percentile
+from ..engine.scheduler import common_prefix_len
 
 AFFINITY_TOKENS = 32  # a shared prefix this long (or half the prompt) pulls a request back
 AFFINITY_FRACTION = 0.5

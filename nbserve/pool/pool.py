@@ -20,11 +20,11 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine import Engine
-from .pool_setup import load_replicas, plan_kv_caches, resolve_devices
-from .pool_state import Replica, pool_health, pool_stats, route_order
-from .sync_helpers import SyncHelpers
-from .types import (
+from ..engine.engine import Engine
+from .setup import load_replicas, plan_kv_caches, resolve_devices
+from .state import Replica, pool_health, pool_stats, route_order
+from ..engine.sync_helpers import SyncHelpers
+from ..types import (
     BusyError,
     Delta,
     EngineStoppedError,

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 from .sampling import SeqSampler
 from .scheduler import Sequence
-from .text import IncrementalDetokenizer, StopStringMatcher
-from .types import ErrorEvent, Event, Finished, SamplingParams, Usage
+from ..text import IncrementalDetokenizer, StopStringMatcher
+from ..types import ErrorEvent, Event, Finished, SamplingParams, Usage
 
 if TYPE_CHECKING:
     from .engine import Engine

@@ -1,0 +1,254 @@
+"""create_app(): one FastAPI app with the OpenAI routes under /v1, /health, /stats, /metrics,
+API keys, a rate limit, size limits, OpenAI-shaped errors, request logs, then the Gradio UI.
+
+The app never binds a socket: the launcher does (127.0.0.1 by default).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..api.auth import KeyAuth, RateLimiter
+from ..api.errors import APIError, install_error_handlers
+from ..api.limits import Limits
+from ..api.routes import UNKNOWN_ROUTE, add_request_schemas, build_router
+from .metrics import Metrics, Trace
+from ..types import Backend
+
+log = logging.getLogger("nbserve.server")
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+
+
+class ObservabilityMiddleware:
+    """Gives each HTTP request an id (X-Request-ID), counts it by route and status, and logs
+    one line per request (INFO for generation routes, DEBUG for the rest)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = uuid.uuid4().hex[:24]
+        start = time.perf_counter()
+        state = scope.setdefault("state", {})
+        state["request_id"], state["start"] = rid, start
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = MutableHeaders(scope=message)
+                if "x-request-id" not in headers:
+                    headers.append("X-Request-ID", rid)
+            await send(message)
+
+        self.metrics.begin()
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            matched = scope.get("route")
+            route = "other" if getattr(matched, "name", None) == UNKNOWN_ROUTE else \
+                getattr(matched, "path", None) or "other"
+            trace: Trace | None = state.get("trace")
+            duration = time.perf_counter() - start
+            self.metrics.end(route, status, duration, trace)
+            if trace is not None:
+                log.info("%s", trace.log_line(route, status, duration))
+            elif route in GENERATION_ROUTES or status >= 500:
+                log.info("%s %s %s %s time=%.3fs", rid, scope.get("method"), scope["path"],
+                         status, duration)
+            else:
+                log.debug("%s %s %s %s time=%.3fs", rid, scope.get("method"), scope["path"],
+                          status, duration)
+
+
+class BodyLimitMiddleware:
+    """Refuses /v1 request bodies over `max_bytes` with an OpenAI-shaped 413."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, prefix: str = "/v1"):
+        self.app, self.max_bytes, self.prefix = app, max_bytes, prefix
+
+    async def _too_large(self, send: Send, close: bool) -> None:
+        err = APIError(413, f"The request body is over the limit of {self.max_bytes} bytes. "
+                       "Send a shorter conversation.", code="request_too_large")
+        resp = err.response()
+        if close:
+            resp.headers["Connection"] = "close"
+        await resp({"type": "http"}, _no_receive, send)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > 8 * self.max_bytes:
+            await self._too_large(send, close=True)  # not worth reading: answer and close
+            return
+        chunks: list[bytes] = []
+        size, too_large = 0, False
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # client left before sending its body
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_bytes:
+                too_large = True  # keep reading (bounded) so the client sees the 413 cleanly
+                if size > 8 * self.max_bytes:
+                    break
+            else:
+                chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        if too_large:
+            await self._too_large(send, close=size > 8 * self.max_bytes)
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
+               cors_origins: Iterable[str] | None = None, limits: Limits | None = None,
+               rate_limit_per_minute: float | None = None, ui: bool = True,
+               log_messages: bool = False) -> FastAPI:
+    """The ASGI app serving `backend` (an Engine or a Pool).
+
+    api_keys: required bearer keys for /v1, /stats and /metrics (none: open). /health stays open.
+    cors_origins: browser origins allowed to call the API (none by default).
+    limits: request size and parameter limits (see `Limits`).
+    rate_limit_per_minute: generation requests per minute per key (per client address without
+        keys). ui: mount the Gradio chat at / (after the API routes). log_messages: put message
+        contents in the request log lines (off by default).
+    The caller owns `backend`: the app does not close it on shutdown.
+    """
+    for attr in ("generate", "stats", "model_name"):
+        if not hasattr(backend, attr):
+            raise TypeError(f"create_app needs a Backend (an Engine or a Pool) with .{attr}; got "
+                            f"{type(backend).__name__}. Example: create_app(Engine(load('smollm2')))")
+    limits = limits or Limits()
+    key_list = [api_keys] if isinstance(api_keys, str) else list(api_keys or [])
+    keys = KeyAuth(key_list)
+    limiter = RateLimiter(rate_limit_per_minute) if rate_limit_per_minute else None
+    metrics = Metrics(backend.stats)
+
+    # async (they do no I/O): FastAPI would run plain functions in a worker thread per request
+    async def authorize(request: Request) -> None:
+        request.state.client_key = keys.check(request) if keys else None
+
+    async def admit(request: Request) -> None:
+        if not app.state.accepting:
+            raise APIError(503, "The server is shutting down; retry on another replica or "
+                           "in a few seconds.", "service_unavailable", None, "shutting_down",
+                           {"Retry-After": "5"})
+        if limiter is not None:
+            client = getattr(request.state, "client_key", None) or (
+                request.client.host if request.client else "unknown")
+            limiter.check(client)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.accepting = True
+        log.info("serving %r: OpenAI API at /v1%s", backend.model_name,
+                 " (API keys required)" if keys else "")
+        yield
+        app.state.accepting = False
+
+    app = FastAPI(title="nbserve", summary="OpenAI-compatible API for one model",
+                  lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app.state.backend, app.state.metrics, app.state.limits = backend, metrics, limits
+    app.state.accepting = True  # False once the server shuts down
+    install_error_handlers(app)
+
+    def health_body() -> tuple[int, dict[str, Any]]:
+        try:
+            h = dict(backend.health()) if hasattr(backend, "health") else {"ready": True}
+        except Exception as exc:  # noqa: BLE001 - a broken backend is "not ready", not a 500
+            h = {"ready": False, "status": "error", "detail": str(exc)}
+        ready = bool(h.get("ready")) and app.state.accepting
+        if not app.state.accepting:
+            h["status"] = "shutting_down"
+        h.setdefault("status", "ready" if ready else "loading")
+        h.setdefault("model", backend.model_name)
+        body = {"status": h["status"], "ready": ready, "model": h["model"],
+                "replicas": h.get("replicas", 1), "running": h.get("running", 0),
+                "waiting": h.get("waiting", 0), **h}
+        body["ready"] = ready
+        return (200 if ready else 503), body
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status, body = health_body()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/stats", dependencies=[Depends(authorize)])
+    async def stats() -> dict[str, Any]:
+        return {**backend.stats(), "model": backend.model_name, "server": metrics.snapshot()}
+
+    @app.get("/metrics", dependencies=[Depends(authorize)])
+    async def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    app.include_router(build_router(backend, limits, log_messages=log_messages,
+                                    dependencies=[Depends(authorize)],
+                                    gen_dependencies=[Depends(admit)]))
+    base_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            add_request_schemas(base_openapi())
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
+    if cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type"],
+                           expose_headers=["X-Request-ID", "Retry-After"])
+    app.add_middleware(ObservabilityMiddleware, metrics=metrics)
+    if ui:
+        _mount_ui(app, backend, key_list)
+    return app
+
+
+def _mount_ui(app: FastAPI, backend: Backend, keys: list[str]) -> None:
+    """Mount the Gradio chat at / (after /v1, so the API routes win); with API keys, the UI
+    asks for one as its login password."""
+    try:
+        from .ui import mount_ui
+    except ImportError as exc:
+        log.warning("chat UI not mounted (%s); the API still works. Install gradio or pass "
+                    "ui=False to silence this.", exc)
+        return
+    if keys:
+        mount_ui(app, backend, auth_keys=keys)
+    else:
+        mount_ui(app, backend)
