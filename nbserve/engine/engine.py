@@ -1,127 +1,84 @@
 """Engine: one thread owns the model and its KV cache; callers stream events from any loop.
 
-Each step: admit waiting requests, run one prefill chunk and one batched decode forward,
-sample every running sequence, and post its events to its caller (an asyncio queue via
-`call_soon_threadsafe`, or a plain thread-safe queue for the sync helpers). Closing the
-caller's iterator aborts the request: its slot is free at the next step.
+`Engine` is the thread-safe front: submission and validation, the inbox the engine thread
+drains, abort, stats, and the thread's lifecycle (restart after a crash, the stall watch).
+The work of each step runs in `EngineStep` (step.py), which only the engine thread touches.
+Events reach an async caller through a `Mailbox` (requests.py), a sync caller through a queue.
 
 Reliability: a request that waits more than `queue_timeout` s for a slot fails with a clear
 error; a caller that stops reading (more than `max_backlog` events undelivered) is cancelled;
 if the engine thread dies it restarts with a fresh cache and scheduler (`restart_on_failure`).
-
-This module: the public API, submission and the thread's lifecycle. The step itself is in
-`engine_steps.py`, the requests in flight and their mailboxes in `engine_requests.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import torch
 
-from ..cpu.threads import ThreadTuner, torch_threads
-from .requests import ChoiceState, Mailbox, RequestGroup, Sink, count_down, drop_event
-from .stats import EngineStats
-from .step import EngineSteps
-from .stall_watch import StallWatch
-from ..models.base import LoadedModel
 from ..cpu.openmp_pool import release_after_each_cell, release_openmp_pool
-from .sampling import SeqSampler
-from .scheduler import Scheduler, Sequence
-from .sync_helpers import SyncHelpers
+from ..cpu.threads import torch_threads
+from ..models.base import LoadedModel
 from ..text import IncrementalDetokenizer, StopStringMatcher
 from ..types import (
     BusyError, ContextLengthError, EngineStoppedError, ErrorEvent, Event, InvalidRequestError,
     Request,
 )
+from .config import EngineConfig
+from .requests import ChoiceState, Mailbox, RequestGroup, Sink, count_down, drop_event
+from .sampling import SeqSampler
+from .scheduler import Sequence
+from .stall_watch import StallWatch
+from .stats import EngineStats
+from .step import EngineStep
+from .sync_helpers import SyncHelpers
 
 log = logging.getLogger("nbserve.engine")
 
 
-class Engine(SyncHelpers, EngineSteps):
-    """Continuous-batching engine for one model on one device (a `Backend`)."""
+class Engine(SyncHelpers):
+    """Continuous-batching engine for one model on one device (a `Backend`).
+
+    `model`: a LoadedModel, or anything `nbserve.load` takes (then `device` and `dtype` go to
+    the loader). The options are `EngineConfig`'s: pass a `config`, keywords, or both (the
+    keywords win)."""
 
     restart_delay = 1.0  # seconds between a crash of the engine thread and its restart
 
-    def __init__(self, model: LoadedModel | Any, *, max_batch: int = 16,
-                 max_context: int | None = None, max_queue: int = 256, prefill_chunk: int = 512,
-                 name: str | None = None, device: str | None = None, dtype: Any = None,
-                 quiet: bool = False, queue_timeout: float | None = 600.0,
-                 max_backlog: int | None = 1024, restart_on_failure: bool = True,
-                 threads: int | None = None, step_timeout: float | None = 300.0):
-        """`queue_timeout`: seconds a request may wait for a slot before it fails (None: no
-        limit). `max_backlog`: events per choice a caller may leave unread before its request is
-        cancelled (None: no limit). `restart_on_failure`: restart the engine thread if it dies.
-        `step_timeout`: seconds one step (a model forward) may run before the engine counts as
-        stuck: what is in flight fails, new requests are refused until the step returns (None:
-        no limit).
-        `threads`: torch intra-op threads of the engine thread only (the caller's setting is
-        untouched); default on CPU: chosen per forward size by timing (`cpu_threads`)."""
+    def __init__(self, model: LoadedModel | Any, config: EngineConfig | None = None, *,
+                 device: str | None = None, dtype: Any = None, **options: Any):
+        self.config = config = EngineConfig.from_options(config, **options)
         if not isinstance(model, LoadedModel):
             from ..loading import load
 
             model = load(model, device=device, dtype=dtype)
         release_openmp_pool()  # the caller's pool would slow the engine thread: see there
         release_after_each_cell()
-        with torch_threads(1):  # no OpenMP pool in the caller's thread: see cpu_threads
-            self._init(model, max_batch, max_context, max_queue, prefill_chunk, name, quiet,
-                       queue_timeout, max_backlog, restart_on_failure, threads, step_timeout)
+        with torch_threads(1):  # no OpenMP pool in the caller's thread: see cpu.threads
+            self._init(model, config)
 
-    def _init(self, model: LoadedModel, max_batch: int, max_context: int | None,
-              max_queue: int, prefill_chunk: int, name: str | None, quiet: bool,
-              queue_timeout: float | None, max_backlog: int | None, restart_on_failure: bool,
-              threads: int | None, step_timeout: float | None) -> None:
+    def _init(self, model: LoadedModel, config: EngineConfig) -> None:
         self.loaded = model
-        self.model = model.model
+        model_ = model.model
         self.tokenizer = model.tokenizer
         self.template = model.template
-        self.model_name = name or model.name
-        for arg, val, lo in (("max_batch", max_batch, 1), ("max_queue", max_queue, 1),
-                             ("prefill_chunk", prefill_chunk, 1)):
-            if not isinstance(val, int) or val < lo:
-                raise ValueError(f"{arg} must be an integer >= {lo}, got {val!r}")
-        model_ctx = int(self.model.max_context)
-        if max_context is None:
-            max_context = min(model_ctx, 4096)
-        if not 2 <= max_context <= model_ctx:
-            raise ValueError(f"max_context must be between 2 and the model's {model_ctx}, "
-                             f"got {max_context}")
-        if queue_timeout is not None and not (isinstance(queue_timeout, (int, float))
-                                              and queue_timeout > 0):
-            raise ValueError(f"queue_timeout must be a number of seconds > 0 (or None for no "
-                             f"limit), got {queue_timeout!r}")
-        if step_timeout is not None and not (isinstance(step_timeout, (int, float))
-                                             and step_timeout > 0):
-            raise ValueError(f"step_timeout must be a number of seconds > 0 (or None for no "
-                             f"limit), got {step_timeout!r}")
-        if max_backlog is not None and (not isinstance(max_backlog, int) or max_backlog < 1):
-            raise ValueError(f"max_backlog must be an integer >= 1 (or None for no limit), got "
-                             f"{max_backlog!r}")
-        self.max_batch, self.max_context, self.max_queue = max_batch, max_context, max_queue
-        if threads is not None and (not isinstance(threads, int) or threads < 1):
-            raise ValueError(f"threads must be an integer >= 1 (or None: tuned), got {threads!r}")
-        on_cpu = torch.device(self.model.device).type == "cpu"
-        self.threads = threads
-        self._tuner = ThreadTuner() if on_cpu and threads is None else None
-        self.queue_timeout, self.max_backlog = queue_timeout, max_backlog
-        self.restart_on_failure = restart_on_failure
+        self.model_name = config.name or model.name
+        self.max_batch, self.max_queue = config.max_batch, config.max_queue
+        self.max_context = config.context_for(int(model_.max_context))
+        self.queue_timeout, self.max_backlog = config.queue_timeout, config.max_backlog
+        self.restart_on_failure, self.step_timeout = config.restart_on_failure, config.step_timeout
+        self.threads, self.prefill_chunk = config.threads, config.prefill_chunk
         self.restarts = 0
-        self.prefill_chunk = prefill_chunk
-        self.vocab_size = int(self.model.vocab_size)
+        self.vocab_size = int(model_.vocab_size)
         self.stop_token_ids = list(model.stop_token_ids)
-        self.cache = self.model.make_cache(max_batch, max_context)
-        self._hints = accepts_hints(self.model.forward)
-        # right-padded prefill rows only for models that say they handle them (StepModel doc)
-        self._padded_rows = bool(getattr(self.model, "accepts_padded_rows", False))
-        self.scheduler = Scheduler(max_batch, prefill_chunk)
         self.stats_ = EngineStats()
+        self._step = EngineStep(model, config, self.max_context, self.stats_, self)
         self._lock = threading.Condition()
         self._inbox: deque[tuple[RequestGroup, list[Sequence]]] = deque()
         # (group, why): "cancel" (the caller left), "shutdown" (cancel_all) or "backlog"
@@ -132,21 +89,50 @@ class Engine(SyncHelpers, EngineSteps):
         self._closed = False
         self._dead = False  # the engine thread died (and may be restarting)
         self._restart_timer: threading.Timer | None = None
-        self.step_timeout = step_timeout
         self._stalled = False  # a step ran past step_timeout and has not returned yet
-        self._stall_watch = None if step_timeout is None else StallWatch(
-            step_timeout, self._on_stall, f"nbserve-stall-watch-{id(self):x}")
+        self._stall_watch = None if config.step_timeout is None else StallWatch(
+            config.step_timeout, self._on_stall, f"nbserve-stall-watch-{id(self):x}")
         self._thread = self._new_thread()
-        if not quiet:
-            print(f"nbserve: KV cache {max_batch} slots x {max_context} tokens, "
+        if not config.quiet:
+            print(f"nbserve: KV cache {self.max_batch} slots x {self.max_context} tokens, "
                   f"{self.cache.nbytes / 2**20:.0f} MiB on {self.model.device}", flush=True)
         self._thread.start()
+
+    @property
+    def model(self) -> Any:
+        """The StepModel the engine runs (owned by the step; replaceable, e.g. to inject a
+        fault in a test)."""
+        return self._step.model
+
+    @model.setter
+    def model(self, value: Any) -> None:
+        self._step.model = value
+
+    @property
+    def cache(self) -> Any:
+        """The KV cache (owned by the step)."""
+        return self._step.cache
+
+    @property
+    def scheduler(self) -> Any:
+        """The scheduler (owned by the step; read it from the engine thread only)."""
+        return self._step.scheduler
+
+    # ------------------------------------------------------------------ StepHooks
+
+    def admitted(self, group: RequestGroup) -> None:
+        with self._lock:
+            self._queued -= 1
+
+    def done(self, group: RequestGroup) -> None:
+        with self._lock:
+            self._groups.pop(group.request_id, None)
 
     # ------------------------------------------------------------------ public API
 
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         """Stream the events of `request`. Raises before the first event if it is refused."""
-        mailbox = Mailbox(self, request.request_id, asyncio.get_running_loop(),
+        mailbox = Mailbox(self.abort, request.request_id, asyncio.get_running_loop(),
                            self._backlog_limit(request))
         group = self.submit(request, mailbox.post)
         remaining, finished = group.params.n, False
@@ -212,13 +198,14 @@ class Engine(SyncHelpers, EngineSteps):
         return len(groups)
 
     def stats(self) -> dict[str, Any]:
-        s = self.scheduler
+        s = self._step.scheduler
+        tuner = self._step.tuner
         return self.stats_.snapshot(
             running=len(s.running), waiting=self._queued,
             slots_used=self.max_batch - s.slots.n_free, slots_total=self.max_batch,
             kv_cache_bytes=getattr(self.cache, "nbytes", 0), max_context=self.max_context,
             device=str(self.model.device), dtype=str(self.model.dtype).replace("torch.", ""),
-            threads=self.threads or (self._tuner.summary() if self._tuner else None))
+            threads=self.threads or (tuner.summary() if tuner else None))
 
     @property
     def stalled(self) -> bool:
@@ -253,7 +240,7 @@ class Engine(SyncHelpers, EngineSteps):
         if self._stall_watch is not None:
             self._stall_watch.stop()
         for group in list(self._groups.values()):
-            self._fail(group, "the engine was stopped", "service_unavailable")
+            self._step.fail(group, "the engine was stopped", "service_unavailable")
         self._groups.clear()
 
     def __enter__(self) -> "Engine":
@@ -382,8 +369,7 @@ class Engine(SyncHelpers, EngineSteps):
         self._fail_all("the engine thread crashed while this request was in flight; it has "
                        "restarted: retry the request", "service_unavailable")
         try:
-            self.cache = None  # free the old cache before allocating the new one
-            cache = self.model.make_cache(self.max_batch, self.max_context)
+            self._step.renew()  # a fresh cache (the old one freed first) and scheduler
         except Exception:
             log.exception("the engine could not restart: it stays stopped")
             with self._lock:
@@ -393,7 +379,6 @@ class Engine(SyncHelpers, EngineSteps):
             self._restart_timer = None
             if self._stopping:
                 return
-            self.cache, self.scheduler = cache, Scheduler(self.max_batch, self.prefill_chunk)
             self.restarts += 1
             self._dead = False
             self._thread = self._new_thread()
@@ -420,8 +405,7 @@ class Engine(SyncHelpers, EngineSteps):
             torch.set_num_threads(self.threads)  # per-thread setting: only the engine's ops
         while True:
             with self._lock:
-                while not (self._stopping or self._inbox or self._aborts
-                           or self.scheduler.running or self.scheduler.waiting):
+                while not (self._stopping or self._inbox or self._aborts or self._step.busy):
                     self._lock.wait()
                 if self._stopping:
                     return
@@ -432,11 +416,23 @@ class Engine(SyncHelpers, EngineSteps):
                 self.step()
             except Exception:  # a bug in bookkeeping: fail everything running, keep serving
                 log.exception("engine step failed")
-                for seq in list(self.scheduler.running):
-                    self._fail(seq.group, "internal engine error", "server_error")
+                self._step.fail_running("internal engine error", "server_error")
             finally:
                 if watch is not None and watch.step_ended():
                     self._recover_from_stall()
+
+    def step(self) -> bool:
+        """(engine thread) Hand the step what arrived since the last one (new requests,
+        aborts), then run it. Returns False when there was nothing to do."""
+        with self._lock:
+            inbox, aborts = list(self._inbox), list(self._aborts)
+            self._inbox.clear()
+            self._aborts.clear()
+        for _group, seqs in inbox:
+            self._step.add(seqs)
+        for group, why in aborts:
+            self._step.abort(group, why)
+        return self._step.step()
 
     def _on_stall(self, seconds: float) -> None:
         """(watch thread) A step has run past step_timeout: fail what is in flight, refuse new
@@ -452,15 +448,6 @@ class Engine(SyncHelpers, EngineSteps):
     def _recover_from_stall(self) -> None:
         """(engine thread) The stuck step returned: forget its sequences, serve again."""
         with self._lock:
-            self.scheduler = Scheduler(self.max_batch, self.prefill_chunk)
+            self._step.forget_requests()
             self._stalled = False
         log.warning("the stuck engine step returned; the engine serves again")
-
-def accepts_hints(forward: Callable[..., Any]) -> bool:
-    """Whether a StepModel's forward takes the optional `max_pos` / `contiguous_from` hints."""
-    try:
-        inspect.signature(forward).bind(0, 0, 0, 0, logit_index=None, max_pos=0,
-                                        contiguous_from=None)
-        return True
-    except (TypeError, ValueError):
-        return False

@@ -1,8 +1,8 @@
 """Requests in flight: per-choice text state, per-request bookkeeping, and the mailbox that
 carries events from the engine thread to an async caller.
 
-Kept apart from the engine loop (`engine.py`, `engine_steps.py`) because it knows nothing of the
-model: only who is waiting for which events.
+Kept apart from the engine (`engine.py`, `step.py`) because it knows nothing of the model:
+only who is waiting for which events.
 """
 
 from __future__ import annotations
@@ -11,17 +11,13 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 from .sampling import SeqSampler
 from .scheduler import Sequence
 from ..text import IncrementalDetokenizer, StopStringMatcher
 from ..types import ErrorEvent, Event, Finished, SamplingParams, Usage
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
 Sink = Callable[[Event], None]
+Abort = Callable[[str, str], None]  # (request id, why): Engine.abort
 
 
 @dataclass(eq=False)
@@ -68,13 +64,13 @@ class Mailbox:
     """Events from the engine thread to one async caller. The engine appends without waking
     the caller's loop unless the caller waits for an event, so a caller stuck elsewhere (on a
     client that stopped reading) costs the loop nothing; past `limit` unread events it asks the
-    engine, once, to cancel the request."""
+    engine (`abort`), once, to cancel the request."""
 
-    __slots__ = ("engine", "events", "limit", "loop", "request_id", "tripped", "waiter")
+    __slots__ = ("abort", "events", "limit", "loop", "request_id", "tripped", "waiter")
 
-    def __init__(self, engine: Engine, request_id: str, loop: asyncio.AbstractEventLoop,
+    def __init__(self, abort: Abort, request_id: str, loop: asyncio.AbstractEventLoop,
                  limit: int | None):
-        self.engine, self.request_id, self.loop, self.limit = engine, request_id, loop, limit
+        self.abort, self.request_id, self.loop, self.limit = abort, request_id, loop, limit
         self.events: deque[Event] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.tripped = False
@@ -84,13 +80,13 @@ class Mailbox:
         self.events.append(ev)
         if self.limit is not None and not self.tripped and len(self.events) > self.limit:
             self.tripped = True
-            self.engine.abort(self.request_id, "backlog")
+            self.abort(self.request_id, "backlog")
         waiter = self.waiter
         if waiter is not None:
             try:
                 self.loop.call_soon_threadsafe(wake_waiter, waiter)
             except RuntimeError:  # the caller's loop is gone: nobody is listening
-                self.engine.abort(self.request_id)
+                self.abort(self.request_id, "cancel")
 
     async def get(self) -> Event:
         """The next event (caller's loop). The waiter is published before the re-check, so an

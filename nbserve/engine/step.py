@@ -1,35 +1,90 @@
-"""One engine step: admit, run the decode batch and the prefill chunks, sample, emit events.
+"""EngineStep: what runs on the engine thread. One step admits waiting requests, runs the
+decode batch and the prefill chunks through the model, samples, and emits events.
 
-A mixin of `Engine` (engine.py holds its public API, submission and thread lifecycle); it runs
-only on the engine thread and uses the engine's scheduler, cache, model and stats.
+It owns what only the engine thread touches (scheduler, KV cache, the model's forward, thread
+tuning) and knows the front (`Engine`) only through `StepHooks`: two callbacks that keep the
+front's registry of requests in flight up to date.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import time
 import traceback
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 
+from ..cpu.threads import ThreadTuner
+from ..models.base import LoadedModel
+from ..types import Delta, ErrorEvent, Finished, Started, TokenLogprob
+from .config import EngineConfig
 from .requests import RequestGroup, drop_event
 from .sampling import sample
-from .scheduler import PrefillWork, Sequence, StepPlan
-from ..types import Delta, ErrorEvent, Finished, Started, TokenLogprob
+from .scheduler import PrefillWork, Scheduler, Sequence, StepPlan
+from .stats import EngineStats
 
 log = logging.getLogger("nbserve.engine")
 
 
-class EngineSteps:
-    """The step loop's work, as methods of `Engine`."""
+class StepHooks(Protocol):
+    """What the step tells the thread-safe front (called on the engine thread)."""
+
+    def admitted(self, group: RequestGroup) -> None:
+        """`group` left the waiting queue (admitted, or ended while it waited)."""
+
+    def done(self, group: RequestGroup) -> None:
+        """`group` has ended: every choice finished, or it failed."""
+
+
+class EngineStep:
+    """The engine thread's work: add, abort, step, fail. Not thread-safe by design: only the
+    engine thread calls it (the front hands it the requests and aborts it collected)."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, max_context: int,
+                 stats: EngineStats, hooks: StepHooks):
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.config, self.max_context = config, max_context
+        self.stats, self.hooks = stats, hooks
+        on_cpu = torch.device(self.model.device).type == "cpu"
+        self.tuner = ThreadTuner() if on_cpu and config.threads is None else None
+        self.hints = accepts_hints(self.model.forward)
+        # right-padded prefill rows only for models that say they handle them (StepModel doc)
+        self.padded_rows = bool(getattr(self.model, "accepts_padded_rows", False))
+        self.cache: Any = self.model.make_cache(config.max_batch, max_context)
+        self.scheduler = Scheduler(config.max_batch, config.prefill_chunk)
+
+    # ------------------------------------------------------------------ the interface
+
+    @property
+    def busy(self) -> bool:
+        """Whether any sequence is running or waiting for a slot."""
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def add(self, seqs: list[Sequence]) -> None:
+        """Queue the sequences of one new request."""
+        self.scheduler.add(seqs)
+
+    def abort(self, group: RequestGroup, why: str) -> None:
+        """End `group` early: "cancel" (the caller left), "shutdown" (the server stops) or
+        "backlog" (the caller left too many events unread)."""
+        if why == "backlog":
+            self.fail(group, f"the client left more than max_backlog={self.config.max_backlog} "
+                      "events per choice of this stream unread, so the request was cancelled "
+                      "to free its slot; read the stream as it arrives", "client_too_slow")
+        elif why == "shutdown" and not group.admitted:
+            self.fail(group, "the server is shutting down and this request had not started; "
+                      "retry it later or on another server", "service_unavailable")
+        else:
+            self._end_group(group, "cancelled")
 
     def step(self) -> bool:
         """Run one engine step. Returns False when there was nothing to do."""
         t0 = time.perf_counter()
-        self._drain()
         self._expire_waiting()
         plan = self.scheduler.schedule()
         if plan.empty:
@@ -45,42 +100,56 @@ class EngineSteps:
         if plan.prefills:
             m, s = self._run_prefills(plan.prefills)
             model_time, sample_time = model_time + m, sample_time + s
-        self.stats_.record_step(time.perf_counter() - t0, model_time, sample_time,
-                                len(plan.decode))
+        self.stats.record_step(time.perf_counter() - t0, model_time, sample_time,
+                               len(plan.decode))
         return True
 
-    def _drain(self) -> None:
-        with self._lock:
-            inbox, aborts = list(self._inbox), list(self._aborts)
-            self._inbox.clear()
-            self._aborts.clear()
-        for group, seqs in inbox:
-            self.scheduler.add(seqs)
-        for group, why in aborts:
-            if why == "backlog":
-                self._fail(group, f"the client left more than max_backlog={self.max_backlog} "
-                           "events per choice of this stream unread, so the request was "
-                           "cancelled to free its slot; read the stream as it arrives",
-                           "client_too_slow")
-            elif why == "shutdown" and not group.admitted:
-                self._fail(group, "the server is shutting down and this request had not "
-                           "started; retry it later or on another server", "service_unavailable")
-            else:
-                self._end_group(group, "cancelled")
+    def fail_running(self, message: str, kind: str) -> None:
+        """Fail every running request (after a bug in the step's own bookkeeping)."""
+        for seq in list(self.scheduler.running):
+            self.fail(seq.group, message, kind)
+
+    def fail(self, group: RequestGroup, message: str, kind: str) -> None:
+        """End `group` with an ErrorEvent; its slots are freed without keeping their tokens."""
+        if group.done:
+            return
+        self._mark_admitted(group)
+        for seq in group.seqs:
+            self.scheduler.finish(seq, keep_cache=False)
+        group.done = True
+        group.remaining = 0
+        self.hooks.done(group)
+        self.stats.finished["error"] = self.stats.finished.get("error", 0) + 1
+        group.sink(ErrorEvent(message, kind, group.request_id))
+        group.sink = drop_event
+
+    def forget_requests(self) -> None:
+        """A fresh scheduler (after a stuck step returned: its sequences were failed)."""
+        self.scheduler = Scheduler(self.config.max_batch, self.config.prefill_chunk)
+
+    def renew(self) -> None:
+        """After a crash of the engine thread: a fresh KV cache (the old one is freed first)
+        and scheduler. The stats and the thread tuner's timings stay."""
+        self.cache = None
+        self.cache = self.model.make_cache(self.config.max_batch, self.max_context)
+        self.forget_requests()
+
+    # ------------------------------------------------------------------ one step
 
     def _expire_waiting(self) -> None:
         """Fail the requests that waited longer than `queue_timeout` for a slot (FIFO order)."""
-        if self.queue_timeout is None:
+        timeout = self.config.queue_timeout
+        if timeout is None:
             return
         now = time.perf_counter()
         while self.scheduler.waiting:
             group: RequestGroup = self.scheduler.waiting[0][0].group
             waited = now - group.submitted
-            if waited < self.queue_timeout:
+            if waited < timeout:
                 return
-            self._fail(group, f"the request waited {waited:.1f} s for a free slot, longer than "
-                       f"queue_timeout={self.queue_timeout:g} s: the server is overloaded; retry "
-                       "later (or raise queue_timeout / max_batch)", "queue_timeout")
+            self.fail(group, f"the request waited {waited:.1f} s for a free slot, longer than "
+                      f"queue_timeout={timeout:g} s: the server is overloaded; retry later (or "
+                      "raise queue_timeout / max_batch)", "queue_timeout")
 
     def _run_decode(self, plan: StepPlan) -> tuple[float, float]:
         seqs = plan.decode
@@ -94,7 +163,7 @@ class EngineSteps:
             else None
         t0 = time.perf_counter()
         try:
-            hints = dict(max_pos=max(pos_l), contiguous_from=contiguous) if self._hints else {}
+            hints = dict(max_pos=max(pos_l), contiguous_from=contiguous) if self.hints else {}
             with self._threads_for(len(seqs)):
                 logits = self.model.forward(ids, positions, slots, self.cache,
                                             logit_index=torch.zeros(len(seqs), dtype=torch.long,
@@ -105,7 +174,7 @@ class EngineSteps:
         t1 = time.perf_counter()
         for s in seqs:
             s.computed += 1
-        self.stats_.decoded += len(seqs)
+        self.stats.decoded += len(seqs)
         self._sample_and_emit(seqs, logits)
         return t1 - t0, time.perf_counter() - t1
 
@@ -116,7 +185,7 @@ class EngineSteps:
         width = max(len(w.ids) for w in works)
         padded = any(len(w.ids) != width for w in works)
         wasteful = width * len(works) > 1.25 * real
-        if len(works) > 1 and ((padded and not self._padded_rows) or wasteful):
+        if len(works) > 1 and ((padded and not self.padded_rows) or wasteful):
             times = [self._run_prefills([w]) for w in works]
             return sum(t[0] for t in times), sum(t[1] for t in times)
         dev = self.model.device
@@ -130,7 +199,7 @@ class EngineSteps:
         try:
             hints = dict(max_pos=max(r[-1] for r in pos_rows),
                          contiguous_from=works[0].seq.slot if len(works) == 1 else None) \
-                if self._hints else {}
+                if self.hints else {}
             with self._threads_for(real):
                 logits = self.model.forward(ids, positions, slots, self.cache,
                                             logit_index=last, **hints)
@@ -145,25 +214,25 @@ class EngineSteps:
     @contextlib.contextmanager
     def _threads_for(self, tokens: int) -> Iterator[None]:
         """Run a forward over `tokens` tokens with the thread count the tuner picks, and tell
-        it how long that took (see `cpu_threads`). No-op off CPU or with fixed `threads`."""
-        if self._tuner is None:
+        it how long that took (see `cpu.threads`). No-op off CPU or with fixed `threads`."""
+        if self.tuner is None:
             yield
             return
-        n = self._tuner.choose(tokens)
+        n = self.tuner.choose(tokens)
         torch.set_num_threads(n)
         t0 = time.perf_counter()
         yield
-        self._tuner.record(tokens, n, time.perf_counter() - t0)
+        self.tuner.record(tokens, n, time.perf_counter() - t0)
 
     def _after_prefill(self, work: PrefillWork, logits: torch.Tensor) -> None:
         """Advance the sequence; after its last chunk, fork n > 1 and sample first tokens."""
         seq = work.seq
         seq.computed += len(work.ids)
-        self.stats_.prefilled += len(work.ids)
+        self.stats.prefilled += len(work.ids)
         if not work.last:
             return
         group: RequestGroup = seq.group
-        self.stats_.reused += seq.cached_prompt
+        self.stats.reused += seq.cached_prompt
         for sib in group.seqs[1:]:  # n > 1: share the prefill
             if not sib.finished:
                 self.cache.copy_prefix(seq.slot, sib.slot, seq.computed)
@@ -187,9 +256,9 @@ class EngineSteps:
         group.completion_tokens += 1
         if not group.first_token:
             group.first_token = now
-            self.stats_.ttft.append(now - group.submitted)
+            self.stats.ttft.append(now - group.submitted)
         if choice.last_token_time:
-            self.stats_.itl.append(now - choice.last_token_time)
+            self.stats.itl.append(now - choice.last_token_time)
         else:
             choice.first_token_time = now
         choice.last_token_time = now
@@ -226,9 +295,8 @@ class EngineSteps:
         group.remaining -= 1
         if group.remaining == 0:
             group.done = True
-            with self._lock:
-                self._groups.pop(group.request_id, None)
-            self.stats_.finished[reason] = self.stats_.finished.get(reason, 0) + 1
+            self.hooks.done(group)
+            self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         choice = group.choices[seq.index]
         n_out = len(seq.output_ids)
         ttft = choice.first_token_time - group.submitted if choice.first_token_time else None
@@ -242,31 +310,26 @@ class EngineSteps:
         """The request left the queue (admitted, or ended while waiting)."""
         if not group.admitted:
             group.admitted = True
-            with self._lock:
-                self._queued -= 1
+            self.hooks.admitted(group)
 
     def _end_group(self, group: RequestGroup, reason: str) -> None:
         self._mark_admitted(group)
         for seq in group.seqs:
             self._finish_seq(seq, group, reason)
 
-    def _fail(self, group: RequestGroup, message: str, kind: str) -> None:
-        if group.done:
-            return
-        self._mark_admitted(group)
-        for seq in group.seqs:
-            self.scheduler.finish(seq, keep_cache=False)
-        group.done = True
-        group.remaining = 0
-        with self._lock:
-            self._groups.pop(group.request_id, None)
-        self.stats_.finished["error"] = self.stats_.finished.get("error", 0) + 1
-        group.sink(ErrorEvent(message, kind, group.request_id))
-        group.sink = drop_event
-
     def _fail_step(self, seqs: list[Sequence], exc: Exception) -> None:
         log.error("model forward failed for %d sequences: %s\n%s", len(seqs), exc,
                   traceback.format_exc())
-        self.stats_.errors += 1
+        self.stats.errors += 1
         for seq in seqs:
-            self._fail(seq.group, f"the model failed on this request: {exc}", "server_error")
+            self.fail(seq.group, f"the model failed on this request: {exc}", "server_error")
+
+
+def accepts_hints(forward: Callable[..., Any]) -> bool:
+    """Whether a StepModel's forward takes the optional `max_pos` / `contiguous_from` hints."""
+    try:
+        inspect.signature(forward).bind(0, 0, 0, 0, logit_index=None, max_pos=0,
+                                        contiguous_from=None)
+        return True
+    except (TypeError, ValueError):
+        return False

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import logging
 import queue
 import threading
@@ -20,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.config import EngineConfig
 from ..engine.engine import Engine
 from .setup import load_replicas, plan_kv_caches, resolve_devices
 from .state import Replica, pool_health, pool_stats, route_order
@@ -110,17 +110,18 @@ class Pool(SyncHelpers):
         self.readmit_after = readmit_after
         load_options = {k: v for k, v in (("tokenizer", tokenizer),
                                           ("chat_template", chat_template)) if v is not None}
+        max_batch = engine_options.pop("max_batch", None)
+        max_context = engine_options.pop("max_context", None)
+        config = EngineConfig.from_options(**engine_options)  # a bad option fails before loading
         loaded = load_replicas(model, self.devices, dtype=dtype, **load_options)
-        default_batch = inspect.signature(Engine.__init__).parameters["max_batch"].default
-        plans = plan_kv_caches(loaded, self.devices, kv_memory_fraction,
-                               engine_options.pop("max_batch", None),
-                               engine_options.pop("max_context", None), default_batch)
-        quiet = bool(engine_options.get("quiet", False))
+        plans = plan_kv_caches(loaded, self.devices, kv_memory_fraction, max_batch, max_context,
+                               EngineConfig().max_batch)
+        quiet = config.quiet
         self.replicas: list[Replica] = []
         try:
             for i, (d, plan) in enumerate(zip(self.devices, plans)):
-                engine = Engine(loaded[d], max_batch=plan.max_batch,
-                                max_context=plan.max_context, **engine_options)
+                engine = Engine(loaded[d], config, max_batch=plan.max_batch,
+                                max_context=plan.max_context)
                 self.replicas.append(Replica(i, d, engine))
                 if not quiet:
                     print(plan.describe(i, d), flush=True)
