@@ -7,7 +7,7 @@ import torch
 
 import nbserve
 from nbserve.models.linear import FLOAT16_MAX_ROWS, HalfCopy
-from nbserve.models.llama import count_parameters
+from nbserve.models.weights import count_parameters
 
 
 def _steps(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

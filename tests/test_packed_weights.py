@@ -9,7 +9,8 @@ import torch
 
 import nbserve
 from nbserve.models.linear import PackedCopy, linear, packing_available
-from nbserve.models.llama import LlamaModel, count_parameters
+from nbserve.models.llama import LlamaModel
+from nbserve.models.weights import count_parameters
 
 pytestmark = pytest.mark.skipif(not packing_available(torch.zeros(2, 2)),
                                 reason="torch built without oneDNN")

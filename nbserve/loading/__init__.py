@@ -11,32 +11,13 @@ import torch
 
 from ..cpu.threads import torch_threads
 from ..models.base import LoadedModel
+from ..models.dtypes import MIXED16, WEIGHT_FORMATS, resolve_dtype
 
 DEFAULT_NAMES = {"smollm2", "default", "smollm2-135m-instruct"}
 
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-MIXED16 = "mixed16"  # dtype name: float32, plus float16 weight copies for 1-2-row steps
-QUANTIZED = "quantized"  # float32, plus quantized weight copies for steps of a few rows
-WEIGHT_FORMATS = (MIXED16, QUANTIZED)  # dtype names beyond torch's: float32 plus copies
-
-
-def resolve_dtype(dtype: Any, device: str | torch.device) -> torch.dtype:
-    """float32 on CPU and bfloat16 on CUDA unless asked otherwise ("float16", torch.bfloat16...)."""
-    if dtype is None:
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-             "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16}
-    if str(dtype).replace("torch.", "") not in names:
-        raise ValueError(f"unsupported dtype {dtype!r}: use one of "
-                         f"{', '.join(sorted([*names, *WEIGHT_FORMATS]))}")
-    return names[str(dtype).replace("torch.", "")]
 
 
 def _add_weight_copies(loaded: LoadedModel, weight_format: str) -> None:
@@ -185,7 +166,7 @@ def _load_from_hub(repo_id: str, device: str, dtype: torch.dtype) -> LoadedModel
 
 def summary_line(loaded: LoadedModel, seconds: float) -> str:
     """One line: model, parameters, dtype, device, weight memory, load time."""
-    from ..models.llama import count_parameters
+    from ..models.weights import count_parameters
 
     n, nbytes = count_parameters(loaded.model)
     copies = getattr(loaded.model, "derived_bytes", lambda: 0)()

@@ -23,12 +23,12 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from tokenizers import pre_tokenizers as pre
 from tqdm.auto import tqdm
 
+from ..models import registry
 from ..models.base import LoadedModel
 
 if TYPE_CHECKING:
     from ..models.quant import QuantBlocks
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # llama covers Mistral
 SUPPORTED_TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1,
                    QType.Q5_0, QType.Q5_1, QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K)
 
@@ -136,9 +136,10 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheck
     reader = _open(path)
     meta = _Meta(reader)
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    known = registry.gguf_architectures()
+    if arch not in known:
         raise ValueError(f"{path} has architecture {arch!r}; nbserve reads GGUF architectures "
-                         f"{', '.join(ARCHITECTURES)} (Llama 2/3, Mistral, SmolLM, Qwen2).")
+                         f"{', '.join(known)} ({'; '.join(registry.descriptions())}).")
     if meta.get(f"{arch}.expert_count"):
         raise ValueError(f"{path} is a mixture-of-experts model ({arch} with "
                          f"{meta.get(f'{arch}.expert_count')} experts); nbserve serves dense models")
@@ -183,17 +184,15 @@ def load_gguf(path: str | Path, device: str | torch.device | None = None,
               dtype: str | torch.dtype | None = None, name: str | None = None) -> LoadedModel:
     """Build a servable model from a .gguf file, weights dequantized to `dtype` (default float32
     on CPU, bfloat16 on CUDA). It is named after the file unless `name` is given."""
-    from ..models.config import LlamaConfig
-    from ..models.llama import build_llama
+    from ..models.dtypes import resolve_dtype
     from ..text import ChatTemplate, Tokenizer
-    from .hf_dir import resolve_dtype
 
     device = torch.device(device if device is not None else "cpu")
     dtype = resolve_dtype(dtype, device)
     ckpt = read_gguf(path, dtype=dtype)
     name = name or ckpt.path.stem
-    config = LlamaConfig.from_hf(ckpt.hf_config, name=name)
-    model = build_llama(config, ckpt.tensors, device=device, dtype=dtype)
+    family, config = registry.read_config(ckpt.hf_config, name)
+    model = family.build(config, ckpt.tensors, device=device, dtype=dtype)
     tokenizer = Tokenizer(ckpt.tokenizer, bos_token_id=ckpt.bos_token_id,
                           eos_token_ids=ckpt.eos_token_ids, add_bos_token=ckpt.add_bos_token)
     template = (ChatTemplate(ckpt.chat_template, bos_token=ckpt.bos_token or "",
@@ -262,7 +261,7 @@ def _hf_config(meta: _Meta, arch: str, by_name: dict[str, ReaderTensor], path: P
     eos += [i for i, (tok, ty) in enumerate(zip(tokens, types))
             if ty == TokenType.CONTROL and tok in _END_OF_TURN_TEXTS]
     return {
-        "architectures": [ARCHITECTURES[arch]],
+        "architectures": [registry.gguf_architectures()[arch]],
         "model_type": arch,
         "vocab_size": int(by_name["token_embd.weight"].shape[1]),  # GGUF shapes are (ne0, ne1)
         "hidden_size": hidden,

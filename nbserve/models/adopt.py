@@ -28,9 +28,11 @@ from torch import nn
 
 from .base import LoadedModel
 from ..text import ChatTemplate, Tokenizer
+from ..text.chat_template import load_chat_template
+from ..text.tokenizer import load_tokenizer
 from .adapters import RecomputeAdapter, TransformersAdapter
-from .config import SUPPORTED_ARCHITECTURES, LlamaConfig
-from .llama import LlamaModel, build_llama, count_parameters
+from . import registry
+from .weights import count_parameters
 
 M = TypeVar("M")
 
@@ -100,11 +102,12 @@ def adopt_transformers(model: Any, tokenizer: Any, *,
     return _bundle(model, step, tokenizer, chat_template, name, stop_token_ids, how, verbose)
 
 
-def take_over(model: Any, max_context: int | None = None) -> LlamaModel | None:
-    """A LlamaModel over `model`'s own parameter tensors, or None (with the reason printed)
+def take_over(model: Any, max_context: int | None = None) -> Any:
+    """nbserve's own model (from the registry) over `model`'s own parameter tensors, or None (with the reason printed)
     when the architecture or its options are not ones nbserve implements."""
     arch = type(model).__name__
-    if arch not in SUPPORTED_ARCHITECTURES:
+    family = registry.for_class_name(arch)
+    if family is None:
         return None
     cfg_dict = model.config.to_dict()
     cfg_dict["architectures"] = [arch]
@@ -114,12 +117,12 @@ def take_over(model: Any, max_context: int | None = None) -> LlamaModel | None:
         if len(placements) != 1:
             raise ValueError(f"its parameters are spread over {len(placements)} "
                              "device/dtype pairs; nbserve needs one")
-        cfg = LlamaConfig.from_hf(cfg_dict, name=arch)
+        cfg = family.read_config(cfg_dict, arch)
         if max_context is not None:
             cfg.max_position_embeddings = int(max_context)
         device, dtype = placements.pop()
-        step = build_llama(cfg, params, device=device, dtype=dtype, transposed_head=False,
-                           fuse=False, pack=False)
+        step = family.build(cfg, params, device=device, dtype=dtype, transposed_head=False,
+                            fuse=False, pack=False)
     except ValueError as exc:
         print(f"nbserve: {arch} cannot use nbserve's own model ({exc}); serving it through "
               "TransformersAdapter", flush=True)
@@ -222,8 +225,6 @@ def _template(chat_template: Any, tokenizer: Any, name: str, verbose: bool) -> C
         raise TypeError(f"chat_template must be a Jinja string, a .jinja path or a "
                         f"ChatTemplate, got {type(chat_template).__name__}")
     if isinstance(tokenizer, (str, os.PathLike)) and Path(tokenizer).is_dir():
-        from ..loading.hf_dir import load_chat_template, load_tokenizer
-
         found = load_chat_template(Path(tokenizer), load_tokenizer(Path(tokenizer))[1])
     else:
         found = ChatTemplate.from_transformers(tokenizer)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any, ClassVar
 
 import jinja2
@@ -14,7 +15,8 @@ from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from nbserve.types import InvalidRequestError
+from ..types import InvalidRequestError
+from .files import token_str
 
 # ----------------------------------------------------------------------------- chat template
 
@@ -273,3 +275,34 @@ def _prepare_message(message: Any, index: int, keep_lists: bool) -> dict[str, An
             if isinstance(parsed, dict):
                 fn["arguments"] = parsed
     return message
+
+
+def load_chat_template(root: Path, tokenizer_config: dict[str, Any]) -> ChatTemplate | None:
+    """The model's chat template (chat_template.jinja wins over tokenizer_config.json), with its
+    special-token strings; None when the model ships none."""
+    root = Path(root)
+    source = tool_source = None
+    raw = tokenizer_config.get("chat_template")
+    if isinstance(raw, str):
+        source = raw
+    elif isinstance(raw, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
+        source = named.get("default") or next(iter(named.values()), None)
+        tool_source = named.get("tool_use")
+    jinja_file = root / "chat_template.jinja"
+    if jinja_file.is_file():
+        source = jinja_file.read_text(encoding="utf-8")
+    tool_file = root / "additional_chat_templates" / "tool_use.jinja"
+    if tool_file.is_file():
+        tool_source = tool_file.read_text(encoding="utf-8")
+    if not source:
+        return None
+    tokens = {k: token_str(tokenizer_config.get(k)) for k in
+              ("bos_token", "eos_token", "unk_token", "pad_token")}
+    extra = {k: v for k, v in tokens.items()
+             if v is not None and k not in ("bos_token", "eos_token")}
+    try:
+        return ChatTemplate(source, tokens["bos_token"] or "", tokens["eos_token"] or "",
+                            tool_source=tool_source, **extra)
+    except ValueError as e:
+        raise ValueError(f"{root.name}: {e}") from e

@@ -13,6 +13,8 @@ from typing import Any
 
 import tokenizers
 
+from .files import MissingFileError, ids, optional_json, token_str
+
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
@@ -134,8 +136,6 @@ class Tokenizer:
         if isinstance(obj, (str, os.PathLike)):
             path = Path(obj)
             if path.is_dir():
-                from nbserve.loading.hf_dir import load_tokenizer
-
                 return load_tokenizer(path)[0]
             if path.is_file():
                 return cls.from_file(path)
@@ -238,3 +238,29 @@ def _post_processor_bos(tok: tokenizers.Tokenizer) -> int | None:
     if len(full) > len(plain) and full[1:1 + len(plain)] == plain:
         return full[0]
     return None
+
+
+def load_tokenizer(root: Path) -> tuple[Tokenizer, dict[str, Any]]:
+    """The directory's `Tokenizer` and its tokenizer_config.json (empty if absent).
+
+    End-of-sequence ids are the union of generation_config.json, config.json and the tokenizer's
+    eos_token, in that order: any of them ends a reply.
+    """
+    root = Path(root)
+    tok_file = root / "tokenizer.json"
+    if not tok_file.is_file():
+        hint = (" It has tokenizer.model (sentencepiece): convert it once with transformers, "
+                "AutoTokenizer.from_pretrained(dir).save_pretrained(dir), which writes "
+                "tokenizer.json." if (root / "tokenizer.model").is_file() else "")
+        raise MissingFileError(f"{root} has no tokenizer.json (the fast tokenizer file).{hint}")
+    cfg = optional_json(root / "tokenizer_config.json")
+    specials = {**optional_json(root / "special_tokens_map.json"), **cfg}
+    tokenizer = Tokenizer.from_file(tok_file, bos_token=token_str(specials.get("bos_token")),
+                                    eos_token=token_str(specials.get("eos_token")),
+                                    add_bos_token=cfg.get("add_bos_token"))
+    stop = [*ids(optional_json(root / "generation_config.json").get("eos_token_id")),
+            *ids(optional_json(root / "config.json").get("eos_token_id")),
+            *tokenizer.eos_token_ids]
+    tokenizer.eos_token_ids = list(dict.fromkeys(stop))
+    tokenizer.special_ids.update(tokenizer.eos_token_ids)
+    return tokenizer, {**specials, **cfg}

@@ -1,0 +1,221 @@
+"""Faster copies of a model's matmul weights, for every architecture: a transposed LM head,
+oneDNN-packed copies, float16 copies, the C kernel over the float32 weights, quantized blocks.
+
+A model file holds its architecture only; its model class derives from `WeightFormats` and
+says which matmuls it has (`_named_holders`), so every family gets the same fast paths, kept
+(or dropped) the same way when the weights move (`.to()`, a deep copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from .linear import FusedProjection, HalfCopy, PackedCopy, packing_available
+from .quant import KernelLinear, QuantBlocks, float_kernel_serves
+
+Holder = nn.Linear | FusedProjection
+
+
+class WeightFormats(nn.Module):
+    """The weight copies of a StepModel built from `nn.Linear`s (and fused projections).
+
+    A subclass calls `_init_weight_formats()` in its `__init__`, has an `lm_head` (nn.Linear)
+    and implements `_named_holders()`, `embedding_weight()` and, if it fuses projections,
+    `refresh_fused()`. What was asked for is remembered across `.to()`; the copies themselves
+    hang on each matmul holder (`half_copy`, `packed`, `kernel`; see `linear.linear`).
+    """
+
+    lm_head: nn.Linear
+
+    def _init_weight_formats(self) -> None:
+        self._head_t: torch.Tensor | None = None  # (H, V) copy of the LM head
+        self._wants = {"transposed_head": False, "16bit": False, "packed": False,
+                       "quantized": False, "float_kernel": False}
+        self._quant_copies: list[KernelLinear | None] = []  # per holder, kept across .to()
+
+    # ------------------------------------------------------------------ what a model provides
+
+    def _named_holders(self) -> list[tuple[Holder, list[str]]]:
+        """Every matmul (fused projections where there are), then the LM head, each with the
+        HF names of the parameters it multiplies by."""
+        raise NotImplementedError
+
+    def embedding_weight(self) -> torch.Tensor:
+        """The token embedding (a tied LM head shares it)."""
+        raise NotImplementedError
+
+    def refresh_fused(self) -> None:
+        """Make fused projections views of their parameters again after the weights moved."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.embedding_weight().device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embedding_weight().dtype
+
+    # ------------------------------------------------------------------ the copies
+
+    def use_transposed_head(self, enable: bool = True) -> None:
+        """Keep a (hidden, vocab) copy of the LM head for `x @ W_t`.
+
+        On CPU in float32, `F.linear` reads the large (vocab, hidden) head at about half the
+        memory bandwidth that a matmul against a pre-transposed copy reaches for a single row
+        (measured: 10.4 ms against 6.0 ms per decode step for SmolLM2's 49152 x 576 head); with
+        several rows neither wins consistently, so only single-row steps use it. Costs one more
+        copy of the head. Loaders use it where `pack_weights` is not available; adopted models
+        keep sharing their tensors.
+        """
+        self._head_t = self.lm_head.weight.t().contiguous() if enable else None
+        self._wants["transposed_head"] = enable
+
+    def pack_weights(self) -> None:
+        """Add a oneDNN-packed copy of every matmul weight and of the LM head (`PackedCopy`):
+        on CPU, 16-row decode steps run their matmuls about 1.5x faster and one-row steps
+        no slower. Outputs differ from plain float32 in the last bits. +100% weight memory.
+        Loaders do it for CPU float32 (and mixed16, for the steps the float16 copies leave)."""
+        if not packing_available(self.lm_head.weight):
+            raise ValueError("packed weights need a CPU float32 model and torch built with "
+                             "oneDNN (torch.backends.mkldnn.is_available())")
+        self._add_copies("packed", PackedCopy, "packed")
+
+    def use_16bit_weights(self) -> None:
+        """Add a float16 copy of every matmul weight (`HalfCopy`) for steps of one or two rows:
+        a lone stream decodes about twice as fast; batches and prefills keep float32. Greedy
+        output can differ from float32 where two tokens are nearly tied. +50% weight memory.
+        """
+        if self.dtype != torch.float32 or self.device.type != "cpu":
+            raise ValueError("16-bit weights are a CPU float32 option: load the model with "
+                             "dtype='float32' on cpu (on a GPU use dtype='bfloat16')")
+        self._add_copies("half_copy", HalfCopy, "16bit")
+        if self._wants["float_kernel"]:  # the float16 copies serve one or two rows instead
+            self._wants["float_kernel"] = False
+            for holder in self._weight_holders():
+                holder.kernel = None
+
+    def use_float_kernel(self) -> None:
+        """Multiply steps of up to FLOAT_MAX_ROWS rows with nbserve's C kernel over the float32
+        weights as they are (no copy): SmolLM2's one-row matmuls take 13.6 ms instead of 20.3
+        with oneDNN, and the norms and SwiGLU gate run inside the kernel calls (a lone step
+        30 -> about 21 ms). Outputs differ from plain float32 in summation order only; a row's
+        result does not depend on the other rows of the step. Builds the kernel at first use
+        (needs a C compiler); loaders turn it on for CPU float32 where it builds."""
+        if self.dtype != torch.float32 or self.device.type != "cpu":
+            raise ValueError("the float32 kernel is a CPU float32 option")
+        for holder in self._weight_holders():
+            if getattr(holder, "kernel", None) is None and float_kernel_serves(holder.weight):
+                holder.kernel = KernelLinear(holder.weight, holder.bias)
+        self._wants["float_kernel"] = True
+
+    def use_quantized_weights(self, blocks: Mapping[str, QuantBlocks] | None = None,
+                              only_lossless: bool = False) -> bool:
+        """Add a quantized copy of every matmul weight and of the LM head (`KernelLinear`) for
+        steps of up to QUANT_MAX_ROWS rows: a lone stream reads a fifth of float32's bytes
+        and decodes about 2x faster than float32 with the C kernel (benchmarks/README.md).
+        `blocks`: a checkpoint's own blocks by parameter name (a GGUF's Q4_0/Q4_1/Q8_0
+        tensors, see `loading.gguf`): the same values as the float32 weights dequantized from
+        them, so nothing is lost; other weights are quantized to Q8_0 here, and greedy output
+        can then differ from float32 where the quantization moves a near-tie. Builds the C
+        kernel at first use (needs a C compiler). `only_lossless`: change nothing (and return
+        False) unless every weight has its checkpoint's own blocks."""
+        if self.dtype != torch.float32 or self.device.type != "cpu":
+            raise ValueError("quantized weights are a CPU float32 option: load the model with "
+                             "dtype='float32' on cpu (on a GPU use dtype='bfloat16')")
+        blocks = dict(blocks or {})
+        if "lm_head.weight" not in blocks and \
+                self.lm_head.weight is self.embedding_weight():  # tied head
+            blocks["lm_head.weight"] = blocks.get("model.embed_tokens.weight")
+        found: list[QuantBlocks | None] = []
+        for holder, names in self._named_holders():
+            parts = [blocks.get(name) for name in names]
+            own = QuantBlocks.cat(parts) if all(p is not None for p in parts) else None
+            found.append(own if own is not None and own.shape == tuple(holder.weight.shape)
+                         else None)
+        if only_lossless and any(b is None for b in found):
+            return False
+        copies: list[KernelLinear | None] = []
+        for holder, own in zip(self._weight_holders(), found):
+            made = own if own is not None else QuantBlocks.from_float(holder.weight)
+            copies.append(None if made is None else KernelLinear(made, holder.bias))
+        self._quant_copies = copies
+        self._wants["quantized"] = True
+        self._attach_quant_copies()
+        return True
+
+    def _attach_quant_copies(self) -> None:
+        for holder, copy in zip(self._weight_holders(), self._quant_copies):
+            holder.kernel = copy
+
+    def _add_copies(self, attr: str, make: type[HalfCopy] | type[PackedCopy], want: str) -> None:
+        """Give every weight holder a `make(weight, bias)` copy as `attr` (once), remember the
+        wish across `.to()`, and drop the transposed head: the copies serve single rows better."""
+        for holder in self._weight_holders():
+            if getattr(holder, attr, None) is None:
+                setattr(holder, attr, make(holder.weight, holder.bias))
+        self._head_t = None
+        self._wants.update({want: True, "transposed_head": False})
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 -- nn.Module's hook for .to(), .half()...
+        result = super()._apply(fn, recurse)
+        self.refresh_derived()
+        return result
+
+    def refresh_derived(self) -> None:
+        """Rebuild what is derived from the weights after they moved (`.to()`, a deep copy):
+        the fused projections become views again, the CPU-float32-only extras (transposed
+        head, float16 and packed copies) follow or are dropped, so no stale tensor on the old
+        device or dtype is ever used."""
+        self.refresh_fused()
+        cpu32 = self.device.type == "cpu" and self.dtype == torch.float32
+        if self._wants["transposed_head"]:
+            self._head_t = self.lm_head.weight.t().contiguous() if cpu32 else None
+        for holder in self._weight_holders():
+            holder.half_copy = holder.packed = holder.kernel = None
+        if cpu32 and self._wants["quantized"]:
+            self._attach_quant_copies()
+        elif cpu32 and self._wants["float_kernel"]:
+            self.use_float_kernel()
+        if cpu32 and self._wants["16bit"]:
+            self.use_16bit_weights()
+        if cpu32 and self._wants["packed"] and packing_available(self.lm_head.weight):
+            self.pack_weights()
+
+    def _weight_holders(self) -> list[Holder]:
+        """The layer matmuls and the LM head: what carries float16, packed, quantized copies."""
+        return [holder for holder, _ in self._named_holders()]
+
+    def derived_bytes(self) -> int:
+        """Bytes of the weight copies kept for speed (float16, packed, quantized, transposed
+        head); the float32 kernel shares the weights and adds none."""
+        total = 0 if self._head_t is None else self._head_t.numel() * self._head_t.element_size()
+        for holder in self._weight_holders():
+            half, packed = getattr(holder, "half_copy", None), getattr(holder, "packed", None)
+            kernel = getattr(holder, "kernel", None)
+            total += 0 if half is None else half.weight.numel() * half.weight.element_size()
+            total += 0 if packed is None else packed.nbytes
+            total += 0 if kernel is None else kernel.nbytes
+        return total
+
+    @property
+    def weight_format(self) -> str:
+        """"mixed16" after `use_16bit_weights`, "quantized" after `use_quantized_weights`,
+        else the dtype's name."""
+        if self._wants["quantized"] and getattr(self.lm_head, "kernel", None):
+            return "quantized"
+        if self._wants["16bit"] and getattr(self.lm_head, "half_copy", None):
+            return "mixed16"
+        return str(self.dtype).replace("torch.", "")
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(parameters, bytes), counting tied tensors once, and the copies kept for speed."""
+    seen: dict[int, torch.Tensor] = {}
+    for p in model.parameters():
+        seen.setdefault(p.data_ptr(), p)
+    extra = model.derived_bytes() if isinstance(model, WeightFormats) else 0
+    return (sum(p.numel() for p in seen.values()),
+            sum(p.numel() * p.element_size() for p in seen.values()) + extra)
