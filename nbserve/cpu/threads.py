@@ -1,14 +1,13 @@
 """How many torch threads a CPU forward should use, found by timing rather than guessing.
 
 Why not a fixed number: on a small CPU the best count changes with things the engine cannot see
-in advance. Measured on this project's 2-core machine (benchmarks/README.md, "Threads"):
+in advance (benchmarks/README.md, "Threads", has the figures):
 
-- one decode row of SmolLM2: 51 ms/step with 1 thread, 38 ms with 2 (the split linear layers of
-  `nbserve.models.linear`); a 16-row step: 121 ms vs 78 ms;
+- with the cores free, more threads make a decode step faster, alone or batched;
 - but when another busy thread shares the cores (the server's event loop, a notebook cell), or
   when some other OS thread of the process has already run torch ops on 2 threads (libgomp then
-  counts more pool threads than cores and stops spinning between ops), 2 threads cost 60-450 ms
-  per step, worse than 1.
+  counts more pool threads than cores and stops spinning between ops), 2 threads can be many
+  times slower than 1.
 
 So `ThreadTuner` times each candidate per forward size and keeps the faster, re-checking the
 slower one now and then (less and less often while it keeps losing). The second cause is also
@@ -100,8 +99,8 @@ class ThreadTuner:
 
     Size classes are powers of two of the tokens in the forward (1, 2-3, 4-7, ...). Within a
     class the faster choice is used; the other is tried again after `min_gap` forwards, and the
-    gap doubles (up to `max_gap`) each time it loses again, so a choice that is much slower
-    (450 ms against 50 ms under contention) costs under 1% once it has been found out.
+    gap doubles (up to `max_gap`) each time it loses again, so even a choice that is many
+    times slower costs little once it has been found out.
     """
 
     def __init__(self, choices: Sequence[int] | None = None, *, min_gap: int = 16,

@@ -36,7 +36,7 @@ def _add_weight_copies(loaded: LoadedModel, weight_format: str) -> None:
 def _use_lossless_blocks(loaded: LoadedModel) -> None:
     """CPU default for a GGUF whose matmul weights are all Q4_0, Q4_1 or Q8_0 blocks: keep
     them (dtype="quantized") when the C kernel is available. The blocks hold the float32
-    weights' exact values, so nothing changes but the speed (about 2.5x a lone stream)."""
+    weights' exact values, so nothing changes but the speed."""
     use = getattr(loaded.model, "use_quantized_weights", None)
     if use is None or _gguf_file(str(loaded.source)) is None:
         return
@@ -77,16 +77,16 @@ def load(source: Any, *, device: str | None = None, dtype: Any = None,
 
     `dtype`: "float32" (CPU default; for a GGUF made only of Q4_0/Q4_1/Q8_0 matmul weights,
     "quantized", which is lossless there), "bfloat16" (CUDA default), "float16", "mixed16" (CPU:
-    float32 plus float16 copies of the matmul weights for one- and two-row steps; about 2x
-    faster single-stream decoding, +50% weight memory, outputs can differ from float32 in rare
-    near-ties, see `LlamaModel.use_16bit_weights`), or "quantized" (CPU: float32 plus
-    quantized copies for steps of up to 12 rows, a GGUF's own Q4_0/Q4_1/Q8_0 blocks or Q8_0
-    made at load; about 2.7x float32's single-stream speed and 1.4x mixed16's, +20% weight
-    memory; compiles a small C kernel at first use; see `LlamaModel.use_quantized_weights`).
-    On CPU in float32 (and mixed16, quantized) the loaders
-    also keep oneDNN-packed copies of the matmul weights, which make batched decoding about
-    1.5x faster (+100% weight memory; skipped when the copies would take over a quarter of the
-    RAM; see `LlamaModel.pack_weights`). The load line shows the copies apart.
+    float32 plus float16 copies of the matmul weights for one- and two-row steps: a faster
+    lone stream, +50% weight memory, outputs can differ from float32 in rare near-ties, see
+    `WeightFormats.use_16bit_weights`), or "quantized" (CPU: float32 plus quantized copies for
+    steps of up to 12 rows, a GGUF's own Q4_0/Q4_1/Q8_0 blocks or Q8_0 made at load: the
+    fastest lone stream, +20% weight memory; compiles a small C kernel at first use; see
+    `WeightFormats.use_quantized_weights`). On CPU in float32 (and mixed16, quantized) the
+    loaders also keep oneDNN-packed copies of the matmul weights, which make batched decoding
+    faster (+100% weight memory; skipped when the copies would take over a quarter of the RAM;
+    see `WeightFormats.pack_weights`). The load line shows the copies apart;
+    benchmarks/README.md has the figures.
     """
     if isinstance(source, LoadedModel):
         return source

@@ -1,14 +1,13 @@
 """Linear layers for CPU decoding: oneDNN-packed copies, a split by output rows, float16 copies.
 
-Measured on this project's 2-core CPU (benchmarks/README.md, "Linear layers"): `F.linear` with
-float32 weights runs single-threaded for one input row (SmolLM2's 30 layers: 37 ms per token
-with 1 or 2 threads) and reads the weights at about 11 GB/s. Viewing the weight as k blocks of
-output rows and running one `bmm` over them lets torch give each thread its own block: 23 ms
-with 2 threads, and still ahead of `F.linear` up to about 128 rows. The view shares the
-weight's memory, and every output value is the same dot product as before, in the same order.
-Loaders go one step further where memory allows: a oneDNN-packed copy of each weight
-(`PackedCopy`) is as fast at one row and 1.5x faster at 16; the split serves models without
-one. A lone stream can also use float16 copies (`HalfCopy`, dtype="mixed16").
+Why (the figures are in benchmarks/README.md, "Linear layers"): `F.linear` with float32 weights
+runs single-threaded for one input row, far below the memory bandwidth. Viewing the weight as k
+blocks of output rows and running one `bmm` over them lets torch give each thread its own
+block; the view shares the weight's memory, and every output value is the same dot product as
+before, in the same order. Loaders go one step further where memory allows: a oneDNN-packed
+copy of each weight (`PackedCopy`) is as fast at one row and faster for batches; the split
+serves models without one. A lone stream can also use float16 copies (`HalfCopy`,
+dtype="mixed16").
 """
 
 from __future__ import annotations
@@ -116,16 +115,14 @@ class PackedCopy:
     """A copy of a float32 weight in oneDNN's blocked layout, multiplied by oneDNN's own
     kernel (the path `torch.compile`'s weight freezing takes on CPU, here without compiling).
 
-    Measured on this project's 2-core CPU in the engine thread (benchmarks/README.md, "Linear
-    layers"), SmolLM2's 30 layers: 21 ms at one row (split linear 21, F.linear 38), 27 ms at
-    16 rows (split 43, F.linear 52), 44 ms at 32 (61, 73); its 49152 x 576 LM head: 4.1 ms at
-    one row (transposed copy 4.7), 5.9 ms at 16 (split 13, F.linear 18). Outputs differ from
-    F.linear's in the last bits (another summation order). Costs one more copy of the weight.
+    It beats both the split linear and `F.linear` at every batch size measured, and the
+    transposed LM-head copy at one row (benchmarks/README.md, "Linear layers"). Outputs differ
+    from F.linear's in the last bits (another summation order). Costs one more copy of the
+    weight.
 
-    oneDNN's kernel for 1 or 2 rows is slower than the one it picks for 3 to 6 (the 30 layers:
-    21.0 and 22.5 ms at 1 and 2 rows, 18-19.6 ms at 3 to 6; the LM head 4.45 ms at 1 row, 3.44
-    at 4), so fewer than PACK_MIN_ROWS rows are padded with zero rows up to it: a lone float32
-    decode step of SmolLM2 went from 31.8 to 30.6 ms (medians over 6 alternating rounds).
+    oneDNN's kernel for 1 or 2 rows is slower than the one it picks for 3 to 6, so fewer than
+    PACK_MIN_ROWS rows are padded with zero rows up to it (a lone float32 decode step got
+    faster; benchmarks/README.md has the A/B).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -156,13 +153,10 @@ class HalfCopy:
     """A float16 copy of a weight, used for inputs of up to FLOAT16_MAX_ROWS rows (a lone
     decode step); inputs, outputs and every other op stay float32.
 
-    Measured on this project's 2-core CPU (AVX2, no AVX-512; benchmarks/README.md): for
-    SmolLM2's 30 layers at one row, float16 `F.linear` takes 8 ms against 23 ms for the
-    float32 split linear, so a lone stream decodes about twice as fast. At 16 rows float16
-    takes 95 ms against 41 ms, so batches keep the float32 weight. bfloat16 would be fast at
-    16 rows too, but its 8-bit mantissa changed SmolLM2's greedy answers badly ("What is the
-    capital of France?" -> "L'Etoile, la Marseillaise, ..."); float16's 11 bits kept them.
-    Costs half the float32 weight's memory again.
+    At one row a float16 `F.linear` reads half the bytes and is much faster than float32;
+    at batch sizes it is slower, so batches keep the float32 weight (benchmarks/README.md).
+    bfloat16 would be fast for batches too, but its 8-bit mantissa changed SmolLM2's greedy
+    answers badly; float16's 11 bits kept them. Costs half the float32 weight's memory again.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):

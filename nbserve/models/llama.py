@@ -91,8 +91,8 @@ class Attention(nn.Module):
         """One query per row as two batched matmuls over (row, kv head) pairs, the query heads
         of each kv head together: on CPU, SDPA's kernels cost milliseconds of setup per call
         for a single query. Scale and mask ride in the first matmul (`baddbmm` with an
-        additive mask): the same values as a matmul, a multiply and a masked fill, and 25-35%
-        faster for 16-32 rows (benchmarks/README.md)."""
+        additive mask): the same values as a matmul, a multiply and a masked fill, in fewer
+        ops (benchmarks/README.md has the figures)."""
         b, hkv, length, d = keys.shape
         g = self.hq // hkv
         qg = q.reshape(b * hkv, g, d)  # (B*Hkv, G, D): query heads grouped by kv head
@@ -323,8 +323,8 @@ class LlamaModel(WeightFormats):
     def _lone_step(self, ids: torch.Tensor, pos: int, slot: int, cache: KVCache,
                    keep_time_dim: bool) -> torch.Tensor:
         """`forward` for a lone decode step (B = T = 1, the single-stream case): the same
-        values, through `DecoderLayer.lone_step` (measured: 33.0 -> 30.7 ms a step in float32,
-        16.4 -> 15.4 in mixed16, on this project's 2-core CPU)."""
+        values, through `DecoderLayer.lone_step`, without the batch bookkeeping that costs a
+        noticeable share of a one-token step (benchmarks/README.md)."""
         cos_t, sin_signed_t = self._rope_table()
         rope = (cos_t[pos], sin_signed_t[pos])  # (D,)
         x = F.embedding(ids.view(1), self.model.embed_tokens.weight)  # (1, H)

@@ -2,8 +2,7 @@
 
 A lone step's attention is about fifteen small torch ops a layer (rope, two cache writes,
 slicing, two batched matmuls, softmax, casts); at one token each costs more in dispatch than in
-arithmetic. One C call does the same work: measured on SmolLM2 (30 layers), see
-benchmarks/README.md.
+arithmetic. One C call does the same work (benchmarks/README.md has the figures).
 """
 
 from __future__ import annotations

@@ -63,10 +63,9 @@ class WeightFormats(nn.Module):
     def use_transposed_head(self, enable: bool = True) -> None:
         """Keep a (hidden, vocab) copy of the LM head for `x @ W_t`.
 
-        On CPU in float32, `F.linear` reads the large (vocab, hidden) head at about half the
-        memory bandwidth that a matmul against a pre-transposed copy reaches for a single row
-        (measured: 10.4 ms against 6.0 ms per decode step for SmolLM2's 49152 x 576 head); with
-        several rows neither wins consistently, so only single-row steps use it. Costs one more
+        On CPU in float32, `F.linear` reads the large (vocab, hidden) head at a fraction of the
+        memory bandwidth that a matmul against a pre-transposed copy reaches for a single row;
+        with several rows neither wins consistently, so only single-row steps use it. Costs one more
         copy of the head. Loaders use it where `pack_weights` is not available; adopted models
         keep sharing their tensors.
         """
@@ -75,8 +74,7 @@ class WeightFormats(nn.Module):
 
     def pack_weights(self) -> None:
         """Add a oneDNN-packed copy of every matmul weight and of the LM head (`PackedCopy`):
-        on CPU, 16-row decode steps run their matmuls about 1.5x faster and one-row steps
-        no slower. Outputs differ from plain float32 in the last bits. +100% weight memory.
+        on CPU, batched decode steps run their matmuls faster and one-row steps no slower. Outputs differ from plain float32 in the last bits. +100% weight memory.
         Loaders do it for CPU float32 (and mixed16, for the steps the float16 copies leave)."""
         if not packing_available(self.lm_head.weight):
             raise ValueError("packed weights need a CPU float32 model and torch built with "
@@ -85,7 +83,7 @@ class WeightFormats(nn.Module):
 
     def use_16bit_weights(self) -> None:
         """Add a float16 copy of every matmul weight (`HalfCopy`) for steps of one or two rows:
-        a lone stream decodes about twice as fast; batches and prefills keep float32. Greedy
+        a lone stream decodes faster; batches and prefills keep float32. Greedy
         output can differ from float32 where two tokens are nearly tied. +50% weight memory.
         """
         if self.dtype != torch.float32 or self.device.type != "cpu":
@@ -99,9 +97,8 @@ class WeightFormats(nn.Module):
 
     def use_float_kernel(self) -> None:
         """Multiply steps of up to FLOAT_MAX_ROWS rows with nbserve's C kernel over the float32
-        weights as they are (no copy): SmolLM2's one-row matmuls take 13.6 ms instead of 20.3
-        with oneDNN, and the norms and SwiGLU gate run inside the kernel calls (a lone step
-        30 -> about 21 ms). Outputs differ from plain float32 in summation order only; a row's
+        weights as they are (no copy): faster than oneDNN for a few rows, with the norms and
+        the SwiGLU gate inside the kernel calls (benchmarks/README.md). Outputs differ from plain float32 in summation order only; a row's
         result does not depend on the other rows of the step. Builds the kernel at first use
         (needs a C compiler); loaders turn it on for CPU float32 where it builds."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
@@ -114,8 +111,8 @@ class WeightFormats(nn.Module):
     def use_quantized_weights(self, blocks: Mapping[str, QuantBlocks] | None = None,
                               only_lossless: bool = False) -> bool:
         """Add a quantized copy of every matmul weight and of the LM head (`KernelLinear`) for
-        steps of up to QUANT_MAX_ROWS rows: a lone stream reads a fifth of float32's bytes
-        and decodes about 2x faster than float32 with the C kernel (benchmarks/README.md).
+        steps of up to QUANT_MAX_ROWS rows: a lone stream reads a fraction of float32's bytes
+        and decodes faster than float32 with the C kernel (benchmarks/README.md).
         `blocks`: a checkpoint's own blocks by parameter name (a GGUF's Q4_0/Q4_1/Q8_0
         tensors, see `loading.gguf`): the same values as the float32 weights dequantized from
         them, so nothing is lost; other weights are quantized to Q8_0 here, and greedy output
