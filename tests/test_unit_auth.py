@@ -154,7 +154,7 @@ def test_the_bucket_never_holds_more_than_its_capacity(clock: Clock) -> None:
     refused(limiter, "c")
 
 
-def test_retry_after_is_at_least_one_second(clock: Clock) -> None:
+def test_a_sub_second_wait_is_announced_as_one_second(clock: Clock) -> None:
     limiter = RateLimiter(per_minute=600)  # a token every 0.1 s
     for _ in range(600):
         limiter.check("c")

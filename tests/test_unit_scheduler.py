@@ -56,7 +56,7 @@ def two_lists_with_a_shared_head(draw: st.DrawFn) -> tuple[list[int], list[int]]
     return head + draw(tail), head + draw(tail)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(two_lists_with_a_shared_head())
 def test_common_prefix_len_matches_a_naive_loop(pair: tuple[list[int], list[int]]) -> None:
     a, b = pair
