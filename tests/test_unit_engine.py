@@ -340,6 +340,22 @@ def test_a_full_queue_refuses_with_busy_error() -> None:
         assert run(eng, req("ef", "r3", max_tokens=1)).text() == "g"  # room again
 
 
+def test_a_request_waiting_past_queue_timeout_fails_and_the_running_one_goes_on() -> None:
+    model = ScriptedModel(hold=threading.Event())
+    with engine_for(model, max_batch=1, queue_timeout=0.005) as eng:
+        running = Pending(eng, req("ab", max_tokens=3))
+        assert model.entered.wait(TIMEOUT)  # admitted: it no longer counts as waiting
+        waiting = Pending(eng, req("cd", max_tokens=3))
+        time.sleep(0.01)  # longer than queue_timeout
+        model.hold.set()
+        late = waiting.wait()
+        assert late.error is not None and late.error.kind == "queue_timeout"
+        assert "queue_timeout=0.005" in late.error.message
+        assert not any(isinstance(e, Started) for e in late.events)
+        assert running.wait().text() == "cde"
+        assert eng.stats()["waiting"] == 0
+
+
 @pytest.mark.parametrize(("request_", "param", "error"), [
     (Request(prompt_ids=[0, 26]), "prompt", InvalidRequestError),
     (Request(prompt_ids=[-1]), "prompt", InvalidRequestError),
