@@ -1,0 +1,146 @@
+"""Unit tests of the Mailbox (nbserve/engine/requests.py), which carries events from the engine
+thread to an async caller, and of `count_down`. No engine: the abort callable is a recorder."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from nbserve.engine.requests import Mailbox, count_down
+from nbserve.types import Delta, ErrorEvent, Finished, Started, Usage
+
+
+class AbortRecorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def __call__(self, request_id: str, why: str) -> None:
+        self.calls.append((request_id, why))
+
+
+def delta(i: int) -> Delta:
+    return Delta(0, str(i), [i])
+
+
+async def until_waiting(box: Mailbox) -> None:
+    """Yield to the loop until `get` has published its waiter (it is parked, not re-checking)."""
+    for _ in range(100):
+        if box.waiter is not None:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("get() never started waiting")
+
+
+async def test_an_event_posted_from_another_thread_wakes_a_waiting_get() -> None:
+    abort = AbortRecorder()
+    box = Mailbox(abort, "r1", asyncio.get_running_loop(), limit=None)
+    task = asyncio.ensure_future(box.get())
+    await until_waiting(box)
+    poster = threading.Thread(target=box.post, args=(delta(7),))
+    poster.start()
+    ev = await asyncio.wait_for(task, timeout=2)
+    poster.join()
+    assert ev == delta(7)
+    assert box.waiter is None and abort.calls == []
+
+
+async def test_get_returns_an_event_posted_before_it_without_waiting() -> None:
+    box = Mailbox(AbortRecorder(), "r1", asyncio.get_running_loop(), limit=None)
+    box.post(delta(1))
+    assert await asyncio.wait_for(box.get(), timeout=2) == delta(1)
+
+
+async def test_events_from_another_thread_arrive_in_order() -> None:
+    box = Mailbox(AbortRecorder(), "r1", asyncio.get_running_loop(), limit=None)
+    go = threading.Event()
+
+    def engine_thread() -> None:
+        go.wait(2)
+        for i in range(300):
+            box.post(delta(i))
+
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    go.set()
+    got = [await asyncio.wait_for(box.get(), timeout=2) for _ in range(300)]
+    t.join()
+    assert [ev.token_ids[0] for ev in got] == list(range(300))
+
+
+async def test_past_the_backlog_limit_abort_is_called_exactly_once() -> None:
+    abort = AbortRecorder()
+    box = Mailbox(abort, "slow", asyncio.get_running_loop(), limit=3)
+    for i in range(3):
+        box.post(delta(i))
+    assert abort.calls == []  # exactly at the limit is still fine
+    box.post(delta(3))
+    assert abort.calls == [("slow", "backlog")]
+    for i in range(4, 20):
+        box.post(delta(i))
+    assert abort.calls == [("slow", "backlog")]
+    # Nothing is dropped: the caller still reads every event, in order.
+    got = [await box.get() for _ in range(20)]
+    assert [ev.token_ids[0] for ev in got] == list(range(20))
+
+
+async def test_events_read_in_time_never_trip_the_backlog() -> None:
+    abort = AbortRecorder()
+    box = Mailbox(abort, "r", asyncio.get_running_loop(), limit=2)
+    for i in range(50):
+        box.post(delta(i))
+        box.post(delta(i))
+        await box.get()
+        await box.get()
+    assert abort.calls == []
+
+
+async def test_no_limit_never_aborts() -> None:
+    abort = AbortRecorder()
+    box = Mailbox(abort, "r", asyncio.get_running_loop(), limit=None)
+    for i in range(2000):
+        box.post(delta(i))
+    assert abort.calls == []
+
+
+def test_a_closed_caller_loop_makes_post_abort_with_cancel() -> None:
+    abort = AbortRecorder()
+    loop = asyncio.new_event_loop()
+    box = Mailbox(abort, "gone", loop, limit=None)
+    task = loop.create_task(box.get())
+    loop.run_until_complete(until_waiting(box))  # get() is parked on its waiter
+    loop.close()  # the caller's loop goes away with get() still waiting
+    box.post(delta(1))
+    assert abort.calls == [("gone", "cancel")]
+    task._log_destroy_pending = False  # a task of a closed loop: expected, not worth a log
+
+
+# ----------------------------------------------------------------------------- count_down
+
+
+USAGE = Usage(3, 2, 0)
+
+
+@pytest.mark.parametrize(("remaining", "event", "expected"), [
+    (2, Started("r", 3, 0), (2, False)),
+    (2, Delta(0, "x", [1]), (2, False)),
+    (2, Finished(0, "stop", USAGE), (1, False)),
+    (1, Finished(1, "length", USAGE), (0, True)),
+    (3, ErrorEvent("boom"), (3, True)),  # an error ends the request whatever is left
+])
+def test_count_down(remaining: int, event: object, expected: tuple[int, bool]) -> None:
+    assert count_down(remaining, event) == expected
+
+
+def test_count_down_ends_after_every_choice_finished() -> None:
+    remaining, finished, seen = 3, False, 0
+    events = [Started("r", 1, 0), Delta(0, "a", [1]), Finished(0, "stop", USAGE),
+              Delta(1, "b", [2]), Finished(2, "stop", USAGE), Finished(1, "length", USAGE),
+              Delta(0, "late", [3])]
+    for ev in events:
+        remaining, finished = count_down(remaining, ev)
+        seen += 1
+        if finished:
+            break
+    assert (remaining, finished, seen) == (0, True, 6)
