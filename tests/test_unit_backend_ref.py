@@ -176,9 +176,6 @@ async def test_a_request_refused_before_its_first_event_is_not_left_in_flight() 
     assert old.close_calls == 1  # nothing held it open
 
 
-@pytest.mark.xfail(strict=True, reason="swap() back to a backend that is still draining leaves "
-                   "it in the retiring table: it is closed when its old requests end although "
-                   "it is the current backend again")
 async def test_swapping_back_to_a_draining_backend_keeps_it_open() -> None:
     a, b = FakeBackend("a"), FakeBackend("b")
     ref = SwappableBackend(a)

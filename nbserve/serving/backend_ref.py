@@ -117,6 +117,7 @@ class SwappableBackend:
             raise RuntimeError("this server is stopped: launch a new one instead of updating it")
         with self._lock:
             old, self._current = self._current, new
+            self._retiring.pop(id(new), None)  # current again: it must not close when idle
             if old is new or not close_old:
                 return old
             if self._active.get(id(old)):
