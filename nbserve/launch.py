@@ -297,8 +297,9 @@ def _keys(api_keys: str | Sequence[str] | None) -> list[str]:
 
 def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.0.0.1",
            share: bool = False, ui: bool = True, api_keys: str | Sequence[str] | None = None,
-           ui_password: str | None = None, devices: Any = None, tokenizer: Any = None, startup_timeout: float = 120.0,
-           stop_timeout: float = 5.0, **engine_options: Any) -> Server:
+           devices: Any = None, tokenizer: Any = None, startup_timeout: float = 120.0,
+           stop_timeout: float = 5.0, ui_password: str | None = None,
+           **engine_options: Any) -> Server:
     """Serve `model` (a source like "smollm2", a HF dir or .gguf; a LoadedModel; or an
     Engine/Pool, served as is) on http://host:port: OpenAI API under /v1, chat UI at /.
 
