@@ -58,7 +58,8 @@ class SwappableBackend:
         return self._current.model_name
 
     def __getattr__(self, name: str) -> Any:
-        # Engine-specific attributes (max_context, tokenizer, chat, ...) of the current backend.
+        # Engine-specific attributes (max_context, tokenizer, chat, count_prompt_tokens, ...) of
+        # the current backend; AttributeError where it has none (the UI then does not trim).
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self._current, name)

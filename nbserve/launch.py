@@ -13,7 +13,6 @@ import gc
 import html
 import http.client
 import json
-import secrets
 import signal
 import socket
 import threading
@@ -23,6 +22,7 @@ from typing import Any
 
 import uvicorn
 
+from .access import Access, decide_access
 from .backend_ref import SwappableBackend, build_backend, is_backend
 from .share import close_share_links, open_share_link
 from .types import Backend
@@ -298,7 +298,8 @@ def _keys(api_keys: str | Sequence[str] | None) -> list[str]:
 def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.0.0.1",
            share: bool = False, ui: bool = True, api_keys: str | Sequence[str] | None = None,
            devices: Any = None, tokenizer: Any = None, startup_timeout: float = 120.0,
-           stop_timeout: float = 5.0, **engine_options: Any) -> Server:
+           stop_timeout: float = 5.0, ui_password: str | None = None,
+           **engine_options: Any) -> Server:
     """Serve `model` (a source like "smollm2", a HF dir or .gguf; a LoadedModel; or an
     Engine/Pool, served as is) on http://host:port: OpenAI API under /v1, chat UI at /.
 
@@ -307,10 +308,13 @@ def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.
     requests get to finish when the server stops (stop() or SIGTERM under `serve`).
     `engine_options` go to `Engine` (e.g. max_batch, max_context, queue_timeout,
     max_backlog, restart_on_failure).
+    `api_keys` protect /v1 and the UI; `share=True` without them generates one (printed once).
+    `ui_password`: the UI (and its gradio API) also accepts this password at its login.
     """
     if not isinstance(stop_timeout, (int, float)) or stop_timeout < 0:
         raise ValueError(f"stop_timeout must be a number of seconds >= 0, got {stop_timeout!r}")
-    keys = _keys(api_keys)
+    access = decide_access(share=share, api_keys=_keys(api_keys), ui_password=ui_password,
+                           ui=ui)
     if port:
         with _REGISTRY_LOCK:
             previous = _SERVERS.get(port)
@@ -326,17 +330,14 @@ def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.
         raise
     ref = SwappableBackend(backend)
     try:
-        share_url, generated = None, None
+        share_url = None
         if share:
             share_url, why = open_share_link(sock.getsockname()[1])
             if share_url is None:
                 print(f"nbserve: WARNING: could not create a share link ({why}); the server is "
                       "only reachable locally", flush=True)
-            elif not keys:
-                generated = "nb-" + secrets.token_urlsafe(24)
-                keys = [generated]
-        app = _make_app(ref, keys, ui=ui, ui_keys=[] if generated else keys)
-        server = Server(app, ref, sock, host, owned=owned, api_keys=keys, ui=ui,
+        app = _make_app(ref, access, ui=ui)
+        server = Server(app, ref, sock, host, owned=owned, api_keys=access.api_keys, ui=ui,
                         share_url=share_url, model=model,
                         build_options={k: v for k, v in options.items() if v is not None},
                         drain_s=float(stop_timeout))
@@ -357,8 +358,9 @@ def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.
     print(line, flush=True)
     if share_url:
         print(f"nbserve: public link {share_url}", flush=True)
-    if generated:
-        print(f"nbserve: the public /v1 API needs this key (shown once): {generated}", flush=True)
+    if access.generated_key:
+        where = "/v1 and the chat UI (login: any user name, the key as password)" if ui else "/v1"
+        print(f"nbserve: the key for {where}, shown once: {access.generated_key}", flush=True)
     if others:
         print(f"nbserve: note: other servers of this process still run on port(s) "
               f"{', '.join(map(str, others))}; stop() them to free their memory, or pass "
@@ -366,14 +368,14 @@ def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.
     return server
 
 
-def _make_app(ref: SwappableBackend, keys: list[str], *, ui: bool, ui_keys: list[str]) -> Any:
+def _make_app(ref: SwappableBackend, access: Access, *, ui: bool) -> Any:
     from .server import create_app
 
-    app = create_app(ref, api_keys=keys or None, ui=False)
+    app = create_app(ref, api_keys=access.api_keys or None, ui=False)
     if ui:
         from .ui import mount_ui
 
-        mount_ui(app, ref, auth_keys=ui_keys or None)
+        mount_ui(app, ref, password=access.ui_password)  # the app's keys, limits, rate limit
     return app
 
 

@@ -153,6 +153,10 @@ class Pool(SyncHelpers):
     def max_batch(self) -> int:
         return sum(r.engine.max_batch for r in self.replicas)
 
+    def count_prompt_tokens(self, request: Request) -> int:
+        """How many tokens the request's prompt takes (see `Engine.count_prompt_tokens`)."""
+        return self.replicas[0].engine.count_prompt_tokens(request)  # one tokenizer for all
+
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         """Stream the events of `request` from one replica. Raises before the first event if
         it is refused; closing the iterator cancels it."""

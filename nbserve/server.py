@@ -142,8 +142,10 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
     cors_origins: browser origins allowed to call the API (none by default).
     limits: request size and parameter limits (see `Limits`).
     rate_limit_per_minute: generation requests per minute per key (per client address without
-        keys). ui: mount the Gradio chat at / (after the API routes). log_messages: put message
-        contents in the request log lines (off by default).
+        keys). ui: mount the Gradio chat at / (after the API routes); it asks for a key as its
+        login when there are keys, and its turns obey the same limits and rate limit (one
+        bucket with /v1 per key or address). log_messages: put message contents in the request
+        log lines (off by default).
     The caller owns `backend`: the app does not close it on shutdown.
     """
     for attr in ("generate", "stats", "model_name"):
@@ -181,6 +183,8 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
     app = FastAPI(title="nbserve", summary="OpenAI-compatible API for one model",
                   lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.backend, app.state.metrics, app.state.limits = backend, metrics, limits
+    # The chat UI checks its turns with these same objects (one rate-limit bucket per client).
+    app.state.key_auth, app.state.rate_limiter = keys, limiter
     app.state.accepting = True  # False once the server shuts down
     install_error_handlers(app)
 
@@ -235,20 +239,17 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
                            expose_headers=["X-Request-ID", "Retry-After"])
     app.add_middleware(ObservabilityMiddleware, metrics=metrics)
     if ui:
-        _mount_ui(app, backend, key_list)
+        _mount_ui(app, backend)
     return app
 
 
-def _mount_ui(app: FastAPI, backend: Backend, keys: list[str]) -> None:
-    """Mount the Gradio chat at / (after /v1, so the API routes win); with API keys, the UI
-    asks for one as its login password."""
+def _mount_ui(app: FastAPI, backend: Backend) -> None:
+    """Mount the Gradio chat at / (after /v1, so the API routes win); it takes the app's
+    limits, rate limiter and keys (with API keys, it asks for one as its login password)."""
     try:
         from .ui import mount_ui
     except ImportError as exc:
         log.warning("chat UI not mounted (%s); the API still works. Install gradio or pass "
                     "ui=False to silence this.", exc)
         return
-    if keys:
-        mount_ui(app, backend, auth_keys=keys)
-    else:
-        mount_ui(app, backend)
+    mount_ui(app, backend)

@@ -271,8 +271,9 @@ def test_share_offline_warns_quickly_and_serves_locally(tiny_llama_dir, capsys, 
         assert time.monotonic() - t0 < 8
         out = capsys.readouterr().out
         assert "WARNING: could not create a share link" in out and "only reachable locally" in out
-        assert srv.share_url is None and srv.api_keys == []
-        assert httpx.get(srv.api_base + "/models").status_code == 200
+        (key,) = srv.api_keys  # share=True is keyed even when the tunnel fails
+        assert srv.share_url is None and out.count(key) == 1
+        assert httpx.get(srv.api_base + "/models").status_code == 401
     finally:
         srv.stop()
 
@@ -292,7 +293,7 @@ def test_share_service_that_never_answers_hits_the_deadline(tiny_llama_dir, caps
         srv.stop()
 
 
-def test_share_link_generates_an_api_key_for_v1(tiny_llama_dir, capsys, monkeypatch):
+def test_share_link_generates_an_api_key_for_v1_and_the_ui(tiny_llama_dir, capsys, monkeypatch):
     import gradio.networking
 
     monkeypatch.setattr(gradio.networking, "setup_tunnel",
@@ -307,7 +308,7 @@ def test_share_link_generates_an_api_key_for_v1(tiny_llama_dir, capsys, monkeypa
         headers = {"Authorization": f"Bearer {key}"}
         assert httpx.get(srv.api_base + "/models", headers=headers).status_code == 200
         assert isinstance(greedy(srv, 4), str)  # openai_client() carries the key
-        assert httpx.get(srv.url + "/config").status_code == 200  # the shared UI stays open
+        assert httpx.get(srv.url + "/config").status_code == 401  # the shared UI asks for it too
         assert f'<iframe src="{srv.share_url}"' in srv._repr_html_()
     finally:
         srv.stop()
