@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_util import app_running, wait_until
+from server_util import app_running, engine_running, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 HI = [{"role": "user", "content": "Tell me a story."}]
@@ -22,6 +22,14 @@ EOS = 2  # <|im_end|> of the tiny tokenizer, a stop token of the tiny model
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_llama_dir: Path) -> Any:
+    """The tiny model with room for a tool list in the prompt (its template ignores tools, so
+    nbserve writes them into the system prompt)."""
+    with engine_running(tiny_llama_dir, max_context=512) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")

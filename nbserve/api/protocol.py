@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..types import MAX_TOP_LOGPROBS, InvalidRequestError, Request, SamplingParams
 from .errors import validation_error
-from .fields import UnknownFields, unsupported
+from .fields import UnknownFields
+from .fields import unsupported as _refuse
 from .limits import Limits
 
 _SEED_MAX = 2**63 - 1
@@ -172,9 +173,6 @@ def _content(content: Content | None, param: str) -> tuple[str | list[dict[str, 
                 param=f"{param}[{j}].type")
         parts.append({"type": "text", "text": text})
     return parts, sum(len(p["text"]) for p in parts)
-
-
-_refuse = unsupported
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:
