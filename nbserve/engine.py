@@ -325,7 +325,7 @@ class Engine(SyncHelpers, EngineSteps):
         for i in range(params.n):
             group.seqs.append(Sequence(group, i, ids))
             group.choices.append(ChoiceState(
-                SeqSampler.create(params, ids, device, seed_offset=i),
+                SeqSampler.create(params, ids, device, seed_offset=i, stop_ids=stop_ids),
                 IncrementalDetokenizer(self.tokenizer),
                 StopStringMatcher(params.stop)))
         with self._lock:

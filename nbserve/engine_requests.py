@@ -11,17 +11,21 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 from .sampling import SeqSampler
 from .scheduler import Sequence
 from .text import IncrementalDetokenizer, StopStringMatcher
 from .types import ErrorEvent, Event, Finished, SamplingParams, Usage
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
 Sink = Callable[[Event], None]
+T = TypeVar("T")
+
+
+class Aborter(Protocol):
+    """What a Mailbox cancels through: an Engine, or a Pool of them."""
+
+    def abort(self, request_id: str, why: str = "cancel") -> None: ...
 
 
 @dataclass(eq=False)
@@ -64,22 +68,22 @@ def count_down(remaining: int, ev: Event) -> tuple[int, bool]:
     return remaining, remaining == 0 or isinstance(ev, ErrorEvent)
 
 
-class Mailbox:
+class Mailbox(Generic[T]):
     """Events from the engine thread to one async caller. The engine appends without waking
     the caller's loop unless the caller waits for an event, so a caller stuck elsewhere (on a
     client that stopped reading) costs the loop nothing; past `limit` unread events it asks the
-    engine, once, to cancel the request."""
+    engine (or the pool routing the request), once, to cancel the request."""
 
     __slots__ = ("engine", "events", "limit", "loop", "request_id", "tripped", "waiter")
 
-    def __init__(self, engine: Engine, request_id: str, loop: asyncio.AbstractEventLoop,
+    def __init__(self, engine: Aborter, request_id: str, loop: asyncio.AbstractEventLoop,
                  limit: int | None):
         self.engine, self.request_id, self.loop, self.limit = engine, request_id, loop, limit
-        self.events: deque[Event] = deque()
+        self.events: deque[T] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.tripped = False
 
-    def post(self, ev: Event) -> None:
+    def post(self, ev: T) -> None:
         """The request's sink (engine thread): append first, then wake a waiting caller."""
         self.events.append(ev)
         if self.limit is not None and not self.tripped and len(self.events) > self.limit:
@@ -92,7 +96,7 @@ class Mailbox:
             except RuntimeError:  # the caller's loop is gone: nobody is listening
                 self.engine.abort(self.request_id)
 
-    async def get(self) -> Event:
+    async def get(self) -> T:
         """The next event (caller's loop). The waiter is published before the re-check, so an
         event appended in between is either seen here or wakes the waiter."""
         while not self.events:

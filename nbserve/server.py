@@ -135,7 +135,7 @@ async def _no_receive() -> Message:
 def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
                cors_origins: Iterable[str] | None = None, limits: Limits | None = None,
                rate_limit_per_minute: float | None = None, ui: bool = True,
-               log_messages: bool = False) -> FastAPI:
+               log_messages: bool = False, accept_unknown_fields: bool = False) -> FastAPI:
     """The ASGI app serving `backend` (an Engine or a Pool).
 
     api_keys: required bearer keys for /v1, /stats and /metrics (none: open). /health stays open.
@@ -146,6 +146,9 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
         login when there are keys, and its turns obey the same limits and rate limit (one
         bucket with /v1 per key or address). log_messages: put message contents in the request
         log lines (off by default).
+    accept_unknown_fields: drop request fields nbserve does not know, logging each name once
+        (off by default: a 400 `unknown_parameter` naming the field, so a typo is never
+        silently ignored). Fields nbserve knows and cannot serve are refused either way.
     The caller owns `backend`: the app does not close it on shutdown.
     """
     for attr in ("generate", "stats", "model_name"):
@@ -220,7 +223,8 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
 
     app.include_router(build_router(backend, limits, log_messages=log_messages,
                                     dependencies=[Depends(authorize)],
-                                    gen_dependencies=[Depends(admit)]))
+                                    gen_dependencies=[Depends(admit)],
+                                    accept_unknown_fields=accept_unknown_fields))
     base_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
