@@ -33,6 +33,7 @@ from .types import Backend
 
 _SERVERS: dict[int, Server] = {}
 _FLUSH_S = 3.0  # after the grace period: time for cancelled answers to reach their clients
+_TLS_CLOSE_S = 0.5  # at stop, a closed TLS connection gets this long to end before it is aborted
 _REGISTRY_LOCK = threading.Lock()
 
 
@@ -108,6 +109,7 @@ class Server:
         self._model_key = _model_key(model)
         self._drain_s = drain_s
         self._stop_lock = threading.Lock()
+        self._closing_since: dict[int, float] = {}  # TLS connections closing at stop (by id)
         self._stopped = False
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -188,7 +190,7 @@ class Server:
             # The requests are over: uvicorn only has to flush the last bytes and close.
             self._uvicorn.config.timeout_graceful_shutdown = _FLUSH_S
             self._uvicorn.should_exit = True
-            self._thread.join(_FLUSH_S + 10)
+            self._join(_FLUSH_S + 10)
             if self._thread.is_alive():
                 self._uvicorn.force_exit = True
                 self._thread.join(10)
@@ -196,6 +198,34 @@ class Server:
         self._ref.close(close_current=self._owned)  # and drop it: the weights can be freed
         self._model, self._build_options = None, {}
         _free_memory()
+
+    def _join(self, timeout: float) -> None:
+        """Wait for the serving thread to end; with TLS, abort the connections uvicorn has
+        closed meanwhile: asyncio ends a TLS connection only once the client answers its
+        close_notify, which an idle keep-alive client never does, so uvicorn would wait out its
+        grace (and log an error) at every stop."""
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            loop = self._loop
+            if self.options.tls and loop is not None:
+                try:
+                    loop.call_soon_threadsafe(self._abort_closed_connections)
+                except RuntimeError:
+                    pass  # the loop has closed meanwhile
+            self._thread.join(0.1)
+
+    def _abort_closed_connections(self) -> None:
+        """Abort the connections that have been closing for a while with nothing left to send
+        (runs on the server's loop)."""
+        now = time.monotonic()
+        state = getattr(self._uvicorn, "server_state", None)
+        for connection in list(getattr(state, "connections", ())):
+            transport = getattr(connection, "transport", None)
+            if transport is None or not transport.is_closing():
+                continue
+            since = self._closing_since.setdefault(id(transport), now)
+            if now - since >= _TLS_CLOSE_S and not transport.get_write_buffer_size():
+                transport.abort()
 
     def _drain(self, grace: float) -> None:
         """Refuse new generation requests (503), wait up to `grace` s for the running ones,

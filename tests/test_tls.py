@@ -4,14 +4,18 @@ starts. The certificates are self-signed, made here with `cryptography`."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
+import logging
 import os
 import signal
 import socket
 import ssl
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -80,6 +84,19 @@ def trusting(cert: Path) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=str(cert))
 
 
+@contextlib.contextmanager
+def _records(logger: str) -> Iterator[list[logging.LogRecord]]:
+    """The records `logger` emits in the block (uvicorn's loggers do not reach caplog)."""
+    got: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = got.append  # type: ignore[method-assign]
+    logging.getLogger(logger).addHandler(handler)
+    try:
+        yield got
+    finally:
+        logging.getLogger(logger).removeHandler(handler)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -111,8 +128,42 @@ def test_launch_with_a_certificate_serves_https(tiny_llama_dir, tls_files, capsy
             model=srv.engine.model_name, messages=CHAT, max_tokens=3, stream=True)
         assert any(chunk.choices for chunk in out)
         assert f'href="{srv.url}"' in srv._repr_html_()
+        # The clients keep their connections open: a TLS close waits for the client's answer,
+        # which an idle client never sends; stop() must not wait out uvicorn's grace for them.
+        with _records("uvicorn.error") as records:
+            srv.stop()
+        assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
     finally:
         srv.stop()
+
+
+def test_stop_over_tls_ends_a_running_stream_with_its_final_chunk(tiny_llama_dir, tls_files):
+    from test_launch import rambling, wait_for
+
+    cert, key = tls_files
+    srv = launch(rambling(tiny_llama_dir, delay=0.02), max_batch=2, ui=False,
+                 ssl_certfile=cert, ssl_keyfile=key)
+    chunks: list = []
+    errors: list = []
+
+    def consume() -> None:
+        try:
+            chunks.extend(srv.openai_client(max_retries=0, timeout=30).chat.completions.create(
+                model=srv.engine.model_name, messages=CHAT, stream=True, max_tokens=400))
+        except Exception as exc:  # noqa: BLE001 -- reported below
+            errors.append(exc)
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    try:
+        wait_for(lambda: srv.engine.stats()["running"] == 1, 20, "the request to run")
+        srv.stop(timeout=0.2)  # drain for 0.2 s, then cancel: the stream ends cleanly
+        reader.join(15)
+        assert not reader.is_alive() and errors == []
+        assert chunks[-1].choices[0].finish_reason is not None
+    finally:
+        srv.stop()
+        reader.join(10)
 
 
 @pytest.fixture(scope="module")
