@@ -157,6 +157,8 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
             raise TypeError(f"create_app needs a Backend (an Engine or a Pool) with .{attr}; got "
                             f"{type(backend).__name__}. Example: create_app(Engine(load('smollm2')))")
     opts = ServerOptions.from_app_keywords(given, options)
+    if options is not None:  # the record form is its keywords: the body below reads either
+        return create_app(backend, **opts.app_kwargs())
     limits, log_messages = opts.limits, opts.log_messages
     key_list = list(opts.api_keys)
     keys = KeyAuth(key_list)
