@@ -188,6 +188,32 @@ def is_backend(obj: Any) -> bool:
         and hasattr(obj, "model_name")
 
 
+LOAD_OPTIONS = ("device", "dtype", "chat_template")  # build_backend gives these to the loader
+
+
+def _builds_pool(devices: Any) -> bool:
+    return devices is not None and not (isinstance(devices, str) and devices != "auto")
+
+
+def backend_option_names(devices: Any = None) -> set[str]:
+    """The keywords `build_backend(model, devices=devices, ...)` accepts: the loader's and the
+    Engine's, and the Pool's when `devices` makes a Pool."""
+    import inspect
+
+    from .engine import Engine
+
+    targets = [Engine.__init__]
+    if _builds_pool(devices):
+        from .pool import Pool
+
+        targets.append(Pool.__init__)
+    names = {"devices", "tokenizer", *LOAD_OPTIONS}
+    for target in targets:
+        names |= {name for name, p in inspect.signature(target).parameters.items()
+                  if p.kind is p.KEYWORD_ONLY}
+    return names
+
+
 def build_backend(model: Any, *, devices: Any = None, tokenizer: Any = None,
                   **engine_options: Any) -> tuple[Backend, bool]:
     """(backend, owned): an existing backend as is (not owned), else a new Engine, or a Pool
@@ -203,11 +229,10 @@ def build_backend(model: Any, *, devices: Any = None, tokenizer: Any = None,
 
     from .loading import LoadedModel, load
 
-    load_opts = {k: engine_options.pop(k) for k in ("device", "dtype", "chat_template")
-                 if k in engine_options}
+    load_opts = {k: engine_options.pop(k) for k in LOAD_OPTIONS if k in engine_options}
     if tokenizer is not None:
         load_opts["tokenizer"] = tokenizer
-    if devices is not None and not (isinstance(devices, str) and devices != "auto"):
+    if _builds_pool(devices):
         from .pool import Pool
 
         return Pool(model, devices=devices, **load_opts, **engine_options), True
