@@ -1,7 +1,8 @@
 """Serve the default model (or --model) with the OpenAI API under /v1 and the chat UI at /.
 
     python app.py [--model smollm2] [--port 8000] [--host 127.0.0.1] [--share]
-                  [--devices auto] [--max-batch 16] [--api-key KEY]
+                  [--devices auto] [--max-batch 16] [--api-key KEY] [--limit NAME=VALUE]
+                  [--ssl-certfile CERT --ssl-keyfile KEY] ...   (python app.py --help)
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ _EXPORTS = {
     "adopt": "nbserve.models.adopt",
     "snapshot": "nbserve.models.adopt",
     "Limits": "nbserve.api.limits",
+    "ServerOptions": "nbserve.serving.options",
     "Request": "nbserve.types",
     "SamplingParams": "nbserve.types",
 }

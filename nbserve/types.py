@@ -79,6 +79,9 @@ class SamplingParams:
 
     temperature 0 means greedy. `top_k=0`, `top_p=1`, `min_p=0` switch those filters off.
     `max_tokens=None` generates until a stop condition or the end of the context.
+    `stop_token_ids` end a choice like the model's own end-of-turn tokens, which `ignore_eos`
+    switches off. Until a choice has `min_tokens` tokens, none of those stop tokens can be
+    sampled (stop strings still apply), as in vLLM.
     """
 
     temperature: float = 1.0
@@ -94,6 +97,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
@@ -131,6 +135,12 @@ class SamplingParams:
             raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
+                self.min_tokens < 0:
+            raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens "
+                      f"({self.max_tokens})")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:

@@ -47,7 +47,8 @@ POSITIVE, NEGATIVE = schemathesis.GenerationMode.POSITIVE, schemathesis.Generati
 # "repaired" cases drop them and use a valid prompt, so that the other random fields reach
 # the engine instead of stopping at the first refusal.
 UNSERVED = ("functions", "function_call", "audio", "modalities", "prediction",
-            "response_format", "suffix", "web_search_options", "best_of")
+            "response_format", "suffix", "web_search_options", "best_of", "moderation",
+            "reasoning_effort", "verbosity")
 FUZZ_CASES = [(m, p, "positive") for m, p in OPERATIONS] + [
     (m, p, mode) for m, p in OPERATIONS if m == "POST" for mode in ("negative", "repaired")]
 
@@ -81,6 +82,9 @@ def _repair(case: Any) -> None:
         body.pop(key, None)
     if body.get("tool_choice") not in (None, "none", "auto"):
         body.pop("tool_choice")
+    for tool in body.get("tools") or []:
+        if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
+            tool["function"].pop("strict", None)  # strict schemas are refused
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = 8  # the default (up to the context) is in the positive cases
     if case.operation.path.endswith("/chat/completions"):

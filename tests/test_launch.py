@@ -171,6 +171,50 @@ def test_two_servers_on_two_ports_at_once(tiny_llama_dir, second_model_dir, caps
         b.stop()
 
 
+def test_relaunching_the_same_model_without_a_port_replaces_the_earlier_server(
+        tiny_llama_dir, second_model_dir, capsys, monkeypatch):
+    """Re-running `srv = nbserve.launch(path)` must not leave a second copy of the model."""
+    first = launch(str(tiny_llama_dir), max_batch=2)
+    engine = weakref.ref(first.engine)
+    other = launch(str(second_model_dir), max_batch=2)  # another model: both run
+    capsys.readouterr()
+    monkeypatch.chdir(tiny_llama_dir.parent)
+    again = launch(f"./{tiny_llama_dir.name}/", max_batch=2)  # the same directory, spelt otherwise
+    printed = capsys.readouterr().out.splitlines()
+    assert not first.running and again.running and other.running
+    assert engine() is None  # the first copy's weights are freed
+    stopping = [ln for ln in printed if "stopping" in ln]
+    assert stopping == [(f"nbserve: stopping the previous server of tiny-llama on port "
+                         f"{first.port} (pass port= to keep both)")]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", first.port))  # its port is free
+    explicit = launch(str(tiny_llama_dir), port=first.port, max_batch=2)  # asked for a port
+    assert again.running and explicit.running
+    assert "stopping" not in capsys.readouterr().out
+    assert set(running_servers()) == {other, again, explicit}
+    for srv in (other, again, explicit):
+        srv.stop()
+
+
+def test_relaunching_the_same_model_object_replaces_the_earlier_server(tiny_llama_dir, capsys):
+    from nbserve.engine import Engine
+    from nbserve.loading.hf_dir import load_hf_dir
+
+    loaded = load_hf_dir(tiny_llama_dir)
+    first = launch(loaded, max_batch=2)
+    second = launch(loaded, max_batch=2)
+    assert not first.running and second.running
+    assert "stopping the previous server of tiny-llama" in capsys.readouterr().out
+    second.stop()
+    engine = Engine(loaded, max_batch=2)  # an engine served as is: not closed by the stop
+    try:
+        first, second = launch(engine), launch(engine)
+        assert not first.running and second.running and engine.complete("a", max_tokens=2)
+        second.stop()
+    finally:
+        engine.close()
+
+
 def test_existing_engine_is_served_as_is_and_stays_open(tiny_llama_dir):
     from nbserve.engine import Engine
     from nbserve.loading.hf_dir import load_hf_dir
@@ -271,8 +315,9 @@ def test_share_offline_warns_quickly_and_serves_locally(tiny_llama_dir, capsys, 
         assert time.monotonic() - t0 < 8
         out = capsys.readouterr().out
         assert "WARNING: could not create a share link" in out and "only reachable locally" in out
-        assert srv.share_url is None and srv.api_keys == []
-        assert httpx.get(srv.api_base + "/models").status_code == 200
+        (key,) = srv.api_keys  # share=True is keyed even when the tunnel fails
+        assert srv.share_url is None and out.count(key) == 1
+        assert httpx.get(srv.api_base + "/models").status_code == 401
     finally:
         srv.stop()
 
@@ -292,7 +337,7 @@ def test_share_service_that_never_answers_hits_the_deadline(tiny_llama_dir, caps
         srv.stop()
 
 
-def test_share_link_generates_an_api_key_for_v1(tiny_llama_dir, capsys, monkeypatch):
+def test_share_link_generates_an_api_key_for_v1_and_the_ui(tiny_llama_dir, capsys, monkeypatch):
     import gradio.networking
 
     monkeypatch.setattr(gradio.networking, "setup_tunnel",
@@ -307,7 +352,7 @@ def test_share_link_generates_an_api_key_for_v1(tiny_llama_dir, capsys, monkeypa
         headers = {"Authorization": f"Bearer {key}"}
         assert httpx.get(srv.api_base + "/models", headers=headers).status_code == 200
         assert isinstance(greedy(srv, 4), str)  # openai_client() carries the key
-        assert httpx.get(srv.url + "/config").status_code == 200  # the shared UI stays open
+        assert httpx.get(srv.url + "/config").status_code == 401  # the shared UI asks for it too
         assert f'<iframe src="{srv.share_url}"' in srv._repr_html_()
     finally:
         srv.stop()

@@ -38,3 +38,30 @@ def test_quickstart_runs_in_a_real_kernel(tmp_path):
     assert "<iframe src=\"http://127.0.0.1:" in shown and "/v1</code>" in shown
     assert "now serves SmolLM2-135M-Instruct" in updated and "Paris" in updated
     assert "stopped" in stopped
+
+
+@pytest.mark.slow
+def test_rerunning_the_launch_cell_leaves_one_server(tmp_path, tiny_llama_dir, monkeypatch):
+    import json
+    import sys
+
+    import nbformat
+
+    # A "python3" kernelspec for this interpreter (JUPYTER_PATH wins): see test_notebooks_byo
+    spec_dir = tmp_path / "jupyter" / "kernels" / "python3"
+    spec_dir.mkdir(parents=True)
+    (spec_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (nbserve tests)", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    launch_cell = f"import nbserve\nsrv = nbserve.launch({str(tiny_llama_dir)!r}, max_batch=2)"
+    check = ("from nbserve.launch import running_servers\n"
+             "print('servers:', [s.port for s in running_servers()] == [srv.port])\nsrv.stop()")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(launch_cell),
+                                         nbformat.v4.new_code_cell(launch_cell),  # a re-run
+                                         nbformat.v4.new_code_cell(check)])
+    execute(nb, tmp_path, timeout=300, env={"GRADIO_ANALYTICS_ENABLED": "False"})
+    first, again, checked = (cell_text(c) for c in code_cells(nb))
+    assert "stopping" not in first
+    assert "nbserve: stopping the previous server of tiny-llama on port" in again
+    assert "servers: True" in checked

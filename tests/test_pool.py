@@ -1,20 +1,32 @@
 """The pool: two CPU replicas of the tiny Llama give the single engine's answers, share the load,
 keep a conversation on the replica that holds its prefix, survive a replica that dies or whose
-model raises, and leave no thread behind. Plain `asyncio.run`, so no plugin is needed."""
+model raises, and leave no thread behind; over HTTP it keeps the engine's promises (max_backlog,
+per-replica metrics). Plain `asyncio.run`, so no plugin is needed."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from typing import Any
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_util import (
+    app_running,
+    non_reading_stream,
+    read_sse_data,
+    small_send_buffers,
+    wait_until,
+)
 
 from nbserve.engine import Engine
 from nbserve.loading.hf_dir import load_hf_dir
 from nbserve.pool import Pool
 from nbserve.pool.setup import choose_kv_size, resolve_devices
+from nbserve.server import create_app
 from nbserve.types import (
     Delta,
     EngineStoppedError,
@@ -457,3 +469,71 @@ def test_a_replica_copy_keeps_fused_weights_as_views(loaded):
     mlp = copy.model.layers[0].mlp
     assert mlp.up_proj.weight.untyped_storage().nbytes() == \
         mlp.gate_up_weight.untyped_storage().nbytes()
+
+
+# ----------------------------------------------------------------------------- over HTTP
+
+NO_EOS = {"2": -100, "0": -100}  # <|im_end|> and <|endoftext|> never sampled
+MSG = [{"role": "user", "content": "Tell me a story."}]
+
+
+def test_a_client_that_stops_reading_is_cancelled_past_max_backlog_in_a_pool(loaded):
+    pool = make_pool(loaded, max_backlog=32, max_context=512)
+    with pool, small_send_buffers(create_app(pool, ui=False)) as url:
+        # top_logprobs make each chunk ~1.5 KB: the buffers are full after a few dozen tokens
+        sock = non_reading_stream(url, {"messages": MSG, "stream": True, "max_tokens": 480,
+                                        "logprobs": True, "top_logprobs": 20,
+                                        "logit_bias": NO_EOS})
+        try:
+            assert wait_until(lambda: pool.stats()["requests_finished"].get("error") == 1, 20)
+            st = pool.stats()  # cancelled while its client still reads nothing
+            assert st["running"] == 0 and st["slots_used"] == 0
+            assert st["tokens_decoded"] < 400
+            assert all(r["in_flight"] == 0 for r in st["replicas"])
+            ok = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                "messages": MSG, "max_tokens": 5, "logit_bias": NO_EOS})
+            assert ok.status_code == 200  # the pool is fine
+            data = read_sse_data(sock)  # the client wakes up: its stream ends with the reason
+        finally:
+            sock.close()
+    assert data[-1] == "[DONE]"
+    last = json.loads(data[-2])
+    assert last["error"]["code"] == "client_too_slow"
+    assert "max_backlog=32" in last["error"]["message"]
+
+
+def test_the_sync_stream_of_a_pool_keeps_max_backlog(loaded):
+    with make_pool(loaded, max_backlog=4, max_context=512) as pool:
+        events = pool.stream(Request(prompt="x", params=SamplingParams(
+            temperature=0, max_tokens=200, ignore_eos=True)))
+        assert isinstance(next(events), Started)  # then read nothing while it generates
+        assert wait_for(lambda: pool.stats()["requests_finished"].get("error") == 1, 20)
+        rest = list(events)
+        assert isinstance(rest[-1], ErrorEvent) and rest[-1].kind == "client_too_slow"
+        assert len(rest) < 50
+
+
+def test_metrics_have_a_series_per_replica(loaded):
+    with make_pool(loaded) as pool, app_running(pool) as url:
+        for _ in range(4):
+            r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                "messages": MSG, "max_tokens": 3, "logit_bias": NO_EOS})
+            assert r.status_code == 200
+        text = httpx.get(url + "/metrics").text
+        stats = pool.stats()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("nbserve_running_sequences", "nbserve_queue_depth",
+                 "nbserve_kv_cache_slots_used", "nbserve_kv_cache_slots_total",
+                 "nbserve_kv_cache_usage_ratio", "nbserve_engine_decode_tokens",
+                 "nbserve_engine_prefill_tokens", "nbserve_replica_healthy"):
+        samples = [s for s in families[name].samples if not s.name.endswith("_created")]
+        assert sorted(s.labels.get("replica") for s in samples) == ["0", "1"], (name, samples)
+    decoded = {s.labels["replica"]: s.value for s in families["nbserve_engine_decode_tokens"]
+               .samples if s.name.endswith("_total")}
+    assert decoded == {str(r["replica"]): r["tokens_decoded"] for r in stats["replicas"]}
+    assert sum(decoded.values()) == stats["tokens_decoded"] > 0
+    healthy = {s.labels["replica"]: s.value for s in families["nbserve_replica_healthy"].samples}
+    assert healthy == {"0": 1.0, "1": 1.0}
+    slots = {s.labels["replica"]: s.value for s in families["nbserve_kv_cache_slots_total"]
+             .samples}
+    assert slots == {"0": 4.0, "1": 4.0}

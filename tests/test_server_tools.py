@@ -1,12 +1,21 @@
-"""Tool-call parsing (the tiny random model never emits calls, so the parser is tested directly)."""
+"""Tools: the parser (the tiny random model never emits calls, so it is tested directly), the
+fallback that lists tools in the system prompt when the chat template ignores them (the tiny
+model's SmolLM2-style template does), and a real call by the default model over the SDK."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
+import openai
 import pytest
+from server_util import app_running, engine_running
+from tiny_models import QWEN25_TEMPLATE
 
 from nbserve.api.tools import ToolCallStream, parse_tool_calls
+from nbserve.text import ChatTemplate
+from nbserve.types import Request
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -100,3 +109,120 @@ def test_stream_parallel_false_keeps_the_first_call() -> None:
 def test_stream_llama_form() -> None:
     shown, tail, calls = _stream(['  {"name": "get_weather", ', '"parameters": {"city": "X"}}'])
     assert shown == "" and tail == "" and calls[0]["function"]["name"] == "get_weather"
+
+
+# ----------------------------------------------------------------------------- tools fallback
+
+TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+ROUND_TRIP = ASK + [
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 18}'},
+    {"role": "assistant", "content": "It is 18 degrees in Paris."},
+    {"role": "user", "content": "And in Rome?"}]
+
+
+def prompt_of(engine: Any, messages: list[dict[str, Any]], tools: Any = None) -> str:
+    """The prompt the engine builds, as text."""
+    return engine.tokenizer.decode(engine.prepare_prompt(Request(messages=messages, tools=tools)))
+
+
+@pytest.fixture(scope="module")
+def long_engine(tiny_llama_dir: Path) -> Any:
+    """The tiny model (SmolLM2-style template, which ignores tools) with room for a tool list."""
+    with engine_running(tiny_llama_dir, max_context=512) as engine:
+        yield engine
+
+
+def test_a_template_that_ignores_tools_gets_them_in_the_system_prompt(long_engine: Any) -> None:
+    plain = prompt_of(long_engine, ASK)
+    text = prompt_of(long_engine, ASK, [TOOL])
+    assert text != plain
+    assert "# Tools" in text and "<tools>\n" + json.dumps(TOOL) + "\n</tools>" in text
+    assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n' \
+        "</tool_call>" in text
+    assert text.count("<|im_start|>system") == 1  # the tools replace the default system prompt
+    assert text.endswith("<|im_start|>user\nWhat is the weather in Paris?<|im_end|>\n"
+                         "<|im_start|>assistant\n")
+
+
+def test_the_fallback_keeps_the_system_message_and_writes_the_calls_of_the_history(
+        long_engine: Any) -> None:
+    system = [{"role": "system", "content": "You are terse."}]
+    text = prompt_of(long_engine, system + ROUND_TRIP, [TOOL])
+    assert text.startswith("<|im_start|>system\nYou are terse.\n\n# Tools\n")
+    assert text.count("<|im_start|>system") == 1
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": ' \
+        '{"city": "Paris"}}\n</tool_call><|im_end|>' in text
+    assert '<|im_start|>tool\n<tool_response>\n{"temperature": 18}\n</tool_response>' \
+        "<|im_end|>" in text
+
+
+def test_the_fallback_reaches_the_prompt_over_http(client: openai.OpenAI) -> None:
+    def prompt_tokens(**kw: Any) -> int:
+        r = client.chat.completions.create(model="", messages=ASK, max_tokens=1, **kw)
+        return r.usage.prompt_tokens
+
+    plain = prompt_tokens()
+    assert prompt_tokens(tools=[TOOL]) > plain + 40
+    assert prompt_tokens(tools=[TOOL], tool_choice="none") == plain
+
+
+def test_a_template_that_renders_tools_is_left_alone() -> None:
+    text = ChatTemplate(QWEN25_TEMPLATE).render(ROUND_TRIP, tools=[TOOL])
+    assert text.count("# Tools") == 1 and text.count(json.dumps(TOOL)) == 1
+    assert text.startswith("<|im_start|>system\nYou are Qwen")  # its own system prompt
+    # its own way of writing the history: the tool result as a user turn
+    assert "<|im_start|>user\n<tool_response>\n" in text and "<|im_start|>tool" not in text
+
+
+@pytest.fixture(scope="module")
+def client(long_engine: Any) -> Any:
+    with app_running(long_engine) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.slow
+def test_the_default_model_calls_a_tool_through_the_fallback() -> None:
+    """SmolLM2-135M-Instruct's template ignores tools: the fallback lists them, and with two
+    earlier calls in the conversation the model writes a third, which comes back as
+    `tool_calls` over the official SDK."""
+    import nbserve
+    from nbserve.engine import Engine
+
+    def turn(city: str, degrees: int) -> list[dict[str, Any]]:
+        call_id = f"call_{city.lower()}"
+        return [
+            {"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call_id, "type": "function", "function": {
+                    "name": "get_weather", "arguments": json.dumps({"city": city})}}]},
+            {"role": "tool", "tool_call_id": call_id,
+             "content": json.dumps({"temperature": degrees})},
+            {"role": "assistant", "content": f"It is {degrees} degrees in {city}."}]
+
+    messages = turn("Paris", 18) + turn("Rome", 25) + [
+        {"role": "user", "content": "What is the weather in Tokyo?"}]
+    with Engine(nbserve.load("smollm2"), max_batch=2, quiet=True) as engine:
+        assert "<tools>\n" + json.dumps(TOOL) + "\n</tools>" in prompt_of(engine, messages,
+                                                                          [TOOL])
+        with app_running(engine) as url:
+            sdk = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            r = sdk.chat.completions.create(model="", messages=messages, tools=[TOOL],
+                                            temperature=0, max_tokens=60)
+            choice = r.choices[0]
+            assert choice.finish_reason == "tool_calls", choice
+            (call,) = choice.message.tool_calls
+            assert call.function.name == "get_weather"
+            assert json.loads(call.function.arguments) == {"city": "Tokyo"}
+            chunks = list(sdk.chat.completions.create(model="", messages=messages,
+                                                      tools=[TOOL], temperature=0,
+                                                      max_tokens=60, stream=True))
+            streamed = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls
+                        or []]
+            assert [tc.function.name for tc in streamed] == ["get_weather"]

@@ -168,7 +168,7 @@ async def test_stop_frees_the_engine_slot(tiny_llama_dir):
         assert engine.stats()["running"] == 0
         assert engine.stats()["requests_finished"].get("cancelled") == 1
         # too long for the context: a readable message, and the engine keeps serving
-        out = await collect(make_chat_fn(engine)("word " * 2000, []))
+        out = await collect(make_chat_fn(engine)("word " * 1500, []))
         assert "maximum context length" in out[-1][0]
         out = await collect(make_chat_fn(engine)("hi", [], "", 0.0, 1.0, 8))
         assert "tokens/s" in out[-1][1]
@@ -196,11 +196,16 @@ def test_ui_is_mounted_after_api_routes_and_answers_gradio_client(tiny_llama_dir
             text, speed = client.predict("hi", "Be brief.", 0.0, 1.0, 12, api_name="/chat")
             assert isinstance(text, str) and text and "tokens/s" in speed
             # the client keeps the conversation: this turn sees the first one, and runs (with
-            # the default settings) until the context is full
+            # the default settings: half the context) to max_tokens
             text, speed = client.predict("hi again", api_name="/chat")
             assert "tokens/s" in speed and "ended by length" in speed, text
-            # now the history alone is too long: a readable message, not a stack trace
+            assert not text.startswith("_(Older turns")
+            # now the history no longer fits with max_tokens: the oldest turns are left out
             text, speed = client.predict("and now?", api_name="/chat")
+            assert text.startswith("_(Older turns were left out to fit the model's 512-token")
+            assert "tokens/s" in speed
+            # a message too long on its own: a readable message, not a stack trace
+            text, speed = client.predict("word " * 1500, api_name="/chat")
             assert text.startswith(ERROR_PREFIX) and "maximum context length" in text
             assert "failed" in speed
             assert srv.engine.stats()["running"] == 0

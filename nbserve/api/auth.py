@@ -37,16 +37,22 @@ class KeyAuth:
             raise APIError(401, "Missing API key: send it as 'Authorization: Bearer <key>'.",
                            "invalid_request_error", None, "missing_api_key",
                            {"WWW-Authenticate": "Bearer"})
-        digest = hashlib.sha256(token.strip().encode()).digest()
+        key_id = self.match(token.strip())
+        if scheme.lower() != "bearer" or key_id is None:
+            raise APIError(401, "Incorrect API key provided. Send one of the server's keys as "
+                           "'Authorization: Bearer <key>'.", "invalid_request_error", None,
+                           "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        return key_id
+
+    def match(self, token: str) -> str | None:
+        """The short id of the key `token` is ("key0", ...), or None; the same ids as `check`
+        gives, so that the UI's logins and /v1 requests with one key share a rate-limit bucket."""
+        digest = hashlib.sha256(token.encode()).digest()
         match = -1
         for i, d in enumerate(self._digests):
             if hmac.compare_digest(d, digest):
                 match = i
-        if scheme.lower() != "bearer" or match < 0:
-            raise APIError(401, "Incorrect API key provided. Send one of the server's keys as "
-                           "'Authorization: Bearer <key>'.", "invalid_request_error", None,
-                           "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-        return f"key{match}"
+        return f"key{match}" if match >= 0 else None
 
 
 class RateLimiter:

@@ -1,7 +1,10 @@
 """OpenAI request schemas, ordered like the API reference, and their conversion to `Request`s.
 
-Fields outside the OpenAI API are ignored (plus the common extensions top_k, min_p and
-repetition_penalty). OpenAI fields nbserve cannot honour are refused with a 400 naming them.
+Every field has a fate (docs/api.md has the table): served; accepted as a no-op because it
+changes nothing on a local server (`metadata`, `store`, `user`, ...); or refused with a 400
+naming it because it would change the output and nbserve does not implement it. vLLM-style
+extensions that nbserve implements (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+stop_token_ids) are served. A field no schema defines is a 400 too (see `fields.py`).
 Numbers and booleans are strict: `"n": true` or `"temperature": "hot"` is a 400, not a guess.
 """
 
@@ -14,32 +17,45 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..types import MAX_TOP_LOGPROBS, InvalidRequestError, Request, SamplingParams
 from .errors import validation_error
+from .fields import UnknownFields
+from .fields import unsupported as _refuse
 from .limits import Limits
 
 _SEED_MAX = 2**63 - 1
 
 
 class _Schema(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    # Undefined fields are kept for `UnknownFields` to find (and refuse, or drop); the OpenAPI
+    # document says what is served by default: no additional properties.
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False,
+                              json_schema_extra={"additionalProperties": False})
 
 
-def parse_body(model: type[_Schema], body: bytes) -> Any:
-    """Validate a JSON body into `model`; a 400-style InvalidRequestError naming the field."""
+def parse_body(model: type[_Schema], body: bytes, unknown: UnknownFields | None = None) -> Any:
+    """Validate a JSON body into `model`; a 400-style InvalidRequestError naming the field.
+    Undefined fields are refused by name unless `unknown` accepts them (then dropped)."""
     try:
-        return model.model_validate_json(body or b"")
+        parsed = model.model_validate_json(body or b"")
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
+    (unknown or UnknownFields()).check(parsed)
+    return parsed
 
 
 # ----------------------------------------------------------------------------- messages
 
 
 class ContentPart(_Schema):
-    """One part of a list-valued `content`; only text (and refusal) parts are served."""
+    """One part of a list-valued `content`; only text (and refusal) parts are served. The other
+    OpenAI part fields are known so that such a part is refused for its type, not its keys."""
 
     type: str
     text: str | None = None
     refusal: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+    prompt_cache_breakpoint: Any = None  # no-op: the prefix cache needs no hints
 
 
 Content = str | list[ContentPart]
@@ -133,6 +149,7 @@ class ResponseFormat(_Schema):
 
 class StreamOptions(_Schema):
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # no-op: chunks are never padded
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -156,11 +173,6 @@ def _content(content: Content | None, param: str) -> tuple[str | list[dict[str, 
                 param=f"{param}[{j}].type")
         parts.append({"type": "text", "text": text})
     return parts, sum(len(p["text"]) for p in parts)
-
-
-def _refuse(param: str, why: str) -> InvalidRequestError:
-    return InvalidRequestError(f"{param} is not supported by nbserve: {why}", param=param,
-                               code="unsupported_parameter")
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:
@@ -202,11 +214,14 @@ class _Sampling(_Schema):
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
-    user: str | None = None
+    user: str | None = None  # no-op (kept in the request's metadata)
     # extensions (vLLM / llama.cpp style)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -218,6 +233,8 @@ class _Sampling(_Schema):
         limits.check_sampling(temperature=self.temperature, top_k=self.top_k, n=self.n,
                               max_tokens=max_tokens, max_tokens_param=max_tokens_param, stop=stop)
         _check_seed(self.seed)
+        if self.min_tokens is not None:
+            limits.check_range("min_tokens", self.min_tokens, 0, limits.max_tokens)
         params = SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -230,6 +247,9 @@ class _Sampling(_Schema):
             logit_bias=_logit_bias(self.logit_bias),
             max_tokens=max_tokens,
             stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=bool(self.ignore_eos),
+            min_tokens=self.min_tokens or 0,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             n=self.n or 1,
@@ -251,17 +271,23 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = None
     max_completion_tokens: int | None = None
     max_tokens: int | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None  # no-op
     modalities: list[str] | None = None
+    moderation: Any = None
     parallel_tool_calls: bool | None = None
     prediction: Any = None
+    prompt_cache_key: str | None = None  # no-op: prefixes are reused without a key
+    prompt_cache_options: dict[str, Any] | None = None  # no-op
+    prompt_cache_retention: str | None = None  # no-op
     reasoning_effort: str | None = None
     response_format: ResponseFormat | None = None
-    service_tier: str | None = None
-    store: bool | None = None
+    safety_identifier: str | None = None  # no-op
+    service_tier: str | None = None  # no-op
+    store: bool | None = None  # no-op: nothing is stored
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     tools: list[Tool] | None = None
     top_logprobs: int | None = None
+    verbosity: str | None = None
     web_search_options: Any = None
 
     @property
@@ -284,6 +310,13 @@ class ChatCompletionRequest(_Sampling):
                           "ask for JSON in the prompt")
         if self.prediction is not None:
             raise _refuse("prediction", "predicted outputs are not implemented")
+        if self.moderation is not None:
+            raise _refuse("moderation", "it has no moderation model")
+        if self.reasoning_effort is not None:
+            raise _refuse("reasoning_effort", "it does not control how long a model reasons")
+        if self.verbosity not in (None, "medium"):
+            raise _refuse("verbosity", "only \"medium\" (the model as it is) is served; ask "
+                          "for a shorter or longer answer in the prompt")
         if self.web_search_options is not None:
             raise _refuse("web_search_options", "it has no web access")
         if self.functions is not None or self.function_call is not None:
@@ -294,6 +327,11 @@ class ChatCompletionRequest(_Sampling):
             raise _refuse("tool_choice", "it cannot force a tool call; use \"auto\" or \"none\"")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        for i, tool in enumerate(self.tools or []):
+            if tool.function.strict:
+                raise _refuse(f"tools[{i}].function.strict", "strict schemas need constrained "
+                              "decoding, which nbserve does not do yet; omit strict or set it "
+                              "to false (calls are parsed from the output, not enforced)")
 
     def template_messages(self, limits: Limits) -> list[dict[str, Any]]:
         """Messages as plain dicts for the chat template, after the size limits."""
@@ -309,8 +347,17 @@ class ChatCompletionRequest(_Sampling):
         for i, m in enumerate(self.messages):
             if m.role == "function":
                 raise _refuse(f"messages[{i}].role", "role 'function' is deprecated; use 'tool'")
+            if isinstance(m, AssistantMessage):
+                if m.audio is not None:
+                    raise _refuse(f"messages[{i}].audio", "it serves text-only models")
+                if m.function_call is not None:
+                    raise _refuse(f"messages[{i}].function_call", "the deprecated functions "
+                                  "API is not served; use tool_calls")
             param = f"messages[{i}].content"
-            content, chars = _content(m.content, param)
+            text = m.content
+            if isinstance(m, AssistantMessage) and not m.content and m.refusal:
+                text = m.refusal  # an earlier refusal is what the assistant said
+            content, chars = _content(text, param)
             limits.check_text(param, chars, limits.max_message_chars, f"messages[{i}]")
             total += chars
             d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,

@@ -26,6 +26,7 @@ from starlette.types import Send
 from .trace import Trace
 from ..types import Backend, ErrorEvent, Event
 from .errors import APIError, error_event_to_api, from_exception
+from .fields import UnknownFields
 from .limits import Limits
 from .protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from .streams import (
@@ -151,11 +152,13 @@ async def first_events(backend: Backend, reqs: Sequence[Any]
 
 
 def build_router(backend: Backend, limits: Limits, *, log_messages: bool = False,
-                 dependencies: Sequence[Any] = (),
-                 gen_dependencies: Sequence[Any] = ()) -> APIRouter:
+                 dependencies: Sequence[Any] = (), gen_dependencies: Sequence[Any] = (),
+                 accept_unknown_fields: bool = False) -> APIRouter:
     """The /v1 router. `dependencies` guard every route (auth); `gen_dependencies` only the
-    generation routes (rate limit)."""
+    generation routes (rate limit). `accept_unknown_fields`: drop body fields nbserve does not
+    know (each name logged once) instead of answering 400 `unknown_parameter`."""
     router = APIRouter(prefix="/v1", dependencies=list(dependencies))
+    field_policy = UnknownFields(accept=accept_unknown_fields)
 
     def token_bytes(token_id: int, text: str) -> list[int]:
         tokenizer = getattr(backend, "tokenizer", None)  # per call: the backend may be swapped
@@ -224,7 +227,8 @@ def build_router(backend: Backend, limits: Limits, *, log_messages: bool = False
     @router.post("/chat/completions", dependencies=list(gen_dependencies),
                  openapi_extra=_body_ref(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await request.body())
+        body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await request.body(),
+                                                 field_policy)
         check_model(body.model)
         rid = request_id(request)
         req = body.to_request(limits, request_id=rid)
@@ -244,7 +248,8 @@ def build_router(backend: Backend, limits: Limits, *, log_messages: bool = False
     @router.post("/completions", dependencies=list(gen_dependencies),
                  openapi_extra=_body_ref(CompletionRequest))
     async def completions(request: Request) -> Response:
-        body: CompletionRequest = parse_body(CompletionRequest, await request.body())
+        body: CompletionRequest = parse_body(CompletionRequest, await request.body(),
+                                             field_policy)
         check_model(body.model)
         rid = request_id(request)
         reqs = body.to_requests(limits, request_id=rid)

@@ -257,6 +257,18 @@ class Engine(SyncHelpers):
 
     def prepare_prompt(self, request: Request) -> list[int]:
         """Token ids of the request's prompt (chat template applied for messages)."""
+        ids = self._prompt_ids(request)
+        if len(ids) >= self.max_context:
+            raise ContextLengthError(len(ids), self.max_context,
+                                     param="messages" if request.messages else "prompt")
+        return ids
+
+    def count_prompt_tokens(self, request: Request) -> int:
+        """How many tokens the request's prompt takes (rendered and encoded as for serving),
+        even past max_context: the UI uses it to fit a long chat into the context."""
+        return len(self._prompt_ids(request))
+
+    def _prompt_ids(self, request: Request) -> list[int]:
         request.check_input()
         if request.prompt_ids is not None:
             ids = list(request.prompt_ids)
@@ -279,9 +291,6 @@ class Engine(SyncHelpers):
             ids = self.tokenizer.encode(request.prompt, add_special_tokens=True)
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        if len(ids) >= self.max_context:
-            raise ContextLengthError(len(ids), self.max_context,
-                                     param="messages" if request.messages else "prompt")
         return ids
 
     def submit(self, request: Request, sink: Sink) -> "RequestGroup":
@@ -303,7 +312,7 @@ class Engine(SyncHelpers):
         for i in range(params.n):
             group.seqs.append(Sequence(group, i, ids))
             group.choices.append(ChoiceState(
-                SeqSampler.create(params, ids, device, seed_offset=i),
+                SeqSampler.create(params, ids, device, seed_offset=i, stop_ids=stop_ids),
                 IncrementalDetokenizer(self.tokenizer),
                 StopStringMatcher(params.stop)))
         with self._lock:

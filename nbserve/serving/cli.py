@@ -7,6 +7,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .options import add_cli_options, cli_kwargs
+
 
 def parse_devices(value: str | None) -> Any:
     """"auto", a count ("2"), or a comma-separated list ("cuda:0,cuda:1"; "cpu,cpu")."""
@@ -38,18 +40,17 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
                         "memory), or quantized (CPU: a GGUF's own 4/8-bit blocks, or Q8_0 made "
                         "at load, for steps of up to 12 rows: about 2.5x float32's speed "
                         "alone; nbserve's C kernels build with the system's compiler)")
-    parser.add_argument("--api-key", action="append", default=None, dest="api_keys",
-                        help="require this key (Authorization: Bearer KEY); repeat for several")
-    parser.add_argument("--no-ui", dest="ui", action="store_false", help="serve only the API")
+    add_cli_options(parser)  # the server options: one flag per ServerOptions field
 
 
 def serve_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """launch() keywords from parsed `add_serve_options` flags."""
     kwargs: dict[str, Any] = {"port": args.port, "host": args.host, "share": args.share,
-                              "ui": args.ui, "api_keys": args.api_keys,
                               "devices": parse_devices(args.devices)}
     for name in ("max_batch", "max_context", "dtype"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
+    kwargs.update(cli_kwargs(args))
     return kwargs
 
 

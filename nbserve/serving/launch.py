@@ -2,33 +2,38 @@
 
 The server runs on its own asyncio loop in a daemon thread, so it works inside a Jupyter kernel
 (whose loop is already running) and never blocks the cell. One server per port per process:
-launching again on a port that one of ours holds stops that one first.
+launching again on a port that one of ours holds stops that one first; launching the same model
+again without a port (a notebook cell run twice) stops the server already serving it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import gc
 import html
 import http.client
 import json
-import secrets
+import os
 import signal
 import socket
+import ssl
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import uvicorn
 
-from .backend_ref import SwappableBackend, build_backend, is_backend
+from .access import Access, decide_access
+from .backend_ref import SwappableBackend, backend_option_names, build_backend, is_backend
+from .options import ServerOptions, option_names, suggest
 from .share import close_share_links, open_share_link
 from ..types import Backend
 
 _SERVERS: dict[int, Server] = {}
 _FLUSH_S = 3.0  # after the grace period: time for cancelled answers to reach their clients
+_TLS_CLOSE_S = 0.5  # at stop, a closed TLS connection gets this long to end before it is aborted
 _REGISTRY_LOCK = threading.Lock()
 
 
@@ -59,8 +64,17 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _get_json(host: str, port: int, path: str, timeout: float = 2.0) -> tuple[int, Any]:
-    conn = http.client.HTTPConnection(host.strip("[]"), port, timeout=timeout)
+def _get_json(host: str, port: int, path: str, timeout: float = 2.0,
+              tls: bool = False) -> tuple[int, Any]:
+    """GET our own server's `path`; with `tls`, over HTTPS without checking the certificate
+    (it is our own, possibly self-signed, possibly naming another host)."""
+    if tls:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+            host.strip("[]"), port, timeout=timeout, context=context)
+    else:
+        conn = http.client.HTTPConnection(host.strip("[]"), port, timeout=timeout)
     try:
         conn.request("GET", path)
         resp = conn.getresponse()
@@ -80,23 +94,28 @@ class Server:
     """A running nbserve server: its URLs, its backend, `update()` and `stop()`."""
 
     def __init__(self, app: Any, ref: SwappableBackend, sock: socket.socket, host: str,
-                 *, owned: bool, api_keys: list[str], ui: bool, share_url: str | None,
+                 *, owned: bool, options: ServerOptions, share_url: str | None,
                  model: Any, build_options: dict[str, Any], drain_s: float = 5.0):
         self.app, self._ref, self._sock = app, ref, sock
         self.host, self.port = host, sock.getsockname()[1]
-        self.url = f"http://{_url_host(host)}:{self.port}"
+        self.options = options
+        scheme = "https" if options.tls else "http"
+        self.url = f"{scheme}://{_url_host(host)}:{self.port}"
         self.api_base = self.url + "/v1"
         self.share_url = share_url
-        self.api_keys = api_keys
-        self.ui = ui
+        self.api_keys = list(options.api_keys)
+        self.ui = options.ui
         self._owned, self._model, self._build_options = owned, model, build_options
+        self._model_key = _model_key(model)
         self._drain_s = drain_s
         self._stop_lock = threading.Lock()
+        self._closing_since: dict[int, float] = {}  # TLS connections closing at stop (by id)
         self._stopped = False
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=drain_s)
+                                timeout_graceful_shutdown=drain_s,
+                                ssl_certfile=options.ssl_certfile, ssl_keyfile=options.ssl_keyfile)
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name=f"nbserve-server-{self.port}",
                                         daemon=True)
@@ -134,7 +153,7 @@ class Server:
                                    f"{self._error or 'see the log above'}") from self._error
             if self._uvicorn.started:
                 try:
-                    status, body = _get_json(host, self.port, "/health")
+                    status, body = _get_json(host, self.port, "/health", tls=self.options.tls)
                     if status == 200 and (not isinstance(body, dict) or body.get("ready", True)):
                         return
                 except OSError:
@@ -171,7 +190,7 @@ class Server:
             # The requests are over: uvicorn only has to flush the last bytes and close.
             self._uvicorn.config.timeout_graceful_shutdown = _FLUSH_S
             self._uvicorn.should_exit = True
-            self._thread.join(_FLUSH_S + 10)
+            self._join(_FLUSH_S + 10)
             if self._thread.is_alive():
                 self._uvicorn.force_exit = True
                 self._thread.join(10)
@@ -179,6 +198,34 @@ class Server:
         self._ref.close(close_current=self._owned)  # and drop it: the weights can be freed
         self._model, self._build_options = None, {}
         _free_memory()
+
+    def _join(self, timeout: float) -> None:
+        """Wait for the serving thread to end; with TLS, abort the connections uvicorn has
+        closed meanwhile: asyncio ends a TLS connection only once the client answers its
+        close_notify, which an idle keep-alive client never does, so uvicorn would wait out its
+        grace (and log an error) at every stop."""
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            loop = self._loop
+            if self.options.tls and loop is not None:
+                try:
+                    loop.call_soon_threadsafe(self._abort_closed_connections)
+                except RuntimeError:
+                    pass  # the loop has closed meanwhile
+            self._thread.join(0.1)
+
+    def _abort_closed_connections(self) -> None:
+        """Abort the connections that have been closing for a while with nothing left to send
+        (runs on the server's loop)."""
+        now = time.monotonic()
+        state = getattr(self._uvicorn, "server_state", None)
+        for connection in list(getattr(state, "connections", ())):
+            transport = getattr(connection, "transport", None)
+            if transport is None or not transport.is_closing():
+                continue
+            since = self._closing_since.setdefault(id(transport), now)
+            if now - since >= _TLS_CLOSE_S and not transport.get_write_buffer_size():
+                transport.abort()
 
     def _drain(self, grace: float) -> None:
         """Refuse new generation requests (503), wait up to `grace` s for the running ones,
@@ -213,7 +260,7 @@ class Server:
         options = dict(self._build_options) if not is_backend(source) else {}
         new, owned = build_backend(source, **options)
         self._ref.swap(new, close_old=self._owned)
-        self._owned, self._model = owned, source
+        self._owned, self._model, self._model_key = owned, source, _model_key(source)
         print(f"nbserve: {self.url} now serves {new.model_name}", flush=True)
         return self
 
@@ -235,6 +282,13 @@ class Server:
         import openai
 
         kwargs.setdefault("api_key", self.api_key or "nbserve")
+        if self.options.tls and "http_client" not in kwargs:
+            import httpx
+
+            # trust this server's own certificate (self-signed or not) besides the system's CAs
+            context = ssl.create_default_context()
+            context.load_verify_locations(self.options.ssl_certfile)
+            kwargs["http_client"] = httpx.Client(verify=context)
         return openai.OpenAI(base_url=self.api_base, **kwargs)
 
     def __enter__(self) -> Server:  # noqa: PYI034
@@ -288,57 +342,108 @@ def _free_memory() -> None:
 # ----------------------------------------------------------------------------- launch / serve
 
 
-def _keys(api_keys: str | Sequence[str] | None) -> list[str]:
-    keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or [])
-    if not all(isinstance(k, str) and k.strip() for k in keys):
-        raise ValueError("api_keys must be a non-empty string or a list of them")
-    return [k.strip() for k in keys]
+_LAUNCH_OWN = ("port", "host", "share", "devices", "tokenizer", "startup_timeout",
+               "stop_timeout", "options")
+
+
+def split_launch_options(kwargs: dict[str, Any], options: ServerOptions | None = None,
+                         devices: Any = None) -> tuple[ServerOptions, dict[str, Any]]:
+    """(the server options, the engine/loader options) of launch's other keywords; a keyword
+    that is neither is a TypeError naming it (with the closest accepted name)."""
+    if options is not None and not isinstance(options, ServerOptions):
+        raise TypeError(f"options must be a nbserve.ServerOptions, got {type(options).__name__}")
+    server_names = option_names()
+    server = {k: v for k, v in kwargs.items() if k in server_names}
+    engine = {k: v for k, v in kwargs.items() if k not in server_names}
+    engine_names = sorted(backend_option_names(devices) - set(_LAUNCH_OWN))
+    unknown = [k for k in engine if k not in engine_names]
+    if unknown:
+        accepted = [*_LAUNCH_OWN, *server_names, *engine_names]
+        named = ", ".join(f"{k!r}{suggest(k, accepted)}" for k in unknown)
+        raise TypeError(f"launch() got unknown keyword argument{'s' * (len(unknown) > 1)} "
+                        f"{named}. Launch options: {', '.join(_LAUNCH_OWN)}. Server options: "
+                        f"{', '.join(server_names)}. Engine options: {', '.join(engine_names)}.")
+    base = options or ServerOptions()
+    return (dataclasses.replace(base, **server) if server else base), engine
+
+
+def _model_key(model: Any) -> tuple[str, Any]:
+    """What makes two launches serve "the same model": the same source (a path compared once
+    resolved) or the same Python object."""
+    if isinstance(model, (str, os.PathLike)):
+        text = os.fspath(model)
+        path = os.path.expanduser(text)
+        return ("source", os.path.realpath(path) if os.path.exists(path) else text.strip())
+    return ("object", id(model))
+
+
+def _stop_earlier(port: int | None, model: Any) -> None:
+    """Stop our server on `port`; with no port, the one serving `model` (a cell run again)."""
+    key = _model_key(model)
+    with _REGISTRY_LOCK:
+        if port:
+            earlier = [s for p, s in _SERVERS.items() if p == port]
+        else:
+            earlier = [s for s in _SERVERS.values() if s._model_key == key]
+    for server in earlier:
+        if port:
+            print(f"nbserve: stopping the previous server on port {port}", flush=True)
+        else:
+            print(f"nbserve: stopping the previous server of {server._ref.model_name} on port "
+                  f"{server.port} (pass port= to keep both)", flush=True)
+        server.stop()
 
 
 def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.0.0.1",
-           share: bool = False, ui: bool = True, api_keys: str | Sequence[str] | None = None,
-           devices: Any = None, tokenizer: Any = None, startup_timeout: float = 120.0,
-           stop_timeout: float = 5.0, **engine_options: Any) -> Server:
+           share: bool = False, devices: Any = None, tokenizer: Any = None,
+           startup_timeout: float = 120.0, stop_timeout: float = 5.0,
+           options: ServerOptions | None = None, **kwargs: Any) -> Server:
     """Serve `model` (a source like "smollm2", a HF dir or .gguf; a LoadedModel; or an
-    Engine/Pool, served as is) on http://host:port: OpenAI API under /v1, chat UI at /.
+    Engine/Pool, served as is) on http://host:port (https:// with a certificate): OpenAI API
+    under /v1, chat UI at /.
 
-    Returns once /health answers ready. `port=None` picks a free port; a port held by one of
-    our servers is taken over (that server is stopped first). `stop_timeout`: seconds running
-    requests get to finish when the server stops (stop() or SIGTERM under `serve`).
-    `engine_options` go to `Engine` (e.g. max_batch, max_context, queue_timeout,
-    max_backlog, restart_on_failure).
+    Returns once /health answers ready. `port=None` picks a free port, and stops the server
+    of ours already serving the same model (the same source or object: a cell run again); a
+    port held by one of our servers is taken over (that server is stopped first).
+    `stop_timeout`: seconds running requests get to finish when the server stops (stop() or
+    SIGTERM under `serve`).
+    Other keywords are server options (`ServerOptions`: api_keys, ui, cors_origins, limits,
+    rate_limit_per_minute, log_messages, accept_unknown_fields, ui_password, ssl_certfile,
+    ssl_keyfile; or `options=` a record) or
+    go to `Engine` and the loader (e.g. max_batch, max_context, dtype, queue_timeout,
+    max_backlog, restart_on_failure). An unknown keyword is a TypeError naming it.
+    `api_keys` protect /v1 and the UI; `share=True` without them generates one (printed once).
+    `ui_password`: the UI (and its gradio API) also accepts this password at its login.
     """
     if not isinstance(stop_timeout, (int, float)) or stop_timeout < 0:
         raise ValueError(f"stop_timeout must be a number of seconds >= 0, got {stop_timeout!r}")
-    keys = _keys(api_keys)
-    if port:
-        with _REGISTRY_LOCK:
-            previous = _SERVERS.get(port)
-        if previous is not None:
-            print(f"nbserve: stopping the previous server on port {port}", flush=True)
-            previous.stop()
+    opts, engine_options = split_launch_options(kwargs, options, devices)
+    if share and opts.tls:
+        raise ValueError("share=True cannot be used with TLS (ssl_certfile): the share tunnel "
+                         "speaks plain HTTP to the local port; its public link is HTTPS already")
+    access = decide_access(share=share, api_keys=list(opts.api_keys),
+                           ui_password=opts.ui_password, ui=opts.ui)
+    opts = dataclasses.replace(opts, api_keys=tuple(access.api_keys))
+    _stop_earlier(port, model)
     sock = _bind(host, port)
     try:
-        options = dict(devices=devices, tokenizer=tokenizer, **engine_options)
-        backend, owned = build_backend(model, **options)
+        build = dict(devices=devices, tokenizer=tokenizer, **engine_options)
+        backend, owned = build_backend(model, **build)
     except BaseException:
         sock.close()
         raise
     ref = SwappableBackend(backend)
     try:
-        share_url, generated = None, None
+        share_url = None
         if share:
             share_url, why = open_share_link(sock.getsockname()[1])
             if share_url is None:
                 print(f"nbserve: WARNING: could not create a share link ({why}); the server is "
                       "only reachable locally", flush=True)
-            elif not keys:
-                generated = "nb-" + secrets.token_urlsafe(24)
-                keys = [generated]
-        app = _make_app(ref, keys, ui=ui, ui_keys=[] if generated else keys)
-        server = Server(app, ref, sock, host, owned=owned, api_keys=keys, ui=ui,
+        app = _make_app(ref, opts, access)
+        server = Server(app, ref, sock, host, owned=owned, options=opts,
                         share_url=share_url, model=model,
-                        build_options={k: v for k, v in options.items() if v is not None},
+                        build_options={k: v for k, v in build.items() if v is not None},
                         drain_s=float(stop_timeout))
     except BaseException:
         sock.close()
@@ -352,13 +457,15 @@ def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.
     with _REGISTRY_LOCK:
         others = sorted(_SERVERS)
         _SERVERS[server.port] = server
+    ui = opts.ui
     line = f"nbserve: {backend.model_name} at {server.url}"
     line += f" · OpenAI API base {server.api_base}" + (" (UI at /)" if ui else "")
     print(line, flush=True)
     if share_url:
         print(f"nbserve: public link {share_url}", flush=True)
-    if generated:
-        print(f"nbserve: the public /v1 API needs this key (shown once): {generated}", flush=True)
+    if access.generated_key:
+        where = "/v1 and the chat UI (login: any user name, the key as password)" if ui else "/v1"
+        print(f"nbserve: the key for {where}, shown once: {access.generated_key}", flush=True)
     if others:
         print(f"nbserve: note: other servers of this process still run on port(s) "
               f"{', '.join(map(str, others))}; stop() them to free their memory, or pass "
@@ -366,14 +473,14 @@ def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.
     return server
 
 
-def _make_app(ref: SwappableBackend, keys: list[str], *, ui: bool, ui_keys: list[str]) -> Any:
+def _make_app(ref: SwappableBackend, options: ServerOptions, access: Access) -> Any:
     from .app import create_app
 
-    app = create_app(ref, api_keys=keys or None, ui=False)
-    if ui:
+    app = create_app(ref, options=dataclasses.replace(options, ui=False))
+    if options.ui:
         from .ui import mount_ui
 
-        mount_ui(app, ref, auth_keys=ui_keys or None)
+        mount_ui(app, ref, password=access.ui_password)  # the app's keys, limits, rate limit
     return app
 
 

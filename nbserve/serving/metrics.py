@@ -21,7 +21,9 @@ _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300
 
 
 class _BackendCollector:
-    """Gauges and counters read from `backend.stats()` at scrape time."""
+    """Gauges and counters read from `backend.stats()` at scrape time. A Pool's series come one
+    per replica, labelled `replica` (and `device`), from its `stats()["replicas"]`; `sum()` over
+    them gives the pool's totals. One Engine's series have no label."""
 
     _GAUGES: ClassVar[dict[str, tuple[str, str]]] = {
         "running": ("nbserve_running_sequences", "Sequences being generated now"),
@@ -46,21 +48,51 @@ class _BackendCollector:
     def describe(self) -> list[Any]:
         return []  # series depend on what the backend reports
 
+    @staticmethod
+    def _series(st: dict[str, Any]) -> tuple[list[str], list[tuple[list[str], dict[str, Any]]]]:
+        """(label names, [(label values, stats)]): one unlabelled row for an Engine, one row
+        per replica for a Pool."""
+        replicas = st.get("replicas")
+        if isinstance(replicas, list) and replicas and all(isinstance(r, dict) for r in replicas):
+            return ["replica", "device"], [([str(r.get("replica", i)), str(r.get("device", ""))],
+                                            r) for i, r in enumerate(replicas)]
+        return [], [([], st)]
+
     def collect(self) -> Iterator[Any]:
         try:
             st = self._stats()
         except Exception:  # noqa: BLE001 - a scrape must not fail while the backend stops
             return
-        for key, (name, doc) in self._GAUGES.items():
-            if isinstance(st.get(key), (int, float)):
-                yield GaugeMetricFamily(name, doc, value=float(st[key]))
-        used, total = st.get("slots_used"), st.get("slots_total")
-        if isinstance(used, (int, float)) and isinstance(total, (int, float)) and total:
-            yield GaugeMetricFamily("nbserve_kv_cache_usage_ratio",
-                                    "Fraction of KV cache slots in use", value=used / total)
-        for key, (name, doc) in self._COUNTERS.items():
-            if isinstance(st.get(key), (int, float)):
-                yield CounterMetricFamily(name, doc, value=float(st[key]))
+        names, rows = self._series(st)
+
+        def number(row: dict[str, Any], key: str) -> float | None:
+            v = row.get(key)
+            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+        def family(kind: type, name: str, doc: str, value: Callable[[dict[str, Any]],
+                                                                     float | None]) -> Any:
+            fam = kind(name, doc, labels=names)
+            for labels, row in rows:
+                v = value(row)
+                if v is not None:
+                    fam.add_metric(labels, v)
+            return fam if fam.samples else None
+
+        def ratio(row: dict[str, Any]) -> float | None:
+            used, total = number(row, "slots_used"), number(row, "slots_total")
+            return used / total if used is not None and total else None
+
+        fams = [family(GaugeMetricFamily, name, doc, lambda r, k=key: number(r, k))
+                for key, (name, doc) in self._GAUGES.items()]
+        fams.append(family(GaugeMetricFamily, "nbserve_kv_cache_usage_ratio",
+                           "Fraction of KV cache slots in use", ratio))
+        fams += [family(CounterMetricFamily, name, doc, lambda r, k=key: number(r, k))
+                 for key, (name, doc) in self._COUNTERS.items()]
+        if names:
+            fams.append(family(GaugeMetricFamily, "nbserve_replica_healthy",
+                               "1 while the replica is in the pool's rotation, else 0",
+                               lambda r: float(bool(r.get("healthy")))))
+        yield from (f for f in fams if f is not None)
 
 
 class Metrics:

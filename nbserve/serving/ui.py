@@ -2,15 +2,18 @@
 
 `build_chat_ui(backend)` makes the Blocks, `mount_ui(app, backend)` puts them on a FastAPI app
 (after its /v1 routes), and `stop_ui(app)` ends the UI's long-lived connections so that the
-server can shut down at once.
+server can shut down at once. The chat, and its gradio API ("Use via API"), obey the app's
+`Limits`, rate limit and API keys like /v1, and leave out old turns that no longer fit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -22,21 +25,25 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 import gradio as gr
 from fastapi import FastAPI
 
+from ..api.auth import KeyAuth, RateLimiter
+from ..api.errors import APIError
+from ..api.limits import Limits
 from ..types import (
     Backend,
     Delta,
     ErrorEvent,
     Finished,
+    InvalidRequestError,
     NbserveError,
     Request,
     SamplingParams,
 )
+from .ui_context import NOTE_START, fit_conversation
 
 log = logging.getLogger("nbserve.ui")
 
 ERROR_PREFIX = "⚠️ "
 DEFAULT_MAX_TOKENS = 512
-MAX_TOKENS_CAP = 4096
 API_NAME = "chat"
 FAILED_LINE = "Last answer: failed (the reason is in the chat)"
 
@@ -59,6 +66,14 @@ def _text(content: Any) -> str:
     return str(getattr(content, "text", "") or "")
 
 
+def _strip_note(text: str) -> str:
+    """Drop the note on left-out turns that starts an answer: it is for the user, not the model."""
+    if not text.startswith(NOTE_START):
+        return text
+    cut = text.find("\n\n")
+    return "" if cut < 0 else text[cut + 2:]
+
+
 def _strip_error(text: str) -> str:
     """Drop an error notice that the UI appended to an answer, so it never reaches the model."""
     if text.startswith(ERROR_PREFIX):
@@ -77,7 +92,7 @@ def to_messages(message: Any, history: Sequence[dict[str, Any]],
         role = turn.get("role")
         text = _text(turn.get("content"))
         if role == "assistant":
-            text = _strip_error(text)
+            text = _strip_error(_strip_note(text))
         if role in ("user", "assistant") and text:
             messages.append({"role": role, "content": text})
     messages.append({"role": "user", "content": _text(message)})
@@ -129,21 +144,121 @@ def _speed_line(tokens: int, start: float, first: float | None, end: float, reas
     return line
 
 
-def make_chat_fn(backend: Backend):
-    """The async generator Gradio calls: yields (cumulative answer, stats line)."""
+def _number(name: str, value: Any) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number):
+        raise InvalidRequestError(f"{name} must be a number, got {value!r}", param=name)
+    return number
+
+
+def chat_params(limits: Limits, temperature: Any, top_p: Any, max_tokens: Any) -> SamplingParams:
+    """The sampling settings of one chat turn, checked against the same `limits` as /v1."""
+    params = SamplingParams(temperature=_number("temperature", temperature),
+                            top_p=_number("top_p", top_p),
+                            max_tokens=int(_number("max_tokens", max_tokens)))
+    limits.check_sampling(temperature=params.temperature, top_k=None, n=None,
+                          max_tokens=params.max_tokens)
+    params.validate()
+    return params
+
+
+class UILogin:
+    """The UI's login check (gradio `auth`): any user name, and one of the API keys or the UI
+    password as password. It remembers which key each user name logged in with, so that the
+    rate limit counts a user's chat turns in the bucket of that key, which /v1 requests with
+    the key share."""
+
+    def __init__(self, keys: KeyAuth | None = None, password: str | None = None):
+        self.keys = keys if keys else None
+        self._password = hashlib.sha256(password.encode()).digest() if password else None
+        self._key_of: dict[str, str] = {}  # user name -> id of the key of its latest login
+
+    def __bool__(self) -> bool:
+        return self.keys is not None or self._password is not None
+
+    def __call__(self, username: str, password: str) -> bool:
+        key_id = self.keys.match(password) if self.keys is not None else None
+        if key_id is not None:
+            self._key_of[username] = key_id
+            return True
+        digest = hashlib.sha256(password.encode()).digest()
+        if self._password is None or not hmac.compare_digest(digest, self._password):
+            return False
+        self._key_of.pop(username, None)  # a password login: counted by client address
+        return True
+
+    def key_of(self, username: str | None) -> str | None:
+        return self._key_of.get(username) if username is not None else None
+
+    @property
+    def message(self) -> str:
+        if self.keys is not None and self._password is not None:
+            return "This chat needs a login: any user name, and the password or an API key."
+        if self.keys is not None:
+            return "This server needs an API key: enter any user name and the key as password."
+        return "This chat needs a password: enter any user name and the password."
+
+
+def rate_limit_client(request: Any, login: UILogin | None) -> str:
+    """Whose bucket a chat turn takes from: the key the user logged in with, else the client
+    address (what /v1 uses without a key)."""
+    key_id = login.key_of(getattr(request, "username", None)) if login is not None else None
+    if key_id is not None:
+        return key_id
+    client = getattr(request, "client", None)
+    return getattr(client, "host", None) or "unknown"
+
+
+def _token_counter(backend: Backend, params: SamplingParams):
+    """Counts a conversation's prompt tokens through the backend, or None if it cannot."""
+    count = getattr(backend, "count_prompt_tokens", None)
+    if not callable(count):
+        return None
+    return lambda messages: count(Request(messages=messages, params=params))
+
+
+def _max_context(backend: Backend) -> int | None:
+    limit = getattr(backend, "max_context", None)
+    if not isinstance(limit, int):
+        try:
+            limit = backend.stats().get("max_context")
+        except Exception:  # noqa: BLE001 -- a backend without stats: no context known
+            limit = None
+    return int(limit) if limit else None
+
+
+def make_chat_fn(backend: Backend, *, limits: Limits | None = None,
+                 rate_limiter: RateLimiter | None = None, login: UILogin | None = None):
+    """The async generator Gradio calls: yields (cumulative answer, stats line).
+
+    Each turn takes one request from `rate_limiter` (the app's, shared with /v1), is checked
+    against `limits` (default `Limits()`), and leaves out the oldest turns that do not fit;
+    a refusal is shown in the chat.
+    """
+    limits = limits or Limits()
 
     async def chat(message: Any, history: list[dict[str, Any]], system_prompt: str = "",
                    temperature: float = 0.7, top_p: float = 0.95,
-                   max_tokens: float = DEFAULT_MAX_TOKENS) -> AsyncIterator[tuple[str, Any]]:
-        text, tokens, first, reason = "", 0, None, ""
+                   max_tokens: float = DEFAULT_MAX_TOKENS,
+                   request: gr.Request | None = None) -> AsyncIterator[tuple[str, Any]]:
+        text, tokens, first, reason, lead = "", 0, None, "", ""
         start = time.perf_counter()
         shown = 0.0  # when the speed line last showed progress
         try:
-            params = SamplingParams(temperature=float(temperature), top_p=float(top_p),
-                                    max_tokens=int(max_tokens))
-            request = Request(messages=to_messages(message, history, system_prompt),
-                              params=params, metadata={"source": "ui"})
-            async with _closing(backend.generate(request)) as stream:
+            if rate_limiter is not None:
+                rate_limiter.check(rate_limit_client(request, login))
+            params = chat_params(limits, temperature, top_p, max_tokens)
+            fitted = fit_conversation(to_messages(message, history, system_prompt),
+                                      limits=limits, max_tokens=params.max_tokens or 1,
+                                      count_tokens=_token_counter(backend, params),
+                                      max_context=_max_context(backend))
+            lead = fitted.note + "\n\n" if fitted.note else ""
+            generation = Request(messages=fitted.messages, params=params,
+                                 metadata={"source": "ui"})
+            async with _closing(backend.generate(generation)) as stream:
                 async for ev in stream:
                     if isinstance(ev, Delta) and ev.index == 0:
                         tokens += len(ev.token_ids)
@@ -152,23 +267,24 @@ def make_chat_fn(backend: Backend):
                         text += ev.text
                         if now - shown >= PROGRESS_EVERY:
                             shown = now
-                            yield text, _progress_line(tokens, start, now)
+                            yield lead + text, _progress_line(tokens, start, now)
                         elif ev.text:
-                            yield text, gr.skip()
+                            yield lead + text, gr.skip()
                     elif isinstance(ev, Finished) and ev.index == 0:
                         reason = ev.reason
                         tokens = ev.usage.completion_tokens or tokens
                     elif isinstance(ev, ErrorEvent):
-                        yield _error_text(text, ev.message), FAILED_LINE
+                        yield _error_text(lead + text if text else "", ev.message), FAILED_LINE
                         return
-        except NbserveError as exc:  # refused: too long, busy, bad settings, stopped
-            yield _error_text(text, str(exc)), FAILED_LINE
+        except (NbserveError, APIError) as exc:  # refused: too long, busy, bad settings, limits
+            yield _error_text(lead + text if text else "", str(exc)), FAILED_LINE
             return
         except Exception as exc:  # a bug, not the user's fault: log it, show one line
             log.exception("chat UI request failed")
-            yield _error_text(text, f"internal error ({type(exc).__name__}: {exc})"), FAILED_LINE
+            yield _error_text(lead + text if text else "",
+                              f"internal error ({type(exc).__name__}: {exc})"), FAILED_LINE
             return
-        yield text, _speed_line(tokens, start, first, time.perf_counter(), reason)
+        yield lead + text, _speed_line(tokens, start, first, time.perf_counter(), reason)
 
     return chat
 
@@ -176,23 +292,25 @@ def make_chat_fn(backend: Backend):
 # ----------------------------------------------------------------------------- building
 
 
-def _max_tokens_limit(backend: Backend) -> int:
-    limit = getattr(backend, "max_context", None)
-    if not isinstance(limit, int):
-        try:
-            limit = backend.stats().get("max_context")
-        except Exception:  # noqa: BLE001 -- a backend without stats: use the API's cap
-            limit = None
-    return max(1, min(int(limit or MAX_TOKENS_CAP), MAX_TOKENS_CAP))
+def _max_tokens_range(backend: Backend, limits: Limits) -> tuple[int, int]:
+    """(slider maximum, default): up to the context and the limit; by default at most half
+    the context, so that a chat keeps some history."""
+    context = _max_context(backend) or limits.max_tokens
+    top = max(1, min(context, limits.max_tokens))
+    return top, max(1, min(DEFAULT_MAX_TOKENS, top, context // 2))
 
 
 def _header(backend: Backend, title: str | None) -> str:
     return f"## {title or 'nbserve'}\nModel: `{backend.model_name}`"
 
 
-def build_chat_ui(backend: Backend, *, title: str | None = None) -> gr.Blocks:
-    """A chat window for `backend`: streaming, multi-turn, with sampling settings and Stop."""
-    limit = _max_tokens_limit(backend)
+def build_chat_ui(backend: Backend, *, title: str | None = None, limits: Limits | None = None,
+                  rate_limiter: RateLimiter | None = None,
+                  login: UILogin | None = None) -> gr.Blocks:
+    """A chat window for `backend`: streaming, multi-turn, with sampling settings and Stop;
+    its turns obey `limits` and `rate_limiter` (see `make_chat_fn`)."""
+    limits = limits or Limits()
+    top, default = _max_tokens_range(backend, limits)
     page_title = title or f"nbserve · {backend.model_name}"
     with gr.Blocks(title=page_title, analytics_enabled=False, fill_height=True) as demo:
         header = gr.Markdown(_header(backend, title), elem_id="nbserve-model")
@@ -200,13 +318,14 @@ def build_chat_ui(backend: Backend, *, title: str | None = None) -> gr.Blocks:
         settings = [  # render=False: ChatInterface puts them in its accordion
             gr.Textbox("", label="System prompt", lines=2, render=False,
                        placeholder="Empty: the model's default system prompt"),
-            gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="Temperature", render=False),
+            gr.Slider(limits.min_temperature, limits.max_temperature,
+                      value=min(max(0.7, limits.min_temperature), limits.max_temperature),
+                      step=0.05, label="Temperature", render=False),
             gr.Slider(0.05, 1.0, value=0.95, step=0.05, label="Top p", render=False),
-            gr.Slider(1, limit, value=min(DEFAULT_MAX_TOKENS, limit), step=1,
-                      label="Max tokens", render=False),
+            gr.Slider(1, top, value=default, step=1, label="Max tokens", render=False),
         ]
         chat = gr.ChatInterface(
-            make_chat_fn(backend),
+            make_chat_fn(backend, limits=limits, rate_limiter=rate_limiter, login=login),
             chatbot=gr.Chatbot(label="Chat", render=False,
                                placeholder="Ask the model anything. Stop ends an answer early."),
             textbox=gr.Textbox(placeholder="Type a message...", submit_btn=True, stop_btn=True,
@@ -227,26 +346,27 @@ def build_chat_ui(backend: Backend, *, title: str | None = None) -> gr.Blocks:
     return demo
 
 
-def _key_checker(keys: Sequence[str]):
-    def check(_username: str, password: str) -> bool:
-        return any(hmac.compare_digest(password.encode(), k.encode()) for k in keys)
-
-    return check
-
-
 def mount_ui(app: FastAPI, backend: Backend, path: str = "/",
-             auth_keys: Sequence[str] | None = None, *, title: str | None = None) -> FastAPI:
+             auth_keys: Sequence[str] | None = None, *, title: str | None = None,
+             password: str | None = None) -> FastAPI:
     """Mount the chat on `app` at `path`; call it after the /v1 routes are registered.
 
-    With `auth_keys`, the UI asks for a login: any user name, and one of the keys as password.
+    The chat uses the app's `Limits` and rate limiter (`app.state.limits`,
+    `app.state.rate_limiter`, set by `create_app`). It asks for a login (any user name) when
+    the app has API keys (`app.state.key_auth`; or `auth_keys`, if given, instead) or a
+    `password` is set: one of the keys or the password is accepted as password.
     """
+    if password is not None and (not isinstance(password, str) or not password.strip()):
+        raise ValueError("mount_ui(password=...) must be a non-empty string (or None)")
     keys = [k for k in (auth_keys or []) if k]
-    demo = build_chat_ui(backend, title=title)
-    auth = _key_checker(keys) if keys else None
+    key_auth = KeyAuth(keys) if keys else getattr(app.state, "key_auth", None)
+    login = UILogin(key_auth, password)
+    demo = build_chat_ui(backend, title=title, limits=getattr(app.state, "limits", None),
+                         rate_limiter=getattr(app.state, "rate_limiter", None),
+                         login=login if login else None)
     gr.mount_gradio_app(
-        app, demo, path=path, auth=auth, run_history=False,
-        auth_message="This server needs an API key: enter any user name and the key as password."
-        if keys else None,
+        app, demo, path=path, auth=login if login else None, run_history=False,
+        auth_message=login.message if login else None,
         footer_links=["api", "settings"],
     )
     return app

@@ -4,6 +4,7 @@ transformers' `apply_chat_template` output."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -17,6 +18,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..types import InvalidRequestError
 from .files import token_str
+
+from .tool_prompt import tools_in_prompt
+
+log = logging.getLogger("nbserve.text")
 
 # ----------------------------------------------------------------------------- chat template
 
@@ -159,13 +164,20 @@ _DEFAULT_TEMPLATE = (
 )
 
 
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
 class ChatTemplate:
     """A Hugging Face chat template compiled once in a sandbox; renders like transformers'
     `apply_chat_template(..., tokenize=False)`.
 
     `extra` are variables every render sees (e.g. `unk_token`, or `enable_thinking=False`).
     `tool_source` is an optional second template used when tools are given (the "tool_use"
-    template some models ship).
+    template some models ship). A template that ignores `tools` (a probe conversation renders
+    the same with and without a tool) gets them in the system prompt instead, in the
+    Hermes/Qwen format (`tool_prompt.py`).
     """
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "", *,
@@ -178,6 +190,7 @@ class ChatTemplate:
         self._template, self._lists = self._compile(env, source)
         self._tool_template, self._tool_lists = (self._compile(env, tool_source) if tool_source
                                                  else (self._template, self._lists))
+        self._ignores_tools: bool | None = None  # probed at the first request with tools
 
     @staticmethod
     def _compile(env: _Sandbox, source: str) -> tuple[jinja2.Template, bool]:
@@ -216,16 +229,47 @@ class ChatTemplate:
                add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The prompt text for `messages` (OpenAI-style dicts). Raises `InvalidRequestError` when
         the template rejects the messages or attempts something the sandbox forbids."""
-        template, lists = (self._tool_template, self._tool_lists) if tools else (
-            self._template, self._lists)
         if not messages:
             raise InvalidRequestError("messages must contain at least one message",
                                       param="messages")
-        prepared = [_prepare_message(m, i, keep_lists=lists) for i, m in enumerate(messages)]
         context = {**self.variables, **_plain(kwargs)}
         context.setdefault("documents", None)
+        if tools and self.ignores_tools:
+            plain = [_prepare_message(m, i, keep_lists=self._lists)
+                     for i, m in enumerate(messages)]
+            return self._render(self._template, tools_in_prompt(plain, _plain(tools)), None,
+                                add_generation_prompt, context)
+        template, lists = (self._tool_template, self._tool_lists) if tools else (
+            self._template, self._lists)
+        prepared = [_prepare_message(m, i, keep_lists=lists) for i, m in enumerate(messages)]
+        return self._render(template, prepared, _plain(tools), add_generation_prompt, context)
+
+    @property
+    def ignores_tools(self) -> bool:
+        """Whether the template renders a probe conversation the same with and without a tool
+        (then `render` puts the tools in the system prompt itself). Probed once."""
+        if self._ignores_tools is None:
+            probe = [{"role": "user", "content": "What is the weather in Paris?"}]
+            context = {"documents": None, **self.variables, "messages": probe,
+                       "add_generation_prompt": True}
+            try:
+                with_tool = self._tool_template.render(tools=[_PROBE_TOOL], **context)
+                without = self._template.render(tools=None, **context)
+            except Exception as e:  # noqa: BLE001 - a template that fails here is not probed
+                log.debug("tool probe of the chat template failed: %s", e)
+                self._ignores_tools = False
+            else:
+                self._ignores_tools = with_tool == without
+                if self._ignores_tools:
+                    log.info("the chat template ignores tools: nbserve lists them in the system "
+                             "prompt in the Hermes/Qwen format instead (docs/api.md)")
+        return self._ignores_tools
+
+    def _render(self, template: jinja2.Template, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None, add_generation_prompt: bool,
+                context: dict[str, Any]) -> str:
         try:
-            return template.render(messages=prepared, tools=_plain(tools),
+            return template.render(messages=messages, tools=tools,
                                    add_generation_prompt=add_generation_prompt, **context)
         except SecurityError as e:
             raise InvalidRequestError(
