@@ -193,22 +193,27 @@ class EngineSteps:
         else:
             choice.first_token_time = now
         choice.last_token_time = now
-        reason, matched = None, None
+        reason, matched, stop_string = None, None, None
         text = ""
-        if tok in group.stop_ids:
+        if tok in group.stop_ids:  # a stop token: not part of the text
             reason, matched = "stop", tok
         else:
-            text, matched = choice.stopper.feed(choice.detok.add([tok]))
-            if matched is not None:
-                reason = "stop"
+            text, stop_string = choice.stopper.feed(choice.detok.add([tok]))
+            if stop_string is not None:
+                reason, matched = "stop", stop_string
         if reason is None and params.max_tokens is not None and \
                 len(seq.output_ids) >= params.max_tokens:
             reason = "length"
         if reason is None and seq.total_len >= self.max_context:
             reason = "length"
-        if reason is not None and matched is None:  # flush what was held back
+        if reason is not None and stop_string is None:
+            # Ended by a stop token or a length: what the detokenizer (an unfinished UTF-8
+            # sequence) and the stop matcher (a possible stop string's start) held back is
+            # the answer's end, unless it completes a stop string now.
             tail, late = choice.stopper.feed(choice.detok.finish())
             text += tail if late is not None else tail + choice.stopper.flush()
+            if late is not None:
+                reason, matched = "stop", late
         if lp is not None:
             lp.token = self.tokenizer.decode([tok])
             lp.bytes = list(self.tokenizer.token_bytes(tok))
