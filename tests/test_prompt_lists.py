@@ -226,7 +226,7 @@ def test_twenty_prompts_against_the_default_app_py() -> None:
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
                                timeout=600)
-        prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(20)]
+        prompts = [f"The number {i} is" for i in range(20)]
         r = client.completions.create(model="", prompt=prompts, max_tokens=24, temperature=0)
         assert [c.index for c in r.choices] == list(range(20))
         assert all(c.text and c.finish_reason in ("stop", "length") for c in r.choices)
