@@ -22,6 +22,7 @@ from nbserve.engine import Engine
 from nbserve.models.adapters import RecomputeAdapter
 from nbserve.models.adopt import adopt
 from nbserve.text import Tokenizer
+from nbserve.types import Delta, Finished, Request, SamplingParams
 
 VOCAB = 640  # the tiny tokenizer's
 # chat: the messages' text, then <|im_start|>, after which the scripted answer begins
@@ -56,14 +57,15 @@ def tokenizer() -> Tokenizer:
 
 @pytest.fixture
 def serve(tokenizer: Tokenizer) -> Iterator[Any]:
-    """serve(text or token ids) -> (engine, openai client) for a server whose model answers
-    exactly that, then end-of-text."""
+    """serve(text or token ids, end=<|im_end|>) -> (engine, openai client) for a server whose
+    model answers exactly that, then `end` forever (end-of-text by default)."""
     with contextlib.ExitStack() as stack:
 
-        def start(answer: str | list[int]) -> tuple[Engine, openai.OpenAI]:
+        def start(answer: str | list[int], end: int = IM_END_ID
+                  ) -> tuple[Engine, openai.OpenAI]:
             ids = tokenizer.encode(answer) if isinstance(answer, str) else answer
-            step = RecomputeAdapter(ScriptedModel(ids), max_context=128, vocab_size=VOCAB,
-                                    warn=False)
+            step = RecomputeAdapter(ScriptedModel(ids, end=end), max_context=128,
+                                    vocab_size=VOCAB, warn=False)
             engine = stack.enter_context(Engine(
                 adopt(step, tokenizer, chat_template=TEMPLATE, name="scripted", verbose=False),
                 max_batch=2, quiet=True))
@@ -212,3 +214,24 @@ def test_default_model_answer_cut_inside_a_character(default_client: openai.Open
     assert cut  # this answer really ends inside a character
     assert text and "\ufffd" not in text
     assert text == raw[:-cut].decode()
+
+
+def test_a_cancelled_answer_keeps_the_text_held_for_a_stop_string(serve: Any,
+                                                                  tokenizer: Tokenizer) -> None:
+    """A shutdown cancels running answers with the text they have: "Hello " then "U" forever
+    with stop=["User:"] always holds its last "U" back; the cancelled answer still has it."""
+    u = tokenizer.encode("U")
+    assert len(u) == 1
+    engine, _ = serve("Hello ", end=u[0])
+    events = engine.stream(Request(prompt="Go.<|im_start|>", params=SamplingParams(
+        temperature=0, max_tokens=100, stop=["User:"])))
+    text, ids, finish = "", [], None
+    for ev in events:
+        if isinstance(ev, Delta):
+            text, ids = text + ev.text, ids + ev.token_ids
+            if ids.count(u[0]) == 5:
+                engine.cancel_all()
+        elif isinstance(ev, Finished):
+            finish = ev.reason
+    assert finish == "cancelled"
+    assert text == "Hello " + "U" * ids.count(u[0])
