@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -72,6 +73,53 @@ def running_server(app: Any, **config: Any) -> Iterator[str]:
         yield url
     finally:
         srv.stop()
+
+
+@contextlib.contextmanager
+def small_send_buffers(backend: Any, size: int = 16384) -> Iterator[str]:
+    """Serve `backend` with SO_SNDBUF pinned on the listening socket (accepted sockets inherit
+    it): loopback would otherwise autotune the buffers to megabytes and absorb a whole stream
+    that nobody reads, as no real network path does."""
+    from nbserve.server import create_app
+
+    srv = ThreadedServer(create_app(backend, ui=False))
+    srv.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+    url = srv.start()
+    try:
+        yield url
+    finally:
+        srv.stop()
+
+
+def non_reading_stream(url: str, body: dict[str, Any],
+                       path: str = "/v1/chat/completions") -> socket.socket:
+    """Send a streaming request on a socket with a tiny receive buffer and read nothing."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: " + str(len(data)).encode() +
+                 b"\r\n\r\n" + data)
+    return sock
+
+
+def read_all(sock: socket.socket) -> str:
+    """What a `non_reading_stream` socket received, once its client wakes up and reads."""
+    sock.settimeout(10)
+    chunks = []
+    while True:
+        try:
+            data = sock.recv(65536)
+        except TimeoutError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+        if b"data: [DONE]" in data[-64:]:
+            break
+    return b"".join(chunks).decode(errors="replace")
 
 
 def wait_until(predicate: Any, timeout: float = 1.0, interval: float = 0.02) -> bool:

@@ -16,6 +16,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_util import app_running, engine_running, wait_until
+from tiny_models import utf8_cut
 
 from nbserve.text import IncrementalDetokenizer, StopStringMatcher
 from nbserve.types import Delta, Finished, InvalidRequestError, Request, SamplingParams
@@ -132,7 +133,9 @@ def test_server_is_idle_after_the_fuzz(fuzz_url: str, fuzz_engine: Any) -> None:
 @given(data=st.data())
 def test_detokenizer_deltas_concatenate_to_the_full_decode(tiny_tokenizer: Any,
                                                            data: st.DataObject) -> None:
-    """Any token sequence, fed in any chunking: the deltas add up to decode(all ids)."""
+    """Any token sequence, fed in any chunking: the deltas add up to decode(all ids), less a
+    character the last tokens leave incomplete (the tiny byte-level BPE decodes the tokens'
+    bytes as Python's "replace" does)."""
     vocab = tiny_tokenizer.vocab_size
     ids = data.draw(st.lists(st.integers(0, vocab - 1), max_size=40), label="ids")
     cuts = data.draw(st.lists(st.integers(1, 4), max_size=40), label="chunk sizes")
@@ -144,7 +147,10 @@ def test_detokenizer_deltas_concatenate_to_the_full_decode(tiny_tokenizer: Any,
         out.append(detok.add(ids[i:i + size]))
         i += size
     out.append(detok.finish())
-    assert "".join(out) == tiny_tokenizer.decode(ids)
+    raw = b"".join(tiny_tokenizer.token_bytes(i) for i in ids)
+    assert "".join(out) == raw[:len(raw) - utf8_cut(raw)].decode("utf-8", "replace")
+    if not utf8_cut(raw):
+        assert "".join(out) == tiny_tokenizer.decode(ids)
 
 
 @PROPS

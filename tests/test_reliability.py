@@ -4,27 +4,24 @@ and graceful shutdown (stop() and SIGTERM)."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from server_util import ThreadedServer, app_running, wait_until
+from server_util import app_running, non_reading_stream, read_all, small_send_buffers, wait_until
 
 from nbserve.engine import Engine
 from nbserve.loading.hf_dir import load_hf_dir
@@ -148,57 +145,11 @@ def test_queue_timeout_is_an_engine_option(loaded: Any) -> None:
         Engine(loaded, max_backlog=0, quiet=True)
 
 
-@contextlib.contextmanager
-def small_send_buffers(engine: Engine, size: int = 16384) -> Iterator[str]:
-    """Serve `engine` with SO_SNDBUF pinned on the listening socket (accepted sockets inherit
-    it): loopback would otherwise autotune the buffers to megabytes and absorb a whole stream
-    that nobody reads, as no real network path does."""
-    from nbserve.server import create_app
-
-    srv = ThreadedServer(create_app(engine, ui=False))
-    srv.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
-    url = srv.start()
-    try:
-        yield url
-    finally:
-        srv.stop()
-
-
-def _non_reading_stream(url: str, body: dict[str, Any],
-                        path: str = "/v1/chat/completions") -> socket.socket:
-    """Send a streaming request on a socket with a tiny receive buffer and read nothing."""
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect((host, int(port)))
-    data = json.dumps(body).encode()
-    sock.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                 b"application/json\r\nContent-Length: " + str(len(data)).encode() +
-                 b"\r\n\r\n" + data)
-    return sock
-
-
-def _read_all(sock: socket.socket) -> str:
-    sock.settimeout(10)
-    chunks = []
-    while True:
-        try:
-            data = sock.recv(65536)
-        except TimeoutError:
-            break
-        if not data:
-            break
-        chunks.append(data)
-        if b"data: [DONE]" in data[-64:]:
-            break
-    return b"".join(chunks).decode(errors="replace")
-
-
 def test_a_client_that_stops_reading_is_cancelled_past_max_backlog(loaded: Any) -> None:
     engine, _ = faulty_engine(loaded, max_backlog=32)
     with engine, small_send_buffers(engine) as url:
         # top_logprobs make each chunk ~1.5 KB: the buffers are full after a few dozen tokens
-        sock = _non_reading_stream(url, {"messages": MSG, "stream": True, "max_tokens": 480,
+        sock = non_reading_stream(url, {"messages": MSG, "stream": True, "max_tokens": 480,
                                          "logprobs": True, "top_logprobs": 20,
                                          "logit_bias": NO_EOS})
         try:
@@ -208,7 +159,7 @@ def test_a_client_that_stops_reading_is_cancelled_past_max_backlog(loaded: Any) 
             assert st["tokens_decoded"] < 400
             ok = chat(url, max_tokens=5, logit_bias=NO_EOS)  # the server is fine
             assert ok.status_code == 200
-            text = _read_all(sock)  # the client wakes up: its stream ends with the reason
+            text = read_all(sock)  # the client wakes up: its stream ends with the reason
         finally:
             sock.close()
         data = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
@@ -265,7 +216,7 @@ def test_a_slow_reader_does_not_slow_the_other_streams(tiny_llama_dir: Path,
             for slow in (False, True) if i % 2 else (True, False):
                 sock = None
                 if slow:
-                    sock = _non_reading_stream(url, slow_body, "/v1/completions")
+                    sock = non_reading_stream(url, slow_body, "/v1/completions")
                     assert wait_until(lambda: max(_undelivered(engine), default=0) >= 8, 10)
                     stuck = max(_undelivered(engine))
                 try:

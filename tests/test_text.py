@@ -17,6 +17,7 @@ from tiny_models import (
     SMOLLM2_TEMPLATE,
     make_byte_fallback_tokenizer,
     make_tiny_tokenizer,
+    utf8_cut,
 )
 from tokenizers import processors
 
@@ -355,13 +356,36 @@ def test_detokenizer_byte_fallback_pieces(byte_fallback_tokenizer):
     assert detok.add(tok.encode(" ok")) == " ok"
 
 
-def test_detokenizer_flushes_incomplete_character(tiny_tokenizer):
-    ids = tiny_tokenizer.encode("ok 🎉")
-    cut = ids[:-1]  # the emoji's last byte is missing
-    deltas, tail = _stream(tiny_tokenizer, cut)
-    assert "\ufffd" not in "".join(deltas)
-    assert "".join(deltas) + tail == tiny_tokenizer.decode(cut)
-    assert tail.endswith("\ufffd")
+@pytest.mark.parametrize("tok_fixture", ["tiny_tokenizer", "byte_fallback_tokenizer"])
+@pytest.mark.parametrize(("text", "shown"), [("ok 🎉", "ok "), ("中文", "中"),
+                                             ("a\ufffd 中", "a\ufffd ")])
+def test_detokenizer_drops_a_character_cut_at_the_end(tok_fixture, text, shown, request):
+    """max_tokens can end an answer inside a character: its bytes are dropped, not shown as
+    U+FFFD, whichever token the cut falls in (the tiny BPE has tokens like b" \xf0\x9f" that
+    hold a space and the start of an emoji); a U+FFFD the tokens spell (EF BF BD) stays."""
+    tok = request.getfixturevalue(tok_fixture)
+    ids = tok.encode(text)
+    deltas, tail = _stream(tok, ids[:-1])
+    assert "".join(deltas) + tail == shown
+    cuts = 0
+    for end in range(1, len(ids) + 1):
+        raw = b"".join(tok.token_bytes(i) for i in ids[:end])
+        if not utf8_cut(raw):
+            continue
+        cuts += 1
+        complete = raw[:len(raw) - utf8_cut(raw)].decode()
+        deltas, tail = _stream(tok, ids[:end])
+        # (sentencepiece drops the space it puts in front of the text)
+        assert "".join(deltas) + tail in (complete, complete.removeprefix(" "))
+    assert cuts >= 2
+
+
+@pytest.mark.parametrize("tok_fixture", ["tiny_tokenizer", "byte_fallback_tokenizer"])
+def test_detokenizer_keeps_a_replacement_character_the_tokens_spell(tok_fixture, request):
+    tok = request.getfixturevalue(tok_fixture)
+    for text in ("a\ufffd", "\ufffd", "ok \ufffd\ufffd"):
+        deltas, tail = _stream(tok, tok.encode(text))
+        assert "".join(deltas) + tail == tok.decode(tok.encode(text)) == text.lstrip(" ")
 
 
 def test_detokenizer_skip_special_tokens(tiny_tokenizer):
@@ -393,18 +417,30 @@ def test_detokenizer_decodes_a_small_window(tiny_tokenizer):
 @given(ids=st.lists(st.integers(0, 639), max_size=40), chunk=st.integers(1, 4),
        skip=st.booleans())
 def test_detokenizer_property_random_ids(tiny_tokenizer, ids, chunk, skip):
+    """The deltas add up to the text of the tokens' bytes (what a byte-level BPE decodes),
+    less the bytes of a character left incomplete at the end."""
     deltas, tail = _stream(tiny_tokenizer, ids, chunk, skip_special_tokens=skip)
+    shown = [i for i in ids if not (skip and i in tiny_tokenizer.special_ids)]
+    raw = b"".join(tiny_tokenizer.token_bytes(i) for i in shown)
     full = tiny_tokenizer.decode(ids, skip_special_tokens=skip)
-    assert "".join(deltas) + tail == full
+    assert full == raw.decode("utf-8", "replace")
+    assert "".join(deltas) + tail == raw[:len(raw) - utf8_cut(raw)].decode("utf-8", "replace")
     assert "".join(deltas).count("\ufffd") <= full.count("\ufffd")
 
 
 @settings(max_examples=200, deadline=None, database=None, suppress_health_check=FIXTURES_OK)
-@given(text=st.text(max_size=30), chunk=st.integers(1, 3))
-def test_detokenizer_property_byte_fallback_text(byte_fallback_tokenizer, text, chunk):
-    ids = byte_fallback_tokenizer.encode(text)
-    deltas, tail = _stream(byte_fallback_tokenizer, ids, chunk)
-    assert "".join(deltas) + tail == byte_fallback_tokenizer.decode(ids)
+@given(text=st.text(max_size=30), chunk=st.integers(1, 3), cut=st.integers(0, 3))
+def test_detokenizer_property_byte_fallback_text(byte_fallback_tokenizer, text, chunk, cut):
+    """Valid text, its last `cut` tokens dropped: the deltas add up to the decoded tokens,
+    less the byte tokens of a character left incomplete at the end."""
+    tok = byte_fallback_tokenizer
+    ids = tok.encode(text)
+    ids = ids[:max(0, len(ids) - cut)]
+    deltas, tail = _stream(tok, ids, chunk)
+    whole = len(ids)
+    while utf8_cut(b"".join(tok.token_bytes(i) for i in ids[:whole])):
+        whole -= 1  # a byte token (<0xAB>) of the cut character
+    assert "".join(deltas) + tail == tok.decode(ids[:whole])
 
 
 # ----------------------------------------------------------------------------- stop strings

@@ -7,6 +7,7 @@ config. Everything is deterministic: the same call gives the same files on every
 
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 from typing import Any
@@ -329,3 +330,11 @@ def make_tiny_hf_dir(path: str | Path, arch: str = "llama", tie: bool = True, *,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     return path
+
+
+def utf8_cut(raw: bytes) -> int:
+    """How many bytes at the end of `raw` begin a UTF-8 character that they do not complete
+    (what nbserve drops from an answer that max_tokens ends inside a character)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(raw)
+    return len(decoder.getstate()[0])

@@ -1,7 +1,9 @@
 """The OpenAI routes: /v1/chat/completions, /v1/completions, /v1/models[/{id}].
 
 Each generation route gets the first engine event before answering (so refusals become 4xx),
-then either streams the chunks as SSE or folds the same chunks into one JSON answer.
+then either streams the chunks as SSE or folds the same chunks into one JSON answer. A list of
+completion prompts answers once any prompt has its first event: the others may still wait for
+a slot, and one refused after the stream started ends it with an error event.
 `model` must be the served name (GET /v1/models) or empty/absent, which means the served model;
 any other name is a 404 `model_not_found`.
 """
@@ -30,13 +32,13 @@ from .fields import UnknownFields
 from .limits import Limits
 from .protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from .streams import (
+    Merge,
     StreamFailed,
     StreamInfo,
     chat_chunks,
     completion_chunks,
     fold_chat,
     fold_completion,
-    merge,
 )
 
 log = logging.getLogger("nbserve.server")
@@ -52,14 +54,21 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
+    def __init__(self, content: Any, *, close: Callable[[], Awaitable[None]] | None = None,
+                 **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self.close = close  # also run at the end: the iterator may never have started
+
     async def stream_response(self, send: Send) -> None:
         try:
             await super().stream_response(send)
         finally:
             aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True):
+                if aclose is not None:
                     await aclose()
+                if self.close is not None:
+                    await self.close()
 
 
 # Characters that str.splitlines() (and so httpx's iter_lines) treats as line ends: escaped so
@@ -151,6 +160,16 @@ async def first_events(backend: Backend, reqs: Sequence[Any]
     return list(zip(firsts, gens))  # type: ignore[arg-type]
 
 
+async def first_of_merged(merged: Merge, request_id: str) -> bool:
+    """Wait for the first event of any request in `merged`; a request refused so far (bad
+    input, busy queue, queue timeout, shutdown) becomes its HTTP error. Returns True."""
+    try:
+        await merged.first()
+    except StreamFailed as exc:
+        raise error_event_to_api(exc.event.message, exc.event.kind, request_id) from None
+    return True
+
+
 def build_router(backend: Backend, limits: Limits, *, log_messages: bool = False,
                  dependencies: Sequence[Any] = (), gen_dependencies: Sequence[Any] = (),
                  accept_unknown_fields: bool = False) -> APIRouter:
@@ -197,16 +216,21 @@ def build_router(backend: Backend, limits: Limits, *, log_messages: bool = False
 
     async def answer(request: Request, chunks: AsyncIterator[dict[str, Any]], stream: bool,
                      include_usage: bool, trace: Trace, rid: str,
-                     fold: Callable[[AsyncIterator[dict[str, Any]]], Awaitable[dict[str, Any]]]
-                     ) -> Response:
+                     fold: Callable[[AsyncIterator[dict[str, Any]]], Awaitable[dict[str, Any]]],
+                     close: Callable[[], Awaitable[None]] | None = None) -> Response:
+        """The SSE stream or the folded JSON answer. `close` releases what `chunks` reads
+        from even if `chunks` never starts (the client left first)."""
         headers = {"X-Request-ID": rid}
         if stream:
             return SSEResponse(sse_events(chunks, include_usage, trace, rid),
-                               headers={**SSE_HEADERS, **headers})
+                               headers={**SSE_HEADERS, **headers}, close=close)
         try:
             body = await unless_disconnected(request, fold(chunks))
         except StreamFailed as exc:
             raise error_event_to_api(exc.event.message, exc.event.kind, rid) from None
+        finally:
+            if close is not None:
+                await close()
         if body is None:
             trace.disconnected = True
             return Response(status_code=CLIENT_GONE)
@@ -258,16 +282,22 @@ def build_router(backend: Backend, limits: Limits, *, log_messages: bool = False
             tokenizer = getattr(backend, "tokenizer", None)
             echo = [r.prompt if r.prompt is not None else _decode(tokenizer, r.prompt_ids)
                     for r in reqs]
-        streams = await unless_disconnected(request, first_events(backend, reqs))
-        if streams is None:
+        merged = Merge([backend.generate(r) for r in reqs])
+        started = None
+        try:
+            started = await unless_disconnected(request, first_of_merged(merged, rid))
+        finally:
+            if started is None:  # refused, or the client left
+                await merged.aclose()
+        if started is None:
             return Response(status_code=CLIENT_GONE)
         trace = begin(request, rid, [r.prompt or r.prompt_ids for r in reqs])
         info = StreamInfo(f"cmpl-{rid}", backend.model_name, int(time.time()), trace,
                           token_bytes)
-        chunks = completion_chunks(merge(streams), info, reqs[0].params.n, echo,
+        chunks = completion_chunks(merged.events(), info, reqs[0].params.n, echo,
                                    body.logprobs is not None)
         return await answer(request, chunks, bool(body.stream), body.include_usage, trace, rid,
-                            fold_completion)
+                            fold_completion, merged.aclose)
 
     @router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD",
                                                "OPTIONS"], include_in_schema=False,

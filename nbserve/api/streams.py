@@ -4,7 +4,8 @@ answers out of those same chunks. Also the merge of several requests (completion
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,49 +175,89 @@ async def fold_chat(chunks: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- completions
 
 
-async def merge(streams: list[tuple[Event, AsyncIterator[Event]]]
-                ) -> AsyncIterator[tuple[int, Event]]:
-    """Events of several requests as (request index, event), in arrival order. Closing the
-    merge closes every stream."""
-    if len(streams) == 1:
-        first, gen = streams[0]
-        try:
-            ev: Event | None = first
-            while ev is not None:
-                yield 0, ev
-                ev = await anext(gen, None)
-        finally:
-            await gen.aclose()  # type: ignore[attr-defined]
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-    end = object()
+class Merge:
+    """The events of several requests (a completions list) as one stream of (request index,
+    event), in arrival order.
 
-    async def pump(k: int, first: Event, gen: AsyncIterator[Event]) -> None:
-        try:
-            queue.put_nowait((k, first))
-            async for e in gen:
-                queue.put_nowait((k, e))
-        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
-            queue.put_nowait((k, exc))
-        finally:
-            await gen.aclose()  # type: ignore[attr-defined]
-            queue.put_nowait((k, end))
+    A task per request reads its events but holds at most one that the consumer has not taken:
+    the rest wait in the backend, whose `max_backlog` still cancels the request of a client
+    that stops reading. The consumer takes events as they come, so the requests that have a
+    slot stream while the others wait for one. `first()` waits until some request has an
+    event and raises the refusal of any request refused so far (an exception, or an
+    ErrorEvent before any other event), while the response has not started. `aclose()`
+    closes every request; it is idempotent.
+    """
 
-    tasks = [asyncio.ensure_future(pump(k, f, g)) for k, (f, g) in enumerate(streams)]
-    try:
-        live = len(tasks)
-        while live:
-            k, item = await queue.get()
-            if item is end:
-                live -= 1
-            elif isinstance(item, Exception):
+    def __init__(self, streams: Sequence[AsyncIterator[Event]]):
+        self._ready: deque[tuple[int, Any]] = deque()  # (request, event | exception | _END)
+        self._wake = asyncio.Event()
+        self._taken = [asyncio.Event() for _ in streams]
+        self._live = len(streams)
+        # Each task submits its request in its first step: with a backend that submits before
+        # its first await (Engine, Pool), every request is submitted, or refused, before any
+        # event can arrive from the engine thread.
+        self._tasks = [asyncio.ensure_future(self._pump(k, s)) for k, s in enumerate(streams)]
+
+    async def _pump(self, k: int, stream: AsyncIterator[Event]) -> None:
+        try:
+            async for ev in stream:
+                taken = self._taken[k]
+                taken.clear()
+                self._put(k, ev)
+                await taken.wait()
+        except Exception as exc:  # noqa: BLE001 - raised by the consumer
+            self._put(k, exc)
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+            self._put(k, _END)
+
+    def _put(self, k: int, item: Any) -> None:
+        self._ready.append((k, item))
+        self._wake.set()
+
+    async def _wait(self) -> None:
+        while not self._ready:
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def first(self) -> None:
+        """Wait until some request has an event (or ended); raise the first refusal seen:
+        the request's exception, or StreamFailed for an ErrorEvent (or for a request that
+        ended without any event). Nothing is taken: the events stay in order."""
+        await self._wait()
+        for _, item in self._ready:  # nothing was taken yet: each is its request's first
+            if isinstance(item, Exception):
                 raise item
-            else:
-                yield k, item
-    finally:
-        for t in tasks:
+            if isinstance(item, ErrorEvent):
+                raise StreamFailed(item)
+            if item is _END:
+                raise StreamFailed(ErrorEvent("the backend ended the request without any "
+                                              "event"))
+
+    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+        """(request index, event) until every request has ended; raises a request's exception.
+        Closing it closes every request."""
+        try:
+            while self._live:
+                await self._wait()
+                k, item = self._ready.popleft()
+                if item is _END:
+                    self._live -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    self._taken[k].set()
+                    yield k, item
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+_END = object()  # a Merge request's stream has ended
 
 
 async def completion_chunks(events: AsyncIterator[tuple[int, Event]], info: StreamInfo, n: int,

@@ -262,22 +262,24 @@ class EngineStep:
         else:
             choice.first_token_time = now
         choice.last_token_time = now
-        reason, matched = None, None
+        reason, matched, stop_string = None, None, None
         text = ""
-        if tok in group.stop_ids:
+        if tok in group.stop_ids:  # a stop token: not part of the text
             reason, matched = "stop", tok
         else:
-            text, matched = choice.stopper.feed(choice.detok.add([tok]))
-            if matched is not None:
-                reason = "stop"
+            text, stop_string = choice.stopper.feed(choice.detok.add([tok]))
+            if stop_string is not None:
+                reason, matched = "stop", stop_string
         if reason is None and params.max_tokens is not None and \
                 len(seq.output_ids) >= params.max_tokens:
             reason = "length"
         if reason is None and seq.total_len >= self.max_context:
             reason = "length"
-        if reason is not None and matched is None:  # flush what was held back
-            tail, late = choice.stopper.feed(choice.detok.finish())
-            text += tail if late is not None else tail + choice.stopper.flush()
+        if reason is not None and stop_string is None:  # a stop token or a length
+            tail, late = self._held_back(group, seq)
+            text += tail
+            if late is not None:
+                reason, matched = "stop", late
         if lp is not None:
             lp.token = self.tokenizer.decode([tok])
             lp.bytes = list(self.tokenizer.token_bytes(tok))
@@ -286,6 +288,14 @@ class EngineStep:
             group.sink(Delta(seq.index, text, [tok], [lp] if lp is not None else None))
         if reason is not None:
             self._finish_seq(seq, group, reason, matched)
+
+    def _held_back(self, group: RequestGroup, seq: Sequence) -> tuple[str, str | None]:
+        """The end of an answer that no stop string ended: what the detokenizer (a character
+        still open) and the stop matcher (a possible stop string's start) held back, and the
+        stop string that text completes, if it does (then the text stops before it)."""
+        choice = group.choices[seq.index]
+        tail, late = choice.stopper.feed(choice.detok.finish())
+        return (tail, late) if late is not None else (tail + choice.stopper.flush(), None)
 
     def _finish_seq(self, seq: Sequence, group: RequestGroup, reason: str, matched: Any = None,
                     keep_cache: bool = True) -> None:
@@ -313,8 +323,13 @@ class EngineStep:
             self.hooks.admitted(group)
 
     def _end_group(self, group: RequestGroup, reason: str) -> None:
+        """End every sequence of `group` (cancelled), each with the text it held back."""
         self._mark_admitted(group)
         for seq in group.seqs:
+            if not seq.finished:
+                tail, _ = self._held_back(group, seq)
+                if tail:
+                    group.sink(Delta(seq.index, tail, [], None))
             self._finish_seq(seq, group, reason)
 
     def _fail_step(self, seqs: list[Sequence], exc: Exception) -> None:

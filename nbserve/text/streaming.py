@@ -3,6 +3,7 @@ matcher that holds back what could still become a stop string."""
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Iterable
 from typing import Any
 
@@ -15,9 +16,11 @@ class IncrementalDetokenizer:
     Each step decodes only a small window: the tokens of the previous delta (context for
     tokenizers whose decoding depends on the neighbour, e.g. sentencepiece's leading space)
     plus the tokens not emitted yet. Text ending in U+FFFD (an incomplete character) is held
-    back until a later token completes it or `finish()` flushes it. The concatenation of all
-    deltas equals `tokenizer.decode(all_ids)`; the one exception is an invalid byte run under
-    a byte-fallback decoder, where the full decode replaces the whole run, even its valid head.
+    back until a later token completes it or `finish()` flushes it (without the bytes of a
+    character the tokens never completed). The concatenation of all deltas equals
+    `tokenizer.decode(all_ids)` but for that cut character; the other exception is an invalid
+    byte run under a byte-fallback decoder, where the full decode replaces the whole run, even
+    its valid head.
     """
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = False):
@@ -35,8 +38,37 @@ class IncrementalDetokenizer:
         return self._advance(final=False)
 
     def finish(self) -> str:
-        """Return whatever is still held back (e.g. a trailing incomplete character as U+FFFD)."""
-        return self._advance(final=True)
+        """Return whatever is still held back, less the bytes of a character that the tokens
+        left incomplete (an answer that max_tokens cut inside a character): those are dropped
+        rather than shown as U+FFFD. A U+FFFD that the tokens spell (bytes EF BF BD) stays.
+        Needs a tokenizer with `token_bytes` to tell the two apart; without one, the cut shows
+        as U+FFFD."""
+        partial = self._drop_cut_character()
+        text = self._advance(final=True)
+        if partial and text.endswith("\ufffd"):
+            text = text[:-1]  # the cut character's start, inside a token that holds more
+        return text
+
+    def _drop_cut_character(self) -> bool:
+        """Drop the pending tokens that only hold bytes of an incomplete last character.
+        Returns True when one more token holds the rest of that character's bytes after
+        complete ones (a byte-level BPE piece like b" \xf0\x9f"): it stays, and its decoded
+        U+FFFD (one, the decoders replace an incomplete sequence as a whole) is cut off."""
+        token_bytes = getattr(self._tokenizer, "token_bytes", None)
+        if token_bytes is None:
+            return False
+        special = getattr(self._tokenizer, "special_ids", ()) if self.skip_special_tokens else ()
+        pending = self._window[self._read:]
+        sizes = [0 if t in special else len(token_bytes(t)) for t in pending]
+        raw = b"".join(token_bytes(t) for t, n in zip(pending, sizes) if n)
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(raw)
+        cut = len(decoder.getstate()[0])  # bytes of a valid but unfinished UTF-8 sequence
+        while cut > 0 and sizes[-1] <= cut:
+            cut -= sizes.pop()
+            pending.pop()
+        self._window = self._window[:self._read] + pending
+        return cut > 0
 
     def _advance(self, final: bool) -> str:
         if self._read == len(self._window):
