@@ -168,36 +168,6 @@ def app_running(backend: Any, **create_app_options: Any) -> Iterator[str]:
 # ----------------------------------------------------------------------------- slow readers
 
 
-@contextlib.contextmanager
-def small_send_buffers(app: Any, size: int = 16384) -> Iterator[str]:
-    """Serve `app` with SO_SNDBUF pinned on the listening socket (accepted sockets inherit it):
-    loopback would otherwise autotune the buffers to megabytes and absorb a whole stream that
-    nobody reads, as no real network path does."""
-    srv = ThreadedServer(app)
-    srv.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
-    url = srv.start()
-    try:
-        yield url
-    finally:
-        srv.stop()
-
-
-def non_reading_stream(url: str, body: dict[str, Any],
-                       path: str = "/v1/chat/completions") -> socket.socket:
-    """Send a streaming request on a socket with a tiny receive buffer and read nothing."""
-    import json
-
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect((host, int(port)))
-    data = json.dumps(body).encode()
-    sock.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                 b"application/json\r\nContent-Length: " + str(len(data)).encode() +
-                 b"\r\n\r\n" + data)
-    return sock
-
-
 def read_sse_data(sock: socket.socket, timeout: float = 10) -> list[str]:
     """Read what a `non_reading_stream` socket holds until [DONE] (or silence): its `data:`
     payloads (the chunked body's size lines dropped)."""

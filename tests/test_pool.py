@@ -26,7 +26,6 @@ from nbserve.engine import Engine
 from nbserve.loading.hf_dir import load_hf_dir
 from nbserve.pool import Pool
 from nbserve.pool.setup import choose_kv_size, resolve_devices
-from nbserve.server import create_app
 from nbserve.types import (
     Delta,
     EngineStoppedError,
@@ -479,7 +478,7 @@ MSG = [{"role": "user", "content": "Tell me a story."}]
 
 def test_a_client_that_stops_reading_is_cancelled_past_max_backlog_in_a_pool(loaded):
     pool = make_pool(loaded, max_backlog=32, max_context=512)
-    with pool, small_send_buffers(create_app(pool, ui=False)) as url:
+    with pool, small_send_buffers(pool) as url:
         # top_logprobs make each chunk ~1.5 KB: the buffers are full after a few dozen tokens
         sock = non_reading_stream(url, {"messages": MSG, "stream": True, "max_tokens": 480,
                                         "logprobs": True, "top_logprobs": 20,
