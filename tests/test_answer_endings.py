@@ -162,6 +162,23 @@ def test_max_tokens_inside_a_character_drops_its_bytes(serve: Any, tokenizer: To
     assert raw == "ok 🎉".encode()[:-1]
 
 
+def test_a_token_whose_text_is_dropped_still_reaches_the_caller(serve: Any,
+                                                              tokenizer: Tokenizer) -> None:
+    """The last token of an answer cut inside a character has no text left, but it was
+    generated: its id is in the events (and counted), so token-level callers see all of them.
+    "ok🎉": the emoji's bytes are the last two tokens alone, so at max_tokens=4 they are cut."""
+    ids = tokenizer.encode("ok🎉")
+    assert not tokenizer.decode(ids[2:4]).strip("\ufffd")
+    engine, _ = serve(ids)
+    events = list(engine.stream(Request(prompt="Go.<|im_start|>", params=SamplingParams(
+        temperature=0, max_tokens=4))))
+    got = [t for ev in events if isinstance(ev, Delta) for t in ev.token_ids]
+    finished = [ev for ev in events if isinstance(ev, Finished)]
+    assert got == ids[:4]
+    assert finished[0].reason == "length" and finished[0].usage.completion_tokens == 4
+    assert "".join(ev.text for ev in events if isinstance(ev, Delta)) == "ok"
+
+
 # ----------------------------------------------------------------------------- default model
 
 CUT_CHAT = [{"role": "user", "content": "Write 你好 and 🎉 ten times."}]  # emoji lines, mostly

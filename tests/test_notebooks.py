@@ -55,7 +55,7 @@ def test_rerunning_the_launch_cell_leaves_one_server(tmp_path, tiny_llama_dir, m
         "display_name": "Python 3 (nbserve tests)", "language": "python"}))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     launch_cell = f"import nbserve\nsrv = nbserve.launch({str(tiny_llama_dir)!r}, max_batch=2)"
-    check = ("from nbserve.launch import running_servers\n"
+    check = ("from nbserve.serving.launch import running_servers\n"
              "print('servers:', [s.port for s in running_servers()] == [srv.port])\nsrv.stop()")
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(launch_cell),
                                          nbformat.v4.new_code_cell(launch_cell),  # a re-run

@@ -179,8 +179,8 @@ def test_a_float_checkpoint_gets_q8_0_copies(tiny_llama_dir):
     (_, one_f), (_, one_q) = _lone_steps(full, ids), _lone_steps(model, ids)
     error = ((one_q - one_f).norm() / one_f.norm()).item()
     assert 0 < error < 0.03, error  # Q8_0 weights (0.2-0.4% each) through 2 random layers
-    n_full, bytes_full = nbserve.models.llama.count_parameters(full)
-    n_q, bytes_q = nbserve.models.llama.count_parameters(model)
+    n_full, bytes_full = nbserve.models.weights.count_parameters(full)
+    n_q, bytes_q = nbserve.models.weights.count_parameters(model)
     assert n_q == n_full and bytes_q > bytes_full  # the copies are counted
 
 

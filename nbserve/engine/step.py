@@ -284,7 +284,10 @@ class EngineStep:
             lp.token = self.tokenizer.decode([tok])
             lp.bytes = list(self.tokenizer.token_bytes(tok))
             lp.top = [(i, self.tokenizer.decode([i]), v) for i, _, v in lp.top]
-        if text or lp is not None or reason is None:
+        # Every generated token reaches the caller, even with no text (held back, or the
+        # dropped bytes of a cut character); only a token that ended the answer by being a
+        # stop token or completing a stop string goes unreported when it carries nothing.
+        if text or lp is not None or reason != "stop":
             group.sink(Delta(seq.index, text, [tok], [lp] if lp is not None else None))
         if reason is not None:
             self._finish_seq(seq, group, reason, matched)
