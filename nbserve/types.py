@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Literal, Protocol, Union, runtime_checkable
+from typing import Any, Literal, Protocol, Union, runtime_checkable
 
 # ----------------------------------------------------------------------------- errors
 

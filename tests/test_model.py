@@ -95,8 +95,9 @@ def test_loaded_files_match_transformers_at_prefill_and_16_cached_steps(
         arch, fmt, tiny_llama_dir, tiny_qwen2_dir, tmp_path):
     """The real formats end to end: saved HF directory and its GGUF conversion, through
     nbserve.load, against transformers on the same directory."""
-    import nbserve
     from gguf_util import hf_dir_to_gguf
+
+    import nbserve
 
     src = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
     path = src if fmt == "hf_dir" else hf_dir_to_gguf(src, tmp_path / f"{arch}.gguf", "F32")

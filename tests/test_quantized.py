@@ -18,7 +18,7 @@ from gguf_util import hf_dir_to_gguf
 
 import nbserve
 from nbserve.cpu.kernels import build
-from nbserve.models.quant import QUANT_MAX_ROWS, QuantBlocks, KernelLinear
+from nbserve.models.quant import QUANT_MAX_ROWS, KernelLinear, QuantBlocks
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),

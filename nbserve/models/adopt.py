@@ -26,12 +26,12 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from .base import LoadedModel
 from ..text import ChatTemplate, Tokenizer
 from ..text.chat_template import load_chat_template
 from ..text.tokenizer import load_tokenizer
-from .adapters import RecomputeAdapter, TransformersAdapter
 from . import registry
+from .adapters import RecomputeAdapter, TransformersAdapter
+from .base import LoadedModel
 from .weights import count_parameters
 
 M = TypeVar("M")

@@ -35,7 +35,7 @@ class LlamaConfig:
     name: str = "model"
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], name: str = "model") -> "LlamaConfig":
+    def from_hf(cls, cfg: dict[str, Any], name: str = "model") -> LlamaConfig:
         """Build from a config.json dict; raise ValueError naming what is unsupported."""
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",

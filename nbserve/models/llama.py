@@ -8,17 +8,23 @@ state dict loads as it is and a `transformers` model's tensors can be adopted wi
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..cpu.kernels.build import kernels_available
-from .kv_cache import KVCache
 from .config import LlamaConfig
-from .linear import (FusedProjection, gated_linear, linear, normed_linear, packing_affordable,
-                     packing_available)
+from .kv_cache import KVCache
+from .linear import (
+    FusedProjection,
+    gated_linear,
+    linear,
+    normed_linear,
+    packing_affordable,
+    packing_available,
+)
 from .lone_attention import lone_attention, lone_attention_serves
 from .weights import WeightFormats
 
@@ -61,7 +67,7 @@ class Attention(nn.Module):
         self.qkv: FusedProjection | None = None  # see LlamaModel.fuse_projections
 
     def forward(self, x: torch.Tensor, norm: RMSNorm, rope: tuple[torch.Tensor, torch.Tensor],
-                step: "StepInputs", cache: KVCache) -> torch.Tensor:
+                step: StepInputs, cache: KVCache) -> torch.Tensor:
         """Attention over norm(x) (the norm runs inside the q/k/v matmul where it can)."""
         b, t, _ = x.shape
         cos, sin_signed = rope  # (B, T, 1, D)

@@ -21,10 +21,8 @@ from typing import Any
 
 from ..engine.config import EngineConfig
 from ..engine.engine import Engine
-from .setup import load_replicas, plan_kv_caches, resolve_devices
-from .state import Replica, pool_health, pool_stats, route_order
-from ..engine.sync_helpers import SyncHelpers
 from ..engine.requests import Mailbox
+from ..engine.sync_helpers import SyncHelpers
 from ..types import (
     BusyError,
     Delta,
@@ -37,6 +35,8 @@ from ..types import (
     Request,
     Started,
 )
+from .setup import load_replicas, plan_kv_caches, resolve_devices
+from .state import Replica, pool_health, pool_stats, route_order
 
 log = logging.getLogger("nbserve.pool")
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.engine import Engine
-from ..engine.stats import percentile
 from ..engine.scheduler import common_prefix_len
+from ..engine.stats import percentile
 
 AFFINITY_TOKENS = 32  # a shared prefix this long (or half the prompt) pulls a request back
 AFFINITY_FRACTION = 0.5

@@ -23,9 +23,9 @@ from ..api.errors import APIError, install_error_handlers
 from ..api.limits import Limits
 from ..api.routes import UNKNOWN_ROUTE, add_request_schemas, build_router
 from ..api.trace import Trace
+from ..types import Backend
 from .metrics import Metrics
 from .options import ServerOptions
-from ..types import Backend
 
 log = logging.getLogger("nbserve.server")
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")

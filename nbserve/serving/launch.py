@@ -25,11 +25,11 @@ from typing import Any
 
 import uvicorn
 
+from ..types import Backend
 from .access import Access, decide_access
 from .backend_ref import SwappableBackend, backend_option_names, build_backend, is_backend
 from .options import ServerOptions, option_names, suggest
 from .share import close_share_links, open_share_link
-from ..types import Backend
 
 _SERVERS: dict[int, Server] = {}
 _FLUSH_S = 3.0  # after the grace period: time for cancelled answers to reach their clients

@@ -18,7 +18,6 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..types import InvalidRequestError
 from .files import token_str
-
 from .tool_prompt import tools_in_prompt
 
 log = logging.getLogger("nbserve.text")

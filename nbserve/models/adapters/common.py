@@ -113,5 +113,5 @@ class ModuleAdapter(nn.Module):
     def dtype(self) -> torch.dtype:
         return module_device_dtype(self.module)[1]
 
-    def train(self, mode: bool = True) -> "ModuleAdapter":
+    def train(self, mode: bool = True) -> ModuleAdapter:
         return self
