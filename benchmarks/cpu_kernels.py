@@ -104,7 +104,7 @@ def crossover(rows_list: list[int], n: int) -> None:
             cells = []
             for name, ops in (("f32 oneDNN-packed", packed), ("f32 C kernel", f32),
                               ("q4/q8 C kernel", quant)):
-                def all_ops(ops: list = ops) -> None:
+                def all_ops(ops: list = ops, x: dict = x) -> None:
                     for op in ops:
                         op(x[op.weight.shape[1] if isinstance(op, PackedCopy)
                              else op.in_features])

@@ -34,7 +34,7 @@ from nbserve.types import Delta, ErrorEvent, Request, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-from custom_step_model import TinyGPT
+from custom_step_model import TinyGPT  # noqa: E402 (examples/ is on sys.path only now)
 
 # Different lengths (so sequences join and leave the batch at different steps), and one that
 # extends another (so a freed cache slot is reused for its prefix and rolled back).

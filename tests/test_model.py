@@ -1,4 +1,5 @@
-"""nbserve's Llama-family model computes what transformers computes, at prefill and cached decode."""
+"""nbserve's Llama-family model computes what transformers computes, at prefill and cached
+decode."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def _hf_model(arch: str) -> transformers.PreTrainedModel:
         extra = dict(rope_theta=500000.0, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=True,
-                                                                  **extra))
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**common, tie_word_embeddings=True, **extra))
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "mistral"])

@@ -190,7 +190,8 @@ def test_moving_or_copying_the_model_keeps_the_copies_right(q4_gguf):
     _, before = _lone_steps(model, ids)
     model.to(torch.float64)
     assert model.weight_format == "float64"
-    assert all(getattr(h, "kernel", None) is None for h in model._weight_holders())  # float64 rows: no kernel
+    # float64 rows: no kernel
+    assert all(getattr(h, "kernel", None) is None for h in model._weight_holders())
     model.to(torch.float32)
     assert model.weight_format == "quantized"
     assert torch.equal(_lone_steps(model, ids)[1], before)

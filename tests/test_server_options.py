@@ -78,7 +78,8 @@ def test_every_create_app_option_is_a_launch_keyword_and_a_cli_flag():
     parser = argparse.ArgumentParser()
     add_serve_options(parser)  # what `nbserve serve` and app.py both call
     dests = {a.dest: a for a in parser._actions}
-    cli_help, app_py_help = _help(["-m", "nbserve.serving.cli", "serve"]), _help([str(ROOT / "app.py")])
+    cli_help = _help(["-m", "nbserve.serving.cli", "serve"])
+    app_py_help = _help([str(ROOT / "app.py")])
     for name, f in fields.items():
         opts, engine_options = split_launch_options({name: ServerOptions().__getattribute__(name)})
         assert isinstance(opts, ServerOptions) and engine_options == {}, name

@@ -113,7 +113,8 @@ class FunctionMessage(_Schema):
 
 
 Message = Annotated[
-    DeveloperMessage | SystemMessage | UserMessage | AssistantMessage | ToolMessage | FunctionMessage,
+    DeveloperMessage | SystemMessage | UserMessage | AssistantMessage | ToolMessage
+    | FunctionMessage,
     Field(discriminator="role"),
 ]
 

@@ -1,7 +1,8 @@
 """Batched sampling on a step's logits (B, V), each row by its own SamplingParams and generator.
 
 Per row: logit_bias, repetition, presence/frequency, the stop tokens held back until min_tokens;
-then argmax, or temperature, top-k, top-p, min-p and one draw. Logprobs: log_softmax of the raw logits (vLLM/OpenAI). Inputs stay unmodified.
+then argmax, or temperature, top-k, top-p, min-p and one draw. Logprobs: log_softmax of the raw
+logits (vLLM/OpenAI). Inputs stay unmodified.
 """
 
 from __future__ import annotations

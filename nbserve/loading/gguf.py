@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from ..models.quant import QuantBlocks
 
 SUPPORTED_TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1,
-                   QType.Q5_0, QType.Q5_1, QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K)
+                   QType.Q5_0, QType.Q5_1, QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K,
+                   QType.Q6_K)
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
@@ -40,7 +41,8 @@ _BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _CONFIG_ONLY = {"rope_freqs.weight"}  # Llama-3 RoPE scaling factors, folded into rope_scaling
 
-# Pre-tokenizer split regexes, by `tokenizer.ggml.pre` (the same splits as the models' tokenizer.json).
+# Pre-tokenizer split regexes, by `tokenizer.ggml.pre` (the same splits as the models'
+# tokenizer.json).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -117,7 +119,8 @@ class GGUFTensors:
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row order: per head it stores rows (0, D/2, 1, D/2+1, ...)."""
     rows = w.shape[0]  # (H*D, ...) -> (H, D/2, 2, ...) -> (H, 2, D/2, ...)
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2)
+            .reshape(w.shape))
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -142,12 +145,14 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheck
                          f"{', '.join(known)} ({'; '.join(registry.descriptions())}).")
     if meta.get(f"{arch}.expert_count"):
         raise ValueError(f"{path} is a mixture-of-experts model ({arch} with "
-                         f"{meta.get(f'{arch}.expert_count')} experts); nbserve serves dense models")
+                         f"{meta.get(f'{arch}.expert_count')} experts); "
+                         "nbserve serves dense models")
     by_name = {t.name: t for t in reader.tensors}
     for t in reader.tensors:
         if t.tensor_type not in SUPPORTED_TYPES:
             raise ValueError(
-                f"tensor {t.name!r} in {path} has type {t.tensor_type.name}, which nbserve does not "
+                f"tensor {t.name!r} in {path} has type {t.tensor_type.name}, "
+                "which nbserve does not "
                 f"dequantize; supported: {', '.join(q.name for q in SUPPORTED_TYPES)}. "
                 "Use a GGUF quantized with one of these (e.g. Q4_K_M, Q8_0 or F16).")
         if t.name not in _CONFIG_ONLY and hf_tensor_name(t.name) is None:

@@ -103,8 +103,9 @@ def adopt_transformers(model: Any, tokenizer: Any, *,
 
 
 def take_over(model: Any, max_context: int | None = None) -> Any:
-    """nbserve's own model (from the registry) over `model`'s own parameter tensors, or None (with the reason printed)
-    when the architecture or its options are not ones nbserve implements."""
+    """nbserve's own model (from the registry) over `model`'s own parameter tensors, or None
+    (with the reason printed) when the architecture or its options are not ones nbserve
+    implements."""
     arch = type(model).__name__
     family = registry.for_class_name(arch)
     if family is None:

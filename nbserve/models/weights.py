@@ -74,7 +74,8 @@ class WeightFormats(nn.Module):
 
     def pack_weights(self) -> None:
         """Add a oneDNN-packed copy of every matmul weight and of the LM head (`PackedCopy`):
-        on CPU, batched decode steps run their matmuls faster and one-row steps no slower. Outputs differ from plain float32 in the last bits. +100% weight memory.
+        on CPU, batched decode steps run their matmuls faster and one-row steps no slower.
+        Outputs differ from plain float32 in the last bits. +100% weight memory.
         Loaders do it for CPU float32 (and mixed16, for the steps the float16 copies leave)."""
         if not packing_available(self.lm_head.weight):
             raise ValueError("packed weights need a CPU float32 model and torch built with "
@@ -98,8 +99,9 @@ class WeightFormats(nn.Module):
     def use_float_kernel(self) -> None:
         """Multiply steps of up to FLOAT_MAX_ROWS rows with nbserve's C kernel over the float32
         weights as they are (no copy): faster than oneDNN for a few rows, with the norms and
-        the SwiGLU gate inside the kernel calls (benchmarks/README.md). Outputs differ from plain float32 in summation order only; a row's
-        result does not depend on the other rows of the step. Builds the kernel at first use
+        the SwiGLU gate inside the kernel calls (benchmarks/README.md). Outputs differ from plain
+        float32 in summation order only; a row's result does not depend on the other rows of
+        the step. Builds the kernel at first use
         (needs a C compiler); loaders turn it on for CPU float32 where it builds."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise ValueError("the float32 kernel is a CPU float32 option")

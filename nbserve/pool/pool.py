@@ -81,8 +81,9 @@ class Pool(SyncHelpers):
 
     `model`: a source (path, "smollm2", hub id), loaded once per device in parallel, or a
     LoadedModel / model object (with `tokenizer`, `chat_template` as for `load`), copied to
-    devices it is not on (torch modules only; otherwise pass its source). Replicas on the same device share the weights
-    (one copy in memory): each Engine owns its own KV cache and thread. On CUDA, unless
+    devices it is not on (torch modules only; otherwise pass its source). Replicas on the same
+    device share the weights (one copy in memory): each Engine owns its own KV cache and
+    thread. On CUDA, unless
     `max_batch` / `max_context` are given, each replica's KV cache is sized from
     `kv_memory_fraction` of the GPU's free memory (split between replicas on one GPU).
     A replica leaves the rotation when its engine thread dies or its model raises
@@ -361,8 +362,8 @@ class Pool(SyncHelpers):
             return [ev], False
         if isinstance(ev, ErrorEvent):
             model_error = ev.kind == "server_error"
-            if not ticket.streamed and not self._closed and \
-                    (ev.kind == "service_unavailable" or (model_error and not ticket.error_retries)):
+            retry = ev.kind == "service_unavailable" or (model_error and not ticket.error_retries)
+            if not ticket.streamed and not self._closed and retry:
                 ticket.error_retries += model_error
                 return self._reroute(ticket, {attempt.replica.index}, ev)
             return [ev], True

@@ -162,7 +162,8 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
     for attr in ("generate", "stats", "model_name"):
         if not hasattr(backend, attr):
             raise TypeError(f"create_app needs a Backend (an Engine or a Pool) with .{attr}; got "
-                            f"{type(backend).__name__}. Example: create_app(Engine(load('smollm2')))")
+                            f"{type(backend).__name__}. "
+                            "Example: create_app(Engine(load('smollm2')))")
     opts = ServerOptions.from_app_keywords(given, options)
     if options is not None:  # the record form is its keywords: the body below reads either
         return create_app(backend, **opts.app_kwargs())

@@ -59,7 +59,8 @@ class RecomputeAdapter(ModuleAdapter):
     def __init__(self, module: nn.Module, *, max_context: int | None = None,
                  vocab_size: int | None = None, warn: bool = True):
         if not isinstance(module, nn.Module):
-            raise TypeError(f"RecomputeAdapter needs a torch.nn.Module, got {type(module).__name__}")
+            raise TypeError("RecomputeAdapter needs a torch.nn.Module, "
+                            f"got {type(module).__name__}")
         super().__init__()
         self.module = module
         self._view = eval_view(module)
