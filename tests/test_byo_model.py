@@ -293,8 +293,9 @@ def test_recompute_reads_context_and_vocab_from_the_module() -> None:
         def forward(self, idx: torch.Tensor) -> torch.Tensor:
             return self.emb(idx) @ self.emb.weight.T  # (B, T, 50)
 
-    with pytest.raises(ValueError, match="max_context"):
-        RecomputeAdapter(Bare(), warn=False)
+    for unset in (None, 0):  # 0 means "not given", as for TransformersAdapter
+        with pytest.raises(ValueError, match="max_context"):
+            RecomputeAdapter(Bare(), max_context=unset, warn=False)
     step = RecomputeAdapter(Bare(), max_context=16, warn=False)
     assert (step.max_context, step.vocab_size) == (16, 50)
     model = Bare()

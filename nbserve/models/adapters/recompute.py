@@ -66,12 +66,13 @@ class RecomputeAdapter(ModuleAdapter):
         self._view = eval_view(module)
         self.name = type(module).__name__
         window = config_value(module, CONTEXT_KEYS)
-        if max_context is None and window is None:
+        context = max_context or window
+        if context is None:
             raise ValueError(
                 f"cannot tell the context length of {self.name}: its config has none of "
                 f"{', '.join(CONTEXT_KEYS[:3])}. Pass max_context=... (e.g. "
                 "nbserve.launch(model, tokenizer=tok, max_context=256))")
-        self.max_context = int(max_context or window)
+        self.max_context = int(context)
         self.window = min(window or self.max_context, self.max_context)
         self.vocab_size = int(vocab_size or config_value(module, ("vocab_size",))
                               or self._probe_vocab())
