@@ -215,8 +215,9 @@ def _default_name(model: Any) -> str:
 def _template(chat_template: Any, tokenizer: Any, name: str, verbose: bool) -> ChatTemplate:
     if isinstance(chat_template, ChatTemplate):
         return chat_template
-    specials = {k: v for k, v in (getattr(tokenizer, "special_tokens_map", None) or {}).items()
-                if isinstance(v, str)}
+    specials: dict[str, Any] = {
+        k: v for k, v in (getattr(tokenizer, "special_tokens_map", None) or {}).items()
+        if isinstance(v, str)}
     if isinstance(chat_template, (str, os.PathLike)):
         source = str(chat_template)
         if "{" not in source and Path(source).is_file():  # a .jinja file

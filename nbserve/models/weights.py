@@ -124,14 +124,15 @@ class WeightFormats(nn.Module):
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise ValueError("quantized weights are a CPU float32 option: load the model with "
                              "dtype='float32' on cpu (on a GPU use dtype='bfloat16')")
-        blocks = dict(blocks or {})
-        if "lm_head.weight" not in blocks and \
+        by_name: dict[str, QuantBlocks | None] = dict(blocks or {})
+        if "lm_head.weight" not in by_name and \
                 self.lm_head.weight is self.embedding_weight():  # tied head
-            blocks["lm_head.weight"] = blocks.get("model.embed_tokens.weight")
+            by_name["lm_head.weight"] = by_name.get("model.embed_tokens.weight")
         found: list[QuantBlocks | None] = []
         for holder, names in self._named_holders():
-            parts = [blocks.get(name) for name in names]
-            own = QuantBlocks.cat(parts) if all(p is not None for p in parts) else None
+            parts = [by_name.get(name) for name in names]
+            present = [p for p in parts if p is not None]
+            own = QuantBlocks.cat(present) if len(present) == len(parts) else None
             found.append(own if own is not None and own.shape == tuple(holder.weight.shape)
                          else None)
         if only_lossless and any(b is None for b in found):
