@@ -138,8 +138,8 @@ class Engine(SyncHelpers):
 
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         """Stream the events of `request`. Raises before the first event if it is refused."""
-        mailbox = Mailbox(self.abort, request.request_id, asyncio.get_running_loop(),
-                           self._backlog_limit(request))
+        mailbox: Mailbox[Event] = Mailbox(self.abort, request.request_id,
+                                          asyncio.get_running_loop(), self._backlog_limit(request))
         group = self.submit(request, mailbox.post)
         remaining, finished = group.params.n, False
         try:
