@@ -286,7 +286,8 @@ Event = Started | Delta | Finished | ErrorEvent
 class Backend(Protocol):
     """What the server, the UI and launch depend on: an Engine or a Pool of them."""
 
-    model_name: str
+    @property
+    def model_name(self) -> str: ...  # read only: launch's SwappableBackend forwards it
 
     def generate(self, request: Request) -> AsyncIterator[Event]:
         """Validate (raising `InvalidRequestError`, `ContextLengthError`, `BusyError`,

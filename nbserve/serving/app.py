@@ -204,6 +204,7 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
     install_error_handlers(app)
 
     def health_body() -> tuple[int, dict[str, Any]]:
+        h: dict[str, Any]
         try:
             h = dict(backend.health()) if hasattr(backend, "health") else {"ready": True}
         except Exception as exc:  # noqa: BLE001 - a broken backend is "not ready", not a 500
