@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -95,7 +95,7 @@ class GGUFTensors:
             heads = self._heads.get(t.name.split(".")[2], 0) if t.name.startswith("blk.") else 0
             if heads:
                 w = unpermute_qk(w, heads)
-            yield hf_tensor_name(t.name), w.to(self._dtype)
+            yield _known_name(t.name), w.to(self._dtype)
 
 
     def quant_blocks(self) -> dict[str, QuantBlocks]:
@@ -112,7 +112,7 @@ class GGUFTensors:
             if heads:
                 order = unpermute_qk(torch.arange(blocks.shape[0])[:, None], heads)[:, 0]
                 blocks = blocks.take_rows(order)
-            found[hf_tensor_name(t.name)] = blocks
+            found[_known_name(t.name)] = blocks
         return found
 
 
@@ -131,6 +131,13 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
         return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
     return None
+
+
+def _known_name(gguf_name: str) -> str:
+    """`hf_tensor_name` of a tensor `read_gguf` has checked (every one it keeps has a name)."""
+    name = hf_tensor_name(gguf_name)
+    assert name is not None, gguf_name
+    return name
 
 
 def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
@@ -373,7 +380,8 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre_name: str, path: P
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    # each merge is "left right": a pair
+    pairs = cast("list[tuple[str, str]]", [tuple(m.split(" ", 1)) for m in merges])
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre_name in _LLAMA3_PRE))
     if pre_name in _DIGITS_PRE:
         tok.pre_tokenizer = pre.Sequence([pre.Digits(individual_digits=True),
