@@ -21,21 +21,20 @@ QUANT_MAX_ROWS come from (float32 weights as they are; random Q4_1-style and Q8_
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
-
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from nbserve.cpu.openmp_pool import release_openmp_pool  # noqa: E402
 from nbserve.models.linear import PackedCopy  # noqa: E402
 from nbserve.models.quant import KernelLinear, QuantBlocks  # noqa: E402
-from nbserve.cpu.openmp_pool import release_openmp_pool  # noqa: E402
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 HEAD = (49152, 576)
@@ -105,7 +104,7 @@ def crossover(rows_list: list[int], n: int) -> None:
             cells = []
             for name, ops in (("f32 oneDNN-packed", packed), ("f32 C kernel", f32),
                               ("q4/q8 C kernel", quant)):
-                def all_ops(ops: list = ops) -> None:
+                def all_ops(ops: list = ops, x: dict = x) -> None:
                     for op in ops:
                         op(x[op.weight.shape[1] if isinstance(op, PackedCopy)
                              else op.in_features])

@@ -1,8 +1,8 @@
 """Engine decode throughput on a random-weight model, beside the GPU's memory-bandwidth bound.
 
-    python benchmarks/gpu_bench.py                        # Qwen2.5-1.5B shape, cuda, bf16, batch 1,64
+    python benchmarks/gpu_bench.py                      # Qwen2.5-1.5B shape, cuda, bf16, batch 1,64
     python benchmarks/gpu_bench.py --config qwen2.5-0.5b --batch 1,16,64
-    python benchmarks/gpu_bench.py --device cpu --tiny    # the same path on a tiny model
+    python benchmarks/gpu_bench.py --device cpu --tiny  # the same path on a tiny model
 
 The model is built on the device with random weights (no download) in a shape nbserve serves;
 prompts are random token ids, every request decodes `--new-tokens` tokens (EOS ignored). Decode

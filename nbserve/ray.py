@@ -179,8 +179,9 @@ def deployment(model: Any, *, num_replicas: int = 1, gpus_per_replica: float = 0
     _check(options)
     app_opts = {"api_keys": api_keys, "ui": ui, **(app_options or {})}
     os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)  # for a Ray started from here
-    app = serve.deployment(NbserveReplica, **options).bind(_portable(model), build_options,
-                                                           app_opts)
+    # Ray annotates serve.deployment(cls, ...) as returning the decorator, not the Deployment
+    app = serve.deployment(NbserveReplica, **options).bind(  # type: ignore[attr-defined]
+        _portable(model), build_options, app_opts)
     app._nbserve_run = {"name": name, "route_prefix": route_prefix}  # read by run()
     return app
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Literal, Protocol, Union, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 # ----------------------------------------------------------------------------- errors
 
@@ -113,7 +114,8 @@ class SamplingParams:
             return InvalidRequestError(f"{param} {msg}", param=param)
 
         def finite(name: str, value: float) -> None:
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or \
+                    not math.isfinite(value):
                 raise bad(name, f"must be a finite number, got {value!r}")
 
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -130,10 +132,12 @@ class SamplingParams:
         if not -2 <= self.presence_penalty <= 2:
             raise bad("presence_penalty", f"must be between -2 and 2, got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
-            raise bad("frequency_penalty", f"must be between -2 and 2, got {self.frequency_penalty}")
+            raise bad("frequency_penalty",
+                      f"must be between -2 and 2, got {self.frequency_penalty}")
         if self.repetition_penalty <= 0:
             raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or
+                                            self.max_tokens < 1):
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
                 self.min_tokens < 0:
@@ -144,7 +148,8 @@ class SamplingParams:
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise bad("top_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}")
+            raise bad("top_logprobs",
+                      f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         for s in self.stop:
@@ -152,15 +157,18 @@ class SamplingParams:
                 raise bad("stop", f"entries must be non-empty strings, got {s!r}")
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
-                if not isinstance(tok, int) or (vocab_size is not None and not 0 <= tok < vocab_size):
-                    raise bad("logit_bias", f"keys must be token ids in [0, {vocab_size}), got {tok!r}")
+                if not isinstance(tok, int) or \
+                        (vocab_size is not None and not 0 <= tok < vocab_size):
+                    raise bad("logit_bias",
+                              f"keys must be token ids in [0, {vocab_size}), got {tok!r}")
                 finite("logit_bias", bias)
                 if not -100 <= bias <= 100:
                     raise bad("logit_bias", f"values must be between -100 and 100, got {bias}")
         if vocab_size is not None:
             for tok in self.stop_token_ids:
                 if not 0 <= tok < vocab_size:
-                    raise bad("stop_token_ids", f"must be token ids in [0, {vocab_size}), got {tok}")
+                    raise bad("stop_token_ids",
+                              f"must be token ids in [0, {vocab_size}), got {tok}")
 
 
 # ----------------------------------------------------------------------------- requests
@@ -268,7 +276,7 @@ class ErrorEvent:
     type: Literal["error"] = "error"
 
 
-Event = Union[Started, Delta, Finished, ErrorEvent]
+Event = Started | Delta | Finished | ErrorEvent
 
 
 # ----------------------------------------------------------------------------- backend seam
@@ -278,7 +286,8 @@ Event = Union[Started, Delta, Finished, ErrorEvent]
 class Backend(Protocol):
     """What the server, the UI and launch depend on: an Engine or a Pool of them."""
 
-    model_name: str
+    @property
+    def model_name(self) -> str: ...  # read only: launch's SwappableBackend forwards it
 
     def generate(self, request: Request) -> AsyncIterator[Event]:
         """Validate (raising `InvalidRequestError`, `ContextLengthError`, `BusyError`,

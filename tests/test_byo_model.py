@@ -34,7 +34,7 @@ from nbserve.types import Delta, ErrorEvent, Request, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-from custom_step_model import TinyGPT
+from custom_step_model import TinyGPT  # noqa: E402 (examples/ is on sys.path only now)
 
 # Different lengths (so sequences join and leave the batch at different steps), and one that
 # extends another (so a freed cache slot is reused for its prefix and rolled back).
@@ -293,8 +293,9 @@ def test_recompute_reads_context_and_vocab_from_the_module() -> None:
         def forward(self, idx: torch.Tensor) -> torch.Tensor:
             return self.emb(idx) @ self.emb.weight.T  # (B, T, 50)
 
-    with pytest.raises(ValueError, match="max_context"):
-        RecomputeAdapter(Bare(), warn=False)
+    for unset in (None, 0):  # 0 means "not given", as for TransformersAdapter
+        with pytest.raises(ValueError, match="max_context"):
+            RecomputeAdapter(Bare(), max_context=unset, warn=False)
     step = RecomputeAdapter(Bare(), max_context=16, warn=False)
     assert (step.max_context, step.vocab_size) == (16, 50)
     model = Bare()

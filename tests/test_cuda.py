@@ -68,7 +68,8 @@ def forward_all(loaded, ids: list[int]) -> torch.Tensor:
     model = loaded.model
     dev = model.device
     cache = model.make_cache(1, 256)
-    logits = model.forward(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None],
+    logits = model.forward(torch.tensor([ids], device=dev),
+                           torch.arange(len(ids), device=dev)[None],
                            torch.tensor([0], device=dev), cache)
     return logits[0].float().cpu()  # (T, V)
 

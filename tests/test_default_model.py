@@ -1,4 +1,5 @@
-"""The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers on the same file."""
+"""The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers on the same
+file."""
 
 from __future__ import annotations
 

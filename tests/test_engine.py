@@ -15,8 +15,15 @@ from tiny_models import utf8_cut
 from nbserve.engine import Engine
 from nbserve.loading.hf_dir import load_hf_dir
 from nbserve.types import (
-    BusyError, ContextLengthError, Delta, ErrorEvent, Finished, InvalidRequestError, Request,
-    SamplingParams, Started,
+    BusyError,
+    ContextLengthError,
+    Delta,
+    ErrorEvent,
+    Finished,
+    InvalidRequestError,
+    Request,
+    SamplingParams,
+    Started,
 )
 
 PROMPTS = ["Hello there", "The cat sat on the mat and then",

@@ -15,10 +15,10 @@ from tiny_models import SMOLLM2_TEMPLATE, make_tiny_hf_dir
 
 from nbserve.loading.hf_dir import find_weight_files, iter_safetensors, load_hf_dir, model_name
 from nbserve.models.dtypes import resolve_dtype
+from nbserve.text import ChatTemplate
 from nbserve.text.chat_template import load_chat_template
 from nbserve.text.files import MissingFileError
 from nbserve.text.tokenizer import load_tokenizer
-from nbserve.text import ChatTemplate
 
 PROMPT = [{"role": "user", "content": "Hello 🎉"}]
 

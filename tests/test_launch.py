@@ -400,8 +400,9 @@ def test_app_py_help_lists_the_options():
 @pytest.mark.slow
 def test_cli_serve_answers_then_stops_cleanly_on_ctrl_c(tiny_llama_dir):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "nbserve.serving.cli", "serve", str(tiny_llama_dir),
-                             "--port", "0", "--max-batch", "2"], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "nbserve.serving.cli", "serve",
+                             str(tiny_llama_dir), "--port", "0", "--max-batch", "2"],
+                            cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = None

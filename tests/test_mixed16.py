@@ -67,9 +67,9 @@ def test_default_model_keeps_its_answer_with_mixed16():
 
 @pytest.mark.parametrize("fmt", ["mixed16", "quantized"])
 def test_cli_and_launch_pass_the_weight_format_to_the_loader(tiny_llama_dir, fmt):
+    from nbserve.models.llama import kernels_available
     from nbserve.serving.backend_ref import build_backend
     from nbserve.serving.cli import build_parser, serve_kwargs
-    from nbserve.models.llama import kernels_available
 
     if fmt == "quantized" and not kernels_available():
         pytest.skip("dtype='quantized' needs nbserve's C kernels (a C compiler)")

@@ -1,4 +1,5 @@
-"""nbserve's Llama-family model computes what transformers computes, at prefill and cached decode."""
+"""nbserve's Llama-family model computes what transformers computes, at prefill and cached
+decode."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def _hf_model(arch: str) -> transformers.PreTrainedModel:
         extra = dict(rope_theta=500000.0, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=True,
-                                                                  **extra))
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**common, tie_word_embeddings=True, **extra))
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "mistral"])
@@ -95,8 +96,9 @@ def test_loaded_files_match_transformers_at_prefill_and_16_cached_steps(
         arch, fmt, tiny_llama_dir, tiny_qwen2_dir, tmp_path):
     """The real formats end to end: saved HF directory and its GGUF conversion, through
     nbserve.load, against transformers on the same directory."""
-    import nbserve
     from gguf_util import hf_dir_to_gguf
+
+    import nbserve
 
     src = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
     path = src if fmt == "hf_dir" else hf_dir_to_gguf(src, tmp_path / f"{arch}.gguf", "F32")

@@ -210,7 +210,7 @@ def test_second_chat_turn_goes_back_to_the_replica_of_the_first(loaded):
         homes = [r.metadata["replica"] for r in first]
         assert set(homes) == {0, 1}
         for turn in range(2):
-            for conv, events, home in zip(convs, answers, homes):
+            for conv, events in zip(convs, answers):
                 reply = "".join(ev.text for ev in events if isinstance(ev, Delta))
                 conv += [{"role": "assistant", "content": reply},
                          {"role": "user", "content": f"And turn {turn}?"}]

@@ -18,7 +18,7 @@ from gguf_util import hf_dir_to_gguf
 
 import nbserve
 from nbserve.cpu.kernels import build
-from nbserve.models.quant import QUANT_MAX_ROWS, QuantBlocks, KernelLinear
+from nbserve.models.quant import QUANT_MAX_ROWS, KernelLinear, QuantBlocks
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),
@@ -190,7 +190,8 @@ def test_moving_or_copying_the_model_keeps_the_copies_right(q4_gguf):
     _, before = _lone_steps(model, ids)
     model.to(torch.float64)
     assert model.weight_format == "float64"
-    assert all(getattr(h, "kernel", None) is None for h in model._weight_holders())  # float64 rows: no kernel
+    # float64 rows: no kernel
+    assert all(getattr(h, "kernel", None) is None for h in model._weight_holders())
     model.to(torch.float32)
     assert model.weight_format == "quantized"
     assert torch.equal(_lone_steps(model, ids)[1], before)

@@ -1,4 +1,5 @@
-"""nbserve.engine.sampling: per-row semantics inside one batch, seeds, logprobs, plus a timing print."""
+"""nbserve.engine.sampling: per-row semantics inside one batch, seeds, logprobs, plus a timing
+print."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def draws(logits: torch.Tensor, n: int, **kw) -> torch.Tensor:
 
 
 def chi_square(ids: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    """Pearson statistic with bins of expected count < 5 pooled -> (statistic, degrees of freedom)."""
+    """Pearson statistic with bins of expected count < 5 pooled -> (statistic, degrees of
+    freedom)."""
     obs = torch.bincount(ids, minlength=probs.numel()).double()
     exp = probs.double() * ids.numel()
     small = exp < 5
@@ -83,7 +85,8 @@ def reference_probs(
     top_p: float = 1.0,
     min_p: float = 0.0,
 ) -> torch.Tensor:
-    """Naive one-row reference: temperature, top-k, top-p over the top-k set, min-p -> probs (V,)."""
+    """Naive one-row reference: temperature, top-k, top-p over the top-k set, min-p -> probs
+    (V,)."""
     x = logits.double() / temperature
     if top_k:
         x[x < x.topk(top_k).values[-1]] = -torch.inf

@@ -61,9 +61,9 @@ def _check_options_reach_the_server(base: str, api_key: str | None = None) -> No
 def test_every_create_app_option_is_a_launch_keyword_and_a_cli_flag():
     """Adding a create_app keyword without adding it to ServerOptions fails here: then launch,
     serve, `nbserve serve` and app.py could not set it."""
+    from nbserve.server import create_app
     from nbserve.serving.cli import add_serve_options
     from nbserve.serving.launch import split_launch_options
-    from nbserve.server import create_app
     from nbserve.serving.options import ServerOptions, option_fields
 
     params = inspect.signature(create_app).parameters
@@ -78,7 +78,8 @@ def test_every_create_app_option_is_a_launch_keyword_and_a_cli_flag():
     parser = argparse.ArgumentParser()
     add_serve_options(parser)  # what `nbserve serve` and app.py both call
     dests = {a.dest: a for a in parser._actions}
-    cli_help, app_py_help = _help(["-m", "nbserve.serving.cli", "serve"]), _help([str(ROOT / "app.py")])
+    cli_help = _help(["-m", "nbserve.serving.cli", "serve"])
+    app_py_help = _help([str(ROOT / "app.py")])
     for name, f in fields.items():
         opts, engine_options = split_launch_options({name: ServerOptions().__getattribute__(name)})
         assert isinstance(opts, ServerOptions) and engine_options == {}, name

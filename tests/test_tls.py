@@ -231,8 +231,8 @@ def test_cli_serves_https_and_prints_https_links(tiny_llama_dir, tls_files):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
                          check=False)
     assert bad.returncode == 1 and "nbserve: error: ssl_keyfile: no such file" in bad.stderr
-    proc = subprocess.Popen([sys.executable, "-m", "nbserve.serving.cli", "serve", str(tiny_llama_dir),
-                             "--port", "0", "--max-batch", "2", "--no-ui",
+    proc = subprocess.Popen([sys.executable, "-m", "nbserve.serving.cli", "serve",
+                             str(tiny_llama_dir), "--port", "0", "--max-batch", "2", "--no-ui",
                              "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
+from nbserve.serving.ui import ERROR_PREFIX, make_chat_fn, to_messages
 from nbserve.types import (
     BusyError,
     ContextLengthError,
@@ -19,7 +20,6 @@ from nbserve.types import (
     Started,
     Usage,
 )
-from nbserve.serving.ui import ERROR_PREFIX, make_chat_fn, to_messages
 
 
 class FakeBackend:

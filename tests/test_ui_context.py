@@ -10,8 +10,8 @@ from gradio_client import Client
 from server_util import engine_running
 from test_ui import FakeBackend, collect
 
-from nbserve.types import Request
 from nbserve.serving.ui import ERROR_PREFIX, make_chat_fn
+from nbserve.types import Request
 
 NOTE = "Older turns were left out"
 
@@ -166,8 +166,8 @@ def test_gradio_client_long_chat_goes_on_with_a_note(tiny_llama_dir):
 
 
 async def test_long_chat_through_a_pool_behind_launchs_swappable_backend(tiny_llama_dir):
-    from nbserve.serving.backend_ref import SwappableBackend
     from nbserve.pool import Pool
+    from nbserve.serving.backend_ref import SwappableBackend
 
     with Pool(str(tiny_llama_dir), devices=["cpu", "cpu"], max_batch=2, max_context=160,
               quiet=True) as pool:

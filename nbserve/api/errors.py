@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -114,7 +115,7 @@ def _param(loc: tuple[Any, ...]) -> str | None:
     return out or None
 
 
-def validation_error(errors: list[dict[str, Any]]) -> InvalidRequestError:
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> InvalidRequestError:
     """The first pydantic/FastAPI validation error as a 400 that names the field."""
     if not errors:
         return InvalidRequestError("the request body is invalid")

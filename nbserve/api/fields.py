@@ -71,7 +71,7 @@ class UnknownFields:
     def check(self, body: BaseModel) -> None:
         """Raise for a refused field; otherwise drop every undefined field from `body`."""
         found = list(_extras(body, ""))
-        for path, model, name in found:
+        for _path, model, name in found:
             if model is body and name in UNSERVED_EXTENSIONS:
                 raise unsupported(name, UNSERVED_EXTENSIONS[name])
         for path, model, name in found:

@@ -113,7 +113,8 @@ class FunctionMessage(_Schema):
 
 
 Message = Annotated[
-    DeveloperMessage | SystemMessage | UserMessage | AssistantMessage | ToolMessage | FunctionMessage,
+    DeveloperMessage | SystemMessage | UserMessage | AssistantMessage | ToolMessage
+    | FunctionMessage,
     Field(discriminator="role"),
 ]
 
@@ -362,8 +363,9 @@ class ChatCompletionRequest(_Sampling):
             total += chars
             d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
                                  "content": content}
-            if getattr(m, "name", None):
-                d["name"] = m.name
+            name = getattr(m, "name", None)  # a tool message has none
+            if name:
+                d["name"] = name
             if isinstance(m, AssistantMessage) and m.tool_calls:
                 # arguments stay JSON strings; the template layer parses them for templates
                 d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
@@ -378,6 +380,7 @@ class ChatCompletionRequest(_Sampling):
         limits = limits or Limits()
         self._refuse_unsupported()
         messages = self.template_messages(limits)
+        max_tokens: int | None
         if self.max_completion_tokens is not None:
             max_tokens, param = self.max_completion_tokens, "max_completion_tokens"
         else:
@@ -386,7 +389,8 @@ class ChatCompletionRequest(_Sampling):
             limits.check_range("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
         params = self._params(limits, limits.max_tokens if max_tokens is None else max_tokens,
                               param, bool(self.logprobs), self.top_logprobs or 0)
-        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.use_tools else None
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or []] if self.use_tools \
+            else None
         req = Request(messages=messages, params=params, tools=tools)
         if request_id:
             req.request_id = request_id

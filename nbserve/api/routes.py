@@ -25,7 +25,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Match
 from starlette.types import Send
 
-from .trace import Trace
 from ..types import Backend, ErrorEvent, Event
 from .errors import APIError, error_event_to_api, from_exception
 from .fields import UnknownFields
@@ -40,6 +39,7 @@ from .streams import (
     fold_chat,
     fold_completion,
 )
+from .trace import Trace
 
 log = logging.getLogger("nbserve.server")
 T = TypeVar("T")

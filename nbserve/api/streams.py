@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .trace import Trace
 from ..types import Delta, ErrorEvent, Event, Finished, Started, TokenLogprob, Usage
 from .tools import ToolCallStream, tool_call_delta
+from .trace import Trace
 
 _LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinity)
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", "error": "stop"}

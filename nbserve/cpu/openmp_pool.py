@@ -20,7 +20,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free threads, keep what is cheap to keep
 

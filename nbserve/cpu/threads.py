@@ -20,8 +20,8 @@ import contextlib
 import os
 import statistics
 from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 import torch
 

@@ -18,7 +18,8 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import torch
 
@@ -27,7 +28,12 @@ from ..cpu.threads import torch_threads
 from ..models.base import LoadedModel
 from ..text import IncrementalDetokenizer, StopStringMatcher
 from ..types import (
-    BusyError, ContextLengthError, EngineStoppedError, ErrorEvent, Event, InvalidRequestError,
+    BusyError,
+    ContextLengthError,
+    EngineStoppedError,
+    ErrorEvent,
+    Event,
+    InvalidRequestError,
     Request,
 )
 from .config import EngineConfig
@@ -132,8 +138,8 @@ class Engine(SyncHelpers):
 
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         """Stream the events of `request`. Raises before the first event if it is refused."""
-        mailbox = Mailbox(self.abort, request.request_id, asyncio.get_running_loop(),
-                           self._backlog_limit(request))
+        mailbox: Mailbox[Event] = Mailbox(self.abort, request.request_id,
+                                          asyncio.get_running_loop(), self._backlog_limit(request))
         group = self.submit(request, mailbox.post)
         remaining, finished = group.params.n, False
         try:
@@ -243,7 +249,7 @@ class Engine(SyncHelpers):
             self._step.fail(group, "the engine was stopped", "service_unavailable")
         self._groups.clear()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -293,7 +299,7 @@ class Engine(SyncHelpers):
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return ids
 
-    def submit(self, request: Request, sink: Sink) -> "RequestGroup":
+    def submit(self, request: Request, sink: Sink) -> RequestGroup:
         """Validate and queue `request`; events go to `sink` (called from the engine thread).
         Raises InvalidRequestError, ContextLengthError, BusyError or EngineStoppedError."""
         self._check_running()

@@ -1,7 +1,8 @@
 """Batched sampling on a step's logits (B, V), each row by its own SamplingParams and generator.
 
 Per row: logit_bias, repetition, presence/frequency, the stop tokens held back until min_tokens;
-then argmax, or temperature, top-k, top-p, min-p and one draw. Logprobs: log_softmax of the raw logits (vLLM/OpenAI). Inputs stay unmodified.
+then argmax, or temperature, top-k, top-p, min-p and one draw. Logprobs: log_softmax of the raw
+logits (vLLM/OpenAI). Inputs stay unmodified.
 """
 
 from __future__ import annotations
@@ -253,11 +254,11 @@ def _logprobs(
     chosen = lp.gather(1, tok[:, None]).squeeze(1).tolist()  # (L,)
     k_max = max(params[i].top_logprobs for i in rows)
     top_v, top_i = lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], lp[:, :0].long())  # (L, k)
-    top_v, top_i = top_v.tolist(), top_i.tolist()
+    top_vals, top_ids = top_v.tolist(), top_i.tolist()
     out = []
     for j, i in enumerate(rows):
         k = params[i].top_logprobs
-        top = [(t, "", v) for t, v in zip(top_i[j][:k], top_v[j][:k])]
+        top = [(t, "", v) for t, v in zip(top_ids[j][:k], top_vals[j][:k])]
         out.append(TokenLogprob(token_id=token_ids[i], token="", logprob=chosen[j], top=top))
     return out
 

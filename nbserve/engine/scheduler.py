@@ -25,7 +25,7 @@ class Sequence:
     computed: int = 0  # tokens whose keys/values are in the cache
     cached_prompt: int = 0  # prompt tokens found in the cache at admission
     finished: bool = False
-    parent: "Sequence | None" = None  # for n > 1: the choice whose prefill this one copies
+    parent: Sequence | None = None  # for n > 1: the choice whose prefill this one copies
 
     @property
     def tokens(self) -> list[int]:

@@ -20,7 +20,7 @@ import torch
 
 from ..cpu.threads import ThreadTuner
 from ..models.base import LoadedModel
-from ..types import Delta, ErrorEvent, Finished, Started, TokenLogprob
+from ..types import Delta, ErrorEvent, Finished, FinishReason, Started, TokenLogprob
 from .config import EngineConfig
 from .requests import RequestGroup, drop_event
 from .sampling import sample
@@ -262,7 +262,9 @@ class EngineStep:
         else:
             choice.first_token_time = now
         choice.last_token_time = now
-        reason, matched, stop_string = None, None, None
+        reason: FinishReason | None = None
+        matched: int | str | None = None  # the stop token or string
+        stop_string: str | None = None
         text = ""
         if tok in group.stop_ids:  # a stop token: not part of the text
             reason, matched = "stop", tok
@@ -300,8 +302,8 @@ class EngineStep:
         tail, late = choice.stopper.feed(choice.detok.finish())
         return (tail, late) if late is not None else (tail + choice.stopper.flush(), None)
 
-    def _finish_seq(self, seq: Sequence, group: RequestGroup, reason: str, matched: Any = None,
-                    keep_cache: bool = True) -> None:
+    def _finish_seq(self, seq: Sequence, group: RequestGroup, reason: FinishReason,
+                    matched: Any = None, keep_cache: bool = True) -> None:
         if seq.finished:
             return
         self.scheduler.finish(seq, keep_cache=keep_cache)
@@ -325,7 +327,7 @@ class EngineStep:
             group.admitted = True
             self.hooks.admitted(group)
 
-    def _end_group(self, group: RequestGroup, reason: str) -> None:
+    def _end_group(self, group: RequestGroup, reason: FinishReason) -> None:
         """End every sequence of `group` (cancelled), each with the text it held back."""
         self._mark_admitted(group)
         for seq in group.seqs:

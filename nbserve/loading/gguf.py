@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from ..models.quant import QuantBlocks
 
 SUPPORTED_TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1,
-                   QType.Q5_0, QType.Q5_1, QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K)
+                   QType.Q5_0, QType.Q5_1, QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K,
+                   QType.Q6_K)
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
@@ -40,7 +41,8 @@ _BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _CONFIG_ONLY = {"rope_freqs.weight"}  # Llama-3 RoPE scaling factors, folded into rope_scaling
 
-# Pre-tokenizer split regexes, by `tokenizer.ggml.pre` (the same splits as the models' tokenizer.json).
+# Pre-tokenizer split regexes, by `tokenizer.ggml.pre` (the same splits as the models'
+# tokenizer.json).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -93,7 +95,7 @@ class GGUFTensors:
             heads = self._heads.get(t.name.split(".")[2], 0) if t.name.startswith("blk.") else 0
             if heads:
                 w = unpermute_qk(w, heads)
-            yield hf_tensor_name(t.name), w.to(self._dtype)
+            yield _known_name(t.name), w.to(self._dtype)
 
 
     def quant_blocks(self) -> dict[str, QuantBlocks]:
@@ -110,14 +112,15 @@ class GGUFTensors:
             if heads:
                 order = unpermute_qk(torch.arange(blocks.shape[0])[:, None], heads)[:, 0]
                 blocks = blocks.take_rows(order)
-            found[hf_tensor_name(t.name)] = blocks
+            found[_known_name(t.name)] = blocks
         return found
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row order: per head it stores rows (0, D/2, 1, D/2+1, ...)."""
     rows = w.shape[0]  # (H*D, ...) -> (H, D/2, 2, ...) -> (H, 2, D/2, ...)
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2)
+            .reshape(w.shape))
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -128,6 +131,13 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
         return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
     return None
+
+
+def _known_name(gguf_name: str) -> str:
+    """`hf_tensor_name` of a tensor `read_gguf` has checked (every one it keeps has a name)."""
+    name = hf_tensor_name(gguf_name)
+    assert name is not None, gguf_name
+    return name
 
 
 def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
@@ -142,12 +152,14 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheck
                          f"{', '.join(known)} ({'; '.join(registry.descriptions())}).")
     if meta.get(f"{arch}.expert_count"):
         raise ValueError(f"{path} is a mixture-of-experts model ({arch} with "
-                         f"{meta.get(f'{arch}.expert_count')} experts); nbserve serves dense models")
+                         f"{meta.get(f'{arch}.expert_count')} experts); "
+                         "nbserve serves dense models")
     by_name = {t.name: t for t in reader.tensors}
     for t in reader.tensors:
         if t.tensor_type not in SUPPORTED_TYPES:
             raise ValueError(
-                f"tensor {t.name!r} in {path} has type {t.tensor_type.name}, which nbserve does not "
+                f"tensor {t.name!r} in {path} has type {t.tensor_type.name}, "
+                "which nbserve does not "
                 f"dequantize; supported: {', '.join(q.name for q in SUPPORTED_TYPES)}. "
                 "Use a GGUF quantized with one of these (e.g. Q4_K_M, Q8_0 or F16).")
         if t.name not in _CONFIG_ONLY and hf_tensor_name(t.name) is None:
@@ -368,7 +380,8 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre_name: str, path: P
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    # each merge is "left right": a pair
+    pairs = cast("list[tuple[str, str]]", [tuple(m.split(" ", 1)) for m in merges])
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre_name in _LLAMA3_PRE))
     if pre_name in _DIGITS_PRE:
         tok.pre_tokenizer = pre.Sequence([pre.Digits(individual_digits=True),

@@ -1,7 +1,8 @@
 """Load a Hugging Face model directory: config.json, safetensors weights, tokenizer and template.
 
-Weights stream tensor by tensor from safetensors into the family's builder (models/registry.py), so peak host memory stays at
-about one tensor. Pickle checkpoints (`pytorch_model.bin`) are refused: unpickling can run code.
+Weights stream tensor by tensor from safetensors into the family's builder (models/registry.py),
+so peak host memory stays at about one tensor. Pickle checkpoints (`pytorch_model.bin`) are
+refused: unpickling can run code.
 """
 
 from __future__ import annotations

@@ -65,9 +65,8 @@ def pip_download(requirement: str, dest: Path, *, size: int | None, desc: str) -
             if done:
                 reader.join()
             current, total = (reported if raw else (_folder_bytes(scratch), 0))
-            total = total or size
             if current and bar is None:
-                bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc)
+                bar = tqdm(total=total or size, unit="B", unit_scale=True, desc=desc)
             if bar is not None:
                 if done and proc.returncode == 0:
                     current = bar.total or current  # finished: pip has removed its copy

@@ -26,12 +26,12 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from .base import LoadedModel
 from ..text import ChatTemplate, Tokenizer
 from ..text.chat_template import load_chat_template
 from ..text.tokenizer import load_tokenizer
-from .adapters import RecomputeAdapter, TransformersAdapter
 from . import registry
+from .adapters import RecomputeAdapter, TransformersAdapter
+from .base import LoadedModel
 from .weights import count_parameters
 
 M = TypeVar("M")
@@ -103,8 +103,9 @@ def adopt_transformers(model: Any, tokenizer: Any, *,
 
 
 def take_over(model: Any, max_context: int | None = None) -> Any:
-    """nbserve's own model (from the registry) over `model`'s own parameter tensors, or None (with the reason printed)
-    when the architecture or its options are not ones nbserve implements."""
+    """nbserve's own model (from the registry) over `model`'s own parameter tensors, or None
+    (with the reason printed) when the architecture or its options are not ones nbserve
+    implements."""
     arch = type(model).__name__
     family = registry.for_class_name(arch)
     if family is None:
@@ -214,8 +215,9 @@ def _default_name(model: Any) -> str:
 def _template(chat_template: Any, tokenizer: Any, name: str, verbose: bool) -> ChatTemplate:
     if isinstance(chat_template, ChatTemplate):
         return chat_template
-    specials = {k: v for k, v in (getattr(tokenizer, "special_tokens_map", None) or {}).items()
-                if isinstance(v, str)}
+    specials: dict[str, Any] = {
+        k: v for k, v in (getattr(tokenizer, "special_tokens_map", None) or {}).items()
+        if isinstance(v, str)}
     if isinstance(chat_template, (str, os.PathLike)):
         source = str(chat_template)
         if "{" not in source and Path(source).is_file():  # a .jinja file

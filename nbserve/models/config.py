@@ -35,11 +35,12 @@ class LlamaConfig:
     name: str = "model"
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], name: str = "model") -> "LlamaConfig":
+    def from_hf(cls, cfg: dict[str, Any], name: str = "model") -> LlamaConfig:
         """Build from a config.json dict; raise ValueError naming what is unsupported."""
         archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                       "qwen2": "Qwen2ForCausalLM"}.get(cfg.get("model_type", ""), "")
+        by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                   "qwen2": "Qwen2ForCausalLM"}
+        arch = archs[0] if archs else by_type.get(cfg.get("model_type", ""), "")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {arch or cfg.get('model_type')!r} in {name}: nbserve "

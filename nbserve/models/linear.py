@@ -13,10 +13,14 @@ dtype="mixed16").
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from .quant import KernelLinear
 
 SPLIT_MAX_ROWS = 128  # past this, F.linear's GEMM threads well on its own
 
@@ -199,7 +203,7 @@ class FusedProjection:
             start += size
         self.half_copy: HalfCopy | None = None
         self.packed: PackedCopy | None = None
-        self.kernel = None  # a models.quant.KernelLinear: LlamaModel.use_quantized_weights,
+        self.kernel: KernelLinear | None = None  # set by LlamaModel.use_quantized_weights,
         # LlamaModel.use_float_kernel
 
     @property

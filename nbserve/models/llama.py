@@ -8,17 +8,24 @@ state dict loads as it is and a `transformers` model's tensors can be adopted wi
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..cpu.kernels.build import kernels_available
-from .kv_cache import KVCache
 from .config import LlamaConfig
-from .linear import (FusedProjection, gated_linear, linear, normed_linear, packing_affordable,
-                     packing_available)
+from .kv_cache import KVCache
+from .linear import (
+    FusedProjection,
+    gated_linear,
+    linear,
+    normed_linear,
+    packing_affordable,
+    packing_available,
+)
 from .lone_attention import lone_attention, lone_attention_serves
 from .weights import WeightFormats
 
@@ -61,7 +68,7 @@ class Attention(nn.Module):
         self.qkv: FusedProjection | None = None  # see LlamaModel.fuse_projections
 
     def forward(self, x: torch.Tensor, norm: RMSNorm, rope: tuple[torch.Tensor, torch.Tensor],
-                step: "StepInputs", cache: KVCache) -> torch.Tensor:
+                step: StepInputs, cache: KVCache) -> torch.Tensor:
         """Attention over norm(x) (the norm runs inside the q/k/v matmul where it can)."""
         b, t, _ = x.shape
         cos, sin_signed = rope  # (B, T, 1, D)
@@ -112,10 +119,11 @@ class Attention(nn.Module):
         tensors, advanced indexing into the cache, masks), which is a tenth of a lone step.
         Where the model runs on nbserve's C kernels, the attention is one kernel call too (the
         same values up to summation order; the cache gets the same k and v bit for bit)."""
-        hq, hkv, d = self.hq, self.hkv, self.d
-        heads = normed_linear(x, norm, self.qkv).view(hq + 2 * hkv, d)
+        hq, hkv, d, qkv = self.hq, self.hkv, self.d, self.qkv
+        assert qkv is not None  # lone steps run on fused q/k/v (LlamaModel._lone_ready)
+        heads = normed_linear(x, norm, qkv).view(hq + 2 * hkv, d)
         keys, values = cache.k[self.layer][slot], cache.v[self.layer][slot]  # (Hkv, ctx, D)
-        if self.qkv.kernel is not None and lone_attention_serves(heads, keys, values, rope):
+        if qkv.kernel is not None and lone_attention_serves(heads, keys, values, rope):
             out = lone_attention(heads, hq, hkv, rope, keys, values, pos)
             return linear(out, self.o_proj)
         qk = apply_rope(heads[:hq + hkv], *rope)
@@ -185,6 +193,11 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    @property
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        """`layers` as the type checker should see it (a ModuleList holds plain Modules)."""
+        return cast("Sequence[DecoderLayer]", self.layers)
+
 
 class StepInputs:
     """Per-forward values shared by every layer: slots, positions, mask, cache read length."""
@@ -238,7 +251,7 @@ class LlamaModel(WeightFormats):
         views), same results, fewer ops per token. Loaders do it; adopted models, whose tensors
         must stay the caller's, do not. `rebuild`: fuse again layers already fused, e.g. after
         `.to()` or a deep copy moved the views and the fused tensor apart (two copies)."""
-        for layer in self.model.layers:
+        for layer in self.model.decoder_layers:
             att, mlp = layer.self_attn, layer.mlp
             if rebuild or att.qkv is None:
                 att.qkv = FusedProjection(att, "qkv", [att.q_proj, att.k_proj, att.v_proj])
@@ -246,7 +259,7 @@ class LlamaModel(WeightFormats):
                 mlp.gate_up = FusedProjection(mlp, "gate_up", [mlp.gate_proj, mlp.up_proj])
 
     def refresh_fused(self) -> None:
-        if any(layer.self_attn.qkv is not None for layer in self.model.layers):
+        if any(layer.self_attn.qkv is not None for layer in self.model.decoder_layers):
             self.fuse_projections(rebuild=True)
 
     def embedding_weight(self) -> torch.Tensor:
@@ -256,7 +269,7 @@ class LlamaModel(WeightFormats):
         """What runs each layer matmul (fused projections where there are, else the Linears),
         then the LM head, each with the names of the parameters it multiplies by."""
         out: list[tuple[nn.Linear | FusedProjection, list[str]]] = []
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.model.decoder_layers):
             att, mlp = layer.self_attn, layer.mlp
             groups = ((att.qkv, att, "self_attn", ("q_proj", "k_proj", "v_proj")),
                       (None, att, "self_attn", ("o_proj",)),
@@ -303,7 +316,7 @@ class LlamaModel(WeightFormats):
         cos_t, sin_signed_t = self._rope_table()
         rope = (cos_t[positions].unsqueeze(2), sin_signed_t[positions].unsqueeze(2))  # (B,T,1,D)
         x = self.model.embed_tokens(ids)  # (B, T, H)
-        for layer in self.model.layers:
+        for layer in self.model.decoder_layers:
             x = layer(x, rope, step, cache)
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # (B, H)
@@ -318,7 +331,7 @@ class LlamaModel(WeightFormats):
     @property
     def _lone_ready(self) -> bool:
         """Whether `_lone_step` can serve: it is written for fused q/k/v (what loaders make)."""
-        return self.model.layers[0].self_attn.qkv is not None
+        return self.model.decoder_layers[0].self_attn.qkv is not None
 
     def _lone_step(self, ids: torch.Tensor, pos: int, slot: int, cache: KVCache,
                    keep_time_dim: bool) -> torch.Tensor:
@@ -328,7 +341,7 @@ class LlamaModel(WeightFormats):
         cos_t, sin_signed_t = self._rope_table()
         rope = (cos_t[pos], sin_signed_t[pos])  # (D,)
         x = F.embedding(ids.view(1), self.model.embed_tokens.weight)  # (1, H)
-        for layer in self.model.layers:
+        for layer in self.model.decoder_layers:
             x = layer.lone_step(x, rope, pos, slot, cache)
         logits = self._logits(x)
         return logits.view(1, 1, -1) if keep_time_dim else logits

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -85,8 +86,9 @@ class QuantBlocks:
 
     def take_rows(self, index: torch.Tensor) -> QuantBlocks:
         """These blocks with their output rows reordered (`w[index]`)."""
-        pick = lambda t: None if t is None else t[index].contiguous()  # noqa: E731
-        return QuantBlocks(self.kind, pick(self.codes), pick(self.scales), pick(self.mins))
+        mins = None if self.mins is None else self.mins[index].contiguous()
+        return QuantBlocks(self.kind, self.codes[index].contiguous(),
+                           self.scales[index].contiguous(), mins)
 
     @classmethod
     def cat(cls, parts: list[QuantBlocks]) -> QuantBlocks | None:
@@ -95,7 +97,9 @@ class QuantBlocks:
         first = parts[0]
         if any(p.kind != first.kind or p.shape[1] != first.shape[1] for p in parts):
             return None
-        mins = None if first.mins is None else torch.cat([p.mins for p in parts])
+        # one kind: all parts have mins (q4) or none has (q8)
+        mins = None if first.mins is None else \
+            torch.cat([cast(torch.Tensor, p.mins) for p in parts])
         return cls(first.kind, torch.cat([p.codes for p in parts]),
                    torch.cat([p.scales for p in parts]), mins)
 
@@ -105,6 +109,7 @@ class QuantBlocks:
         if self.kind == "q8":
             q = self.codes.float().view(rows, -1, BLOCK)
             return (q * self.scales[..., None]).view(rows, k)
+        assert self.mins is not None  # q4 blocks carry mins
         packed = self.codes.view(rows, -1, BLOCK // 2)
         q = torch.cat([packed & 15, packed >> 4], dim=-1).float()
         return (q * self.scales[..., None] + self.mins[..., None]).view(rows, k)
@@ -114,6 +119,16 @@ def _half_field(blocks: np.ndarray, offset: int) -> torch.Tensor:
     """A float16 field of every block (bytes offset..offset+1) as float32 (rows, blocks)."""
     field = np.ascontiguousarray(blocks[:, :, offset:offset + 2]).view(np.float16)[..., 0]
     return torch.from_numpy(field.astype(np.float32))
+
+
+class NormWeights(Protocol):
+    """What the kernel reads of an RMSNorm it runs inside a matmul."""
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+    @property
+    def eps(self) -> float: ...
 
 
 class KernelLinear:
@@ -149,7 +164,7 @@ class KernelLinear:
         return (x.numel() <= self.max_rows * x.shape[-1] and x.dtype == torch.float32
                 and x.device.type == "cpu")
 
-    def __call__(self, x: torch.Tensor, norm: torch.nn.Module | None = None,
+    def __call__(self, x: torch.Tensor, norm: NormWeights | None = None,
                  gated: bool = False) -> torch.Tensor:
         """x (..., K) @ w.T (+ bias). With `norm` (an RMSNorm: `.weight`, `.eps`), of norm(x);
         `gated`: of silu(a) * b for x (..., 2K) = [a | b]. Both run inside the kernel call."""
@@ -161,7 +176,8 @@ class KernelLinear:
         prep = (None, 0.0) if norm is None else (norm.weight.data_ptr(), norm.eps)
         threads = torch.get_num_threads()
         if self.kind == "f32":  # the pointer read per call: the weight is the model's own
-            failed = self._lib.nbq_f32_matmul(flat.data_ptr(), rows, k, self.weight.data_ptr(),
+            weight = cast(torch.Tensor, self.weight)  # kind "f32": a float32 tensor
+            failed = self._lib.nbq_f32_matmul(flat.data_ptr(), rows, k, weight.data_ptr(),
                                               n, y.data_ptr(), threads, *prep, gated)
         elif self.kind == "q4":
             codes, scales, mins = self._pointers

@@ -74,7 +74,8 @@ class WeightFormats(nn.Module):
 
     def pack_weights(self) -> None:
         """Add a oneDNN-packed copy of every matmul weight and of the LM head (`PackedCopy`):
-        on CPU, batched decode steps run their matmuls faster and one-row steps no slower. Outputs differ from plain float32 in the last bits. +100% weight memory.
+        on CPU, batched decode steps run their matmuls faster and one-row steps no slower.
+        Outputs differ from plain float32 in the last bits. +100% weight memory.
         Loaders do it for CPU float32 (and mixed16, for the steps the float16 copies leave)."""
         if not packing_available(self.lm_head.weight):
             raise ValueError("packed weights need a CPU float32 model and torch built with "
@@ -98,8 +99,9 @@ class WeightFormats(nn.Module):
     def use_float_kernel(self) -> None:
         """Multiply steps of up to FLOAT_MAX_ROWS rows with nbserve's C kernel over the float32
         weights as they are (no copy): faster than oneDNN for a few rows, with the norms and
-        the SwiGLU gate inside the kernel calls (benchmarks/README.md). Outputs differ from plain float32 in summation order only; a row's
-        result does not depend on the other rows of the step. Builds the kernel at first use
+        the SwiGLU gate inside the kernel calls (benchmarks/README.md). Outputs differ from plain
+        float32 in summation order only; a row's result does not depend on the other rows of
+        the step. Builds the kernel at first use
         (needs a C compiler); loaders turn it on for CPU float32 where it builds."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise ValueError("the float32 kernel is a CPU float32 option")
@@ -122,14 +124,15 @@ class WeightFormats(nn.Module):
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise ValueError("quantized weights are a CPU float32 option: load the model with "
                              "dtype='float32' on cpu (on a GPU use dtype='bfloat16')")
-        blocks = dict(blocks or {})
-        if "lm_head.weight" not in blocks and \
+        by_name: dict[str, QuantBlocks | None] = dict(blocks or {})
+        if "lm_head.weight" not in by_name and \
                 self.lm_head.weight is self.embedding_weight():  # tied head
-            blocks["lm_head.weight"] = blocks.get("model.embed_tokens.weight")
+            by_name["lm_head.weight"] = by_name.get("model.embed_tokens.weight")
         found: list[QuantBlocks | None] = []
         for holder, names in self._named_holders():
-            parts = [blocks.get(name) for name in names]
-            own = QuantBlocks.cat(parts) if all(p is not None for p in parts) else None
+            parts = [by_name.get(name) for name in names]
+            present = [p for p in parts if p is not None]
+            own = QuantBlocks.cat(present) if len(present) == len(parts) else None
             found.append(own if own is not None and own.shape == tuple(holder.weight.shape)
                          else None)
         if only_lossless and any(b is None for b in found):

@@ -21,10 +21,8 @@ from typing import Any
 
 from ..engine.config import EngineConfig
 from ..engine.engine import Engine
-from .setup import load_replicas, plan_kv_caches, resolve_devices
-from .state import Replica, pool_health, pool_stats, route_order
-from ..engine.sync_helpers import SyncHelpers
 from ..engine.requests import Mailbox
+from ..engine.sync_helpers import SyncHelpers
 from ..types import (
     BusyError,
     Delta,
@@ -37,6 +35,8 @@ from ..types import (
     Request,
     Started,
 )
+from .setup import load_replicas, plan_kv_caches, resolve_devices
+from .state import Replica, pool_health, pool_stats, route_order
 
 log = logging.getLogger("nbserve.pool")
 
@@ -48,7 +48,7 @@ class _Ticket:
     request: Request
     routed: Request  # the same request with its prompt as token ids
     ids: list[int]
-    post: Callable[[tuple[Any, Any]], None]  # to the caller's queue, from any thread
+    post: Callable[[_Item], None]  # to the caller's queue, from any thread
     n: int
     attempt: _Attempt | None = None
     error_retries: int = 0
@@ -76,13 +76,17 @@ class _Down:
     reason: str
 
 
+_Item = tuple[_Attempt, Event | _Down]  # what a ticket's caller receives
+
+
 class Pool(SyncHelpers):
     """Replicas of one model, one Engine per device; a `Backend` like Engine itself.
 
     `model`: a source (path, "smollm2", hub id), loaded once per device in parallel, or a
     LoadedModel / model object (with `tokenizer`, `chat_template` as for `load`), copied to
-    devices it is not on (torch modules only; otherwise pass its source). Replicas on the same device share the weights
-    (one copy in memory): each Engine owns its own KV cache and thread. On CUDA, unless
+    devices it is not on (torch modules only; otherwise pass its source). Replicas on the same
+    device share the weights (one copy in memory): each Engine owns its own KV cache and
+    thread. On CUDA, unless
     `max_batch` / `max_context` are given, each replica's KV cache is sized from
     `kv_memory_fraction` of the GPU's free memory (split between replicas on one GPU).
     A replica leaves the rotation when its engine thread dies or its model raises
@@ -164,8 +168,8 @@ class Pool(SyncHelpers):
         """Stream the events of `request` from one replica. Raises before the first event if
         it is refused; closing the iterator cancels it. A caller that leaves more than
         `max_backlog` events per choice unread is cancelled, as with one Engine."""
-        mailbox = Mailbox(self.abort, request.request_id, asyncio.get_running_loop(),
-                          self._backlog_limit(request))
+        mailbox: Mailbox[_Item] = Mailbox(self.abort, request.request_id,
+                                          asyncio.get_running_loop(), self._backlog_limit(request))
         ticket = self._open(request, mailbox.post)
         done = False
         try:
@@ -178,10 +182,10 @@ class Pool(SyncHelpers):
 
     def stream(self, request: Request) -> Iterator[Event]:
         """Sync `generate` for scripts and notebook cells; a refusal raises here."""
-        events: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
+        events: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         limit, tripped = self._backlog_limit(request), False
 
-        def post(item: tuple[Any, Any]) -> None:
+        def post(item: _Item) -> None:
             nonlocal tripped
             events.put(item)
             if limit is not None and not tripped and events.qsize() > limit:
@@ -198,7 +202,7 @@ class Pool(SyncHelpers):
             return None
         return self.max_backlog * (n if isinstance(n, int) and n > 0 else 1)
 
-    def _iterate(self, ticket: _Ticket, events: queue.SimpleQueue) -> Iterator[Event]:
+    def _iterate(self, ticket: _Ticket, events: queue.SimpleQueue[_Item]) -> Iterator[Event]:
         done = False
         try:
             while not done:
@@ -258,7 +262,7 @@ class Pool(SyncHelpers):
             self._turn += 1
             return route_order(live, ids, self._turn, len(self.replicas)) if live else []
 
-    def _open(self, request: Request, post: Callable[[tuple[Any, Any]], None]) -> _Ticket:
+    def _open(self, request: Request, post: Callable[[_Item], None]) -> _Ticket:
         if self._closed:
             raise EngineStoppedError("the pool is closed: create a new Pool to serve requests")
         request.params.validate(self.vocab_size)
@@ -278,8 +282,9 @@ class Pool(SyncHelpers):
             raise
         return ticket
 
-    def _dispatch(self, ticket: _Ticket, exclude: set[int]) -> None:
-        """Submit to the first replica in routing order that accepts; raise if none does."""
+    def _dispatch(self, ticket: _Ticket, exclude: set[int]) -> _Attempt:
+        """Submit to the first replica in routing order that accepts (the attempt, now
+        `ticket.attempt`); raise if none does."""
         busy: BusyError | None = None
         for rep in self._route(ticket.ids, exclude):
             attempt = _Attempt(ticket, rep)
@@ -302,7 +307,7 @@ class Pool(SyncHelpers):
                 ticket.attempt = None
                 raise
             ticket.request.metadata["replica"] = rep.index
-            return
+            return attempt
         ticket.attempt = None
         if busy is not None:
             raise busy
@@ -339,7 +344,7 @@ class Pool(SyncHelpers):
 
         return sink
 
-    def _handle(self, ticket: _Ticket, item: tuple[Any, Any]) -> tuple[list[Event], bool]:
+    def _handle(self, ticket: _Ticket, item: _Item) -> tuple[list[Event], bool]:
         """Caller side: (events to pass on, whether the request is over) for one queue item."""
         attempt, ev = item
         if attempt is not ticket.attempt:
@@ -361,8 +366,8 @@ class Pool(SyncHelpers):
             return [ev], False
         if isinstance(ev, ErrorEvent):
             model_error = ev.kind == "server_error"
-            if not ticket.streamed and not self._closed and \
-                    (ev.kind == "service_unavailable" or (model_error and not ticket.error_retries)):
+            retry = ev.kind == "service_unavailable" or (model_error and not ticket.error_retries)
+            if not ticket.streamed and not self._closed and retry:
                 ticket.error_retries += model_error
                 return self._reroute(ticket, {attempt.replica.index}, ev)
             return [ev], True
@@ -380,11 +385,11 @@ class Pool(SyncHelpers):
         self._end_attempt(old, ok=False)
         old.replica.engine.abort(ticket.request.request_id)
         try:
-            self._dispatch(ticket, exclude)
+            new = self._dispatch(ticket, exclude)
         except NbserveError as exc:
             return [failed or ErrorEvent(str(exc), exc.kind, ticket.request.request_id)], True
         log.info("request %s moved from replica %d to %d", ticket.request.request_id,
-                 old.replica.index, ticket.attempt.replica.index)
+                 old.replica.index, new.replica.index)
         return [], False
 
     def _leave(self, ticket: _Ticket, done: bool) -> None:

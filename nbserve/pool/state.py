@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.engine import Engine
-from ..engine.stats import percentile
 from ..engine.scheduler import common_prefix_len
+from ..engine.stats import percentile
 
 AFFINITY_TOKENS = 32  # a shared prefix this long (or half the prompt) pulls a request back
 AFFINITY_FRACTION = 0.5
@@ -119,8 +119,9 @@ def pool_stats(replicas: list[Replica], max_context: int, started: float) -> dic
 def _merged(name: str, replicas: list[Replica], raw: list[dict[str, Any]]) -> dict[str, Any]:
     """p50/p95 over every replica's latency window (the worst replica's if windows are hidden)."""
     windows = [getattr(getattr(r.engine, "stats_", None), name, None) for r in replicas]
-    if all(w is not None for w in windows):
-        values = [v for w in windows for v in list(w)]
+    present = [w for w in windows if w is not None]
+    if len(present) == len(windows):
+        values = [v for w in present for v in list(w)]
         return {"p50": percentile(values, 50), "p95": percentile(values, 95)}
     got = [s.get(f"{name}_s") or {} for s in raw]
     return {q: max((g[q] for g in got if g.get(q) is not None), default=None)

@@ -23,9 +23,9 @@ from ..api.errors import APIError, install_error_handlers
 from ..api.limits import Limits
 from ..api.routes import UNKNOWN_ROUTE, add_request_schemas, build_router
 from ..api.trace import Trace
+from ..types import Backend
 from .metrics import Metrics
 from .options import ServerOptions
-from ..types import Backend
 
 log = logging.getLogger("nbserve.server")
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
@@ -162,7 +162,8 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
     for attr in ("generate", "stats", "model_name"):
         if not hasattr(backend, attr):
             raise TypeError(f"create_app needs a Backend (an Engine or a Pool) with .{attr}; got "
-                            f"{type(backend).__name__}. Example: create_app(Engine(load('smollm2')))")
+                            f"{type(backend).__name__}. "
+                            "Example: create_app(Engine(load('smollm2')))")
     opts = ServerOptions.from_app_keywords(given, options)
     if options is not None:  # the record form is its keywords: the body below reads either
         return create_app(backend, **opts.app_kwargs())
@@ -203,6 +204,7 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
     install_error_handlers(app)
 
     def health_body() -> tuple[int, dict[str, Any]]:
+        h: dict[str, Any]
         try:
             h = dict(backend.health()) if hasattr(backend, "health") else {"ready": True}
         except Exception as exc:  # noqa: BLE001 - a broken backend is "not ready", not a 500

@@ -25,11 +25,11 @@ from typing import Any
 
 import uvicorn
 
+from ..types import Backend
 from .access import Access, decide_access
 from .backend_ref import SwappableBackend, backend_option_names, build_backend, is_backend
 from .options import ServerOptions, option_names, suggest
 from .share import close_share_links, open_share_link
-from ..types import Backend
 
 _SERVERS: dict[int, Server] = {}
 _FLUSH_S = 3.0  # after the grace period: time for cancelled answers to reach their clients
@@ -113,8 +113,9 @@ class Server:
         self._stopped = False
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # uvicorn annotates timeout_graceful_shutdown as int; it waits with asyncio, seconds
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=drain_s,
+                                timeout_graceful_shutdown=drain_s,  # type: ignore[arg-type]
                                 ssl_certfile=options.ssl_certfile, ssl_keyfile=options.ssl_keyfile)
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name=f"nbserve-server-{self.port}",
@@ -188,7 +189,7 @@ class Server:
 
                 stop_ui(self.app, self._loop)  # end the UI heartbeats that hold shutdown
             # The requests are over: uvicorn only has to flush the last bytes and close.
-            self._uvicorn.config.timeout_graceful_shutdown = _FLUSH_S
+            self._uvicorn.config.timeout_graceful_shutdown = _FLUSH_S  # type: ignore[assignment]
             self._uvicorn.should_exit = True
             self._join(_FLUSH_S + 10)
             if self._thread.is_alive():

@@ -82,11 +82,14 @@ class _BackendCollector:
             used, total = number(row, "slots_used"), number(row, "slots_total")
             return used / total if used is not None and total else None
 
-        fams = [family(GaugeMetricFamily, name, doc, lambda r, k=key: number(r, k))
+        def of(key: str) -> Callable[[dict[str, Any]], float | None]:
+            return lambda row: number(row, key)
+
+        fams = [family(GaugeMetricFamily, name, doc, of(key))
                 for key, (name, doc) in self._GAUGES.items()]
         fams.append(family(GaugeMetricFamily, "nbserve_kv_cache_usage_ratio",
                            "Fraction of KV cache slots in use", ratio))
-        fams += [family(CounterMetricFamily, name, doc, lambda r, k=key: number(r, k))
+        fams += [family(CounterMetricFamily, name, doc, of(key))
                  for key, (name, doc) in self._COUNTERS.items()]
         if names:
             fams.append(family(GaugeMetricFamily, "nbserve_replica_healthy",

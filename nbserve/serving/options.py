@@ -19,7 +19,7 @@ import ssl
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:  # imported when used: nbserve.api brings FastAPI, and `import nbserve` stays fast
     from ..api.limits import Limits
@@ -46,7 +46,7 @@ def limit_item(text: str) -> tuple[str, int | float]:
 
     name, sep, value = text.partition("=")
     name = name.strip().replace("-", "_")
-    defaults = {f.name: f.default for f in dataclasses.fields(Limits)}
+    defaults: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Limits)}
     if not sep:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE (e.g. max_tokens=1024), got "
                                          f"{text!r}")
@@ -76,7 +76,8 @@ class ServerOptions:
     cors_origins: tuple[str, ...] = field(default=(), metadata=cli(
         "--cors-origin", "a browser origin allowed to call the API (e.g. https://app.example); "
         "repeat for several", repeat=True, metavar="ORIGIN"))
-    limits: Limits = field(default=None, metadata=cli(
+    # None stands for Limits(): __post_init__ puts a Limits in its place
+    limits: Limits = field(default=cast("Limits", None), metadata=cli(
         "--limit", "raise or lower a request limit, e.g. max_tokens=1024 (a field of Limits); "
         "repeat for several", repeat=True, parse=limit_item, metavar="NAME=VALUE"))
     rate_limit_per_minute: float | None = field(default=None, metadata=cli(

@@ -315,7 +315,8 @@ def build_chat_ui(backend: Backend, *, title: str | None = None, limits: Limits 
     with gr.Blocks(title=page_title, analytics_enabled=False, fill_height=True) as demo:
         header = gr.Markdown(_header(backend, title), elem_id="nbserve-model")
         speed = gr.Markdown("Last answer: none yet", elem_id="nbserve-speed")
-        settings = [  # render=False: ChatInterface puts them in its accordion
+        # render=False: ChatInterface puts them in its accordion
+        settings: list[str | gr.components.Component] = [
             gr.Textbox("", label="System prompt", lines=2, render=False,
                        placeholder="Empty: the model's default system prompt"),
             gr.Slider(limits.min_temperature, limits.max_temperature,
@@ -378,7 +379,8 @@ def mount_ui(app: FastAPI, backend: Backend, path: str = "/",
 def _gradio_apps(app: FastAPI) -> list[Any]:
     from gradio.routes import App
 
-    return [r.app for r in app.routes if isinstance(getattr(r, "app", None), App)]
+    mounted = (getattr(r, "app", None) for r in app.routes)
+    return [a for a in mounted if isinstance(a, App)]
 
 
 def reset_ui(app: FastAPI) -> None:

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import jinja2
 from jinja2 import nodes
@@ -18,7 +18,6 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..types import InvalidRequestError
 from .files import token_str
-
 from .tool_prompt import tools_in_prompt
 
 log = logging.getLogger("nbserve.text")
@@ -32,7 +31,7 @@ class _GenerationTag(Extension):
     """`{% generation %}...{% endgeneration %}` marks assistant text for training masks in
     transformers; when serving it simply renders its body."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    tags = {"generation"}
 
     def parse(self, parser: Any) -> nodes.Node:
         lineno = next(parser.stream).lineno
@@ -215,14 +214,15 @@ class ChatTemplate:
     def from_transformers(cls, tokenizer: Any) -> ChatTemplate | None:
         """The chat template of a transformers tokenizer (None if it has none), with the special
         tokens transformers would pass to it."""
-        source = getattr(tokenizer, "chat_template", None)
-        tool_source = None
+        source: Any = getattr(tokenizer, "chat_template", None)
+        tool_source: str | None = None
         if isinstance(source, dict):  # {"default": ..., "tool_use": ...}
             source, tool_source = source.get("default"), source.get("tool_use")
         if not source:
             return None
-        tokens = {k: v for k, v in (getattr(tokenizer, "special_tokens_map", None) or {}).items()
-                  if isinstance(v, str)}
+        tokens: dict[str, Any] = {
+            k: v for k, v in (getattr(tokenizer, "special_tokens_map", None) or {}).items()
+            if isinstance(v, str)}
         return cls(source, tool_source=tool_source, **tokens)
 
     def render(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
@@ -343,8 +343,8 @@ def load_chat_template(root: Path, tokenizer_config: dict[str, Any]) -> ChatTemp
         return None
     tokens = {k: token_str(tokenizer_config.get(k)) for k in
               ("bos_token", "eos_token", "unk_token", "pad_token")}
-    extra = {k: v for k, v in tokens.items()
-             if v is not None and k not in ("bos_token", "eos_token")}
+    extra: dict[str, Any] = {k: v for k, v in tokens.items()
+                             if v is not None and k not in ("bos_token", "eos_token")}
     try:
         return ChatTemplate(source, tokens["bos_token"] or "", tokens["eos_token"] or "",
                             tool_source=tool_source, **extra)

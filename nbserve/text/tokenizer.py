@@ -85,7 +85,7 @@ class Tokenizer:
     `decode(skip_special_tokens=True)`.
     """
 
-    def __init__(self, tok: tokenizers.Tokenizer, bos_token_id: int | None = None,
+    def __init__(self, tok: tokenizers.Tokenizer | _DuckBackend, bos_token_id: int | None = None,
                  eos_token_ids: int | Iterable[int] = (), add_bos_token: bool = False):
         self._tok = tok
         self.bos_token_id = bos_token_id
@@ -95,7 +95,8 @@ class Tokenizer:
         added = tok.get_added_tokens_decoder()
         self._added: dict[int, str] = {i: t.content for i, t in added.items()}
         self.special_ids: set[int] = {i for i, t in added.items() if t.special}
-        self.special_ids |= set(self.eos_token_ids) | ({bos_token_id} - {None})
+        self.special_ids |= set(self.eos_token_ids) | (set() if bos_token_id is None
+                                                       else {bos_token_id})
         self.vocab_size: int = max([tok.get_vocab_size(with_added_tokens=True),
                                     *(i + 1 for i in self._added)])
         self._bytes: dict[int, bytes] = {}
@@ -166,8 +167,10 @@ class Tokenizer:
         """Token ids of `text`; special-token strings in it become their ids. With
         `add_special_tokens`, BOS is prepended if the model wants it and it is not there yet."""
         ids = list(self._tok.encode(text, add_special_tokens=False).ids)
-        if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
-            ids.insert(0, self.bos_token_id)
+        bos = self.bos_token_id  # add_bos_token implies a BOS id
+        if add_special_tokens and self.add_bos_token and bos is not None and \
+                (not ids or ids[0] != bos):
+            ids.insert(0, bos)
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:

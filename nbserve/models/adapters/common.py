@@ -8,6 +8,7 @@ import sys
 import warnings
 import weakref
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -34,7 +35,8 @@ def warn_slow(module: Any, message: str) -> None:
         _WARNED.add(module)
     except TypeError:  # not weak-referenceable: warn every time
         pass
-    level, frame = 1, sys._getframe(0)
+    level = 1
+    frame: FrameType | None = sys._getframe(0)
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         level, frame = level + 1, frame.f_back
     warnings.warn(message, SlowPathWarning, stacklevel=level)
@@ -113,5 +115,5 @@ class ModuleAdapter(nn.Module):
     def dtype(self) -> torch.dtype:
         return module_device_dtype(self.module)[1]
 
-    def train(self, mode: bool = True) -> "ModuleAdapter":
+    def train(self, mode: bool = True) -> ModuleAdapter:
         return self

@@ -79,18 +79,20 @@ class TransformersAdapter(ModuleAdapter):
         self.module = model
         self._view = eval_view(model)
         self.name = type(model).__name__
-        config = getattr(model, "config", None)
+        config: Any = getattr(model, "config", None)
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         limit = first_int(CONTEXT_KEYS, text_config)
         if max_context is not None and limit is not None and max_context > limit:
             raise ValueError(f"max_context={max_context} is more than {self.name} supports "
                              f"({limit} positions in its config)")
-        if not (max_context or limit):
+        context = max_context or limit
+        if not context:
             raise ValueError(f"cannot tell the context length of {self.name}: pass "
                              "max_context=... to load()")
-        self.max_context = int(max_context or limit)
+        self.max_context = int(context)
+        hf_model: Any = model  # a transformers PreTrainedModel: methods nn.Module lacks
         self.vocab_size = int(first_int(("vocab_size",), text_config) or
-                              model.get_output_embeddings().weight.shape[0])
+                              hf_model.get_output_embeddings().weight.shape[0])
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._keep_arg = next((a for a in ("logits_to_keep", "num_logits_to_keep")

@@ -59,18 +59,20 @@ class RecomputeAdapter(ModuleAdapter):
     def __init__(self, module: nn.Module, *, max_context: int | None = None,
                  vocab_size: int | None = None, warn: bool = True):
         if not isinstance(module, nn.Module):
-            raise TypeError(f"RecomputeAdapter needs a torch.nn.Module, got {type(module).__name__}")
+            raise TypeError("RecomputeAdapter needs a torch.nn.Module, "
+                            f"got {type(module).__name__}")
         super().__init__()
         self.module = module
         self._view = eval_view(module)
         self.name = type(module).__name__
         window = config_value(module, CONTEXT_KEYS)
-        if max_context is None and window is None:
+        context = max_context or window
+        if context is None:
             raise ValueError(
                 f"cannot tell the context length of {self.name}: its config has none of "
                 f"{', '.join(CONTEXT_KEYS[:3])}. Pass max_context=... (e.g. "
                 "nbserve.launch(model, tokenizer=tok, max_context=256))")
-        self.max_context = int(max_context or window)
+        self.max_context = int(context)
         self.window = min(window or self.max_context, self.max_context)
         self.vocab_size = int(vocab_size or config_value(module, ("vocab_size",))
                               or self._probe_vocab())
