@@ -71,3 +71,16 @@ def tiny_engine(tiny_llama_dir: Path) -> Iterator[Any]:
 def server_url(tiny_engine: Any) -> Iterator[str]:
     with app_running(tiny_engine) as url:
         yield url
+
+
+@pytest.fixture
+def no_server_left() -> Iterator[None]:
+    """Fails a test that leaves a launched server running (and stops it): for test modules
+    that launch servers, as `pytestmark = pytest.mark.usefixtures("no_server_left")`."""
+    from nbserve.serving.launch import running_servers
+
+    yield
+    leftover = running_servers()
+    for srv in leftover:
+        srv.stop()
+    assert not leftover, f"a test left servers running: {leftover}"

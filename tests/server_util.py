@@ -105,9 +105,10 @@ def non_reading_stream(url: str, body: dict[str, Any],
     return sock
 
 
-def read_all(sock: socket.socket) -> str:
-    """What a `non_reading_stream` socket received, once its client wakes up and reads."""
-    sock.settimeout(10)
+def read_all(sock: socket.socket, timeout: float = 10) -> str:
+    """What a `non_reading_stream` socket received, once its client wakes up and reads, until
+    [DONE] or `timeout` s of silence."""
+    sock.settimeout(timeout)
     chunks = []
     while True:
         try:
@@ -171,17 +172,5 @@ def app_running(backend: Any, **create_app_options: Any) -> Iterator[str]:
 def read_sse_data(sock: socket.socket, timeout: float = 10) -> list[str]:
     """Read what a `non_reading_stream` socket holds until [DONE] (or silence): its `data:`
     payloads (the chunked body's size lines dropped)."""
-    sock.settimeout(timeout)
-    chunks = []
-    while True:
-        try:
-            data = sock.recv(65536)
-        except TimeoutError:
-            break
-        if not data:
-            break
-        chunks.append(data)
-        if b"data: [DONE]" in data[-64:]:
-            break
-    text = b"".join(chunks).decode(errors="replace")
+    text = read_all(sock, timeout)
     return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]

@@ -82,13 +82,7 @@ def second_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_hf_dir(tmp_path_factory.mktemp("models") / "tiny-llama-b", seed=1)
 
 
-@pytest.fixture(autouse=True)
-def _no_server_left():
-    yield
-    leftover = running_servers()
-    for srv in leftover:
-        srv.stop()
-    assert not leftover, f"a test left servers running: {leftover}"
+pytestmark = pytest.mark.usefixtures("no_server_left")
 
 
 # ----------------------------------------------------------------------------- lifecycle

@@ -21,13 +21,7 @@ CHAT = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens
 ORIGIN = "http://notebook.example"
 
 
-@pytest.fixture(autouse=True)
-def _no_server_left():
-    yield
-    leftover = running_servers()
-    for srv in leftover:
-        srv.stop()
-    assert not leftover, f"a test left servers running: {leftover}"
+pytestmark = pytest.mark.usefixtures("no_server_left")
 
 
 def _help(argv: list[str]) -> str:

@@ -71,13 +71,7 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return make_tls_files(tmp_path_factory.mktemp("tls"))
 
 
-@pytest.fixture(autouse=True)
-def _no_server_left():
-    yield
-    leftover = running_servers()
-    for srv in leftover:
-        srv.stop()
-    assert not leftover, f"a test left servers running: {leftover}"
+pytestmark = pytest.mark.usefixtures("no_server_left")
 
 
 def trusting(cert: Path) -> ssl.SSLContext:
