@@ -98,3 +98,14 @@ def test_nothing_but_nbserve_ray_imports_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_the_proxy_callback_path_names_the_middlewares():
+    """Ray imports PROXY_CALLBACK ("module:function") in its proxy process: the path must name
+    this module's function (it is a string, so nothing else checks it when modules move)."""
+    import importlib
+
+    from nbserve.serving import ray_asgi
+
+    module, _, name = ray_asgi.PROXY_CALLBACK.partition(":")
+    assert getattr(importlib.import_module(module), name) is ray_asgi.proxy_middlewares

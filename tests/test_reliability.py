@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -169,24 +168,18 @@ def test_a_client_that_stops_reading_is_cancelled_past_max_backlog(loaded: Any) 
         assert "max_backlog=32" in last["error"]["message"]
 
 
-def _stream_rate(url: str, max_tokens: int) -> float:
-    """Tokens/s of one stream, from its first to its last token."""
+def _stream_tokens(url: str, max_tokens: int) -> int:
+    """Read one chat stream to its end; the completion tokens its usage reports."""
     body = {"messages": MSG, "max_tokens": max_tokens, "stream": True, "logit_bias": NO_EOS,
             "stream_options": {"include_usage": True}}
-    first = last = 0.0
     tokens = 0
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as resp:
         for line in resp.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[len("data: "):])
-            now = time.perf_counter()
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                first, last = first or now, now
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    assert tokens == max_tokens
-    return tokens / (last - first)
+            if line.startswith("data: {"):
+                chunk = json.loads(line[len("data: "):])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    return tokens
 
 
 def _undelivered(engine: Engine) -> list[int]:
@@ -197,40 +190,26 @@ def _undelivered(engine: Engine) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_slow_reader_does_not_slow_the_other_streams(tiny_llama_dir: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """4 streams read as fast as they can, with and without a 5th that reads nothing; median
-    of 5 rounds each, alternating. The 5th (500 tokens) starts first; once its socket and
-    transport buffers are full (~100 tokens: a 500-character model name makes each chunk
-    ~0.8 KB) and its events pile up unsent, the 4 others run 150 tokens each while it keeps
-    generating, blocked, in the same batch. The model runs without nbserve's C kernel, which
-    serves steps of up to 4 rows only: 4 and 5 rows must cost about the same for the rates to
-    compare."""
-    monkeypatch.setenv("NBSERVE_KERNELS", "0")
+def test_a_slow_reader_does_not_hold_up_the_other_streams(tiny_llama_dir: Path) -> None:
+    """A 5th stream that reads nothing (500 tokens) starts first; once its socket and transport
+    buffers are full (~100 tokens: a 500-character model name makes each chunk ~0.8 KB) its
+    events pile up unsent. Meanwhile 4 streams that read run 150 tokens each to the end, while
+    the blocked one keeps generating in the same batch: nothing waits for it. (How fast the 4
+    run with and without it is a benchmark's question, not a test's.)"""
     engine, _ = faulty_engine(load_hf_dir(tiny_llama_dir), max_batch=8, name="m" * 500)
-    rounds: dict[bool, list[float]] = {False: [], True: []}
     slow_body = {"prompt": "a", "max_tokens": 500, "stream": True, "logit_bias": NO_EOS}
     with engine, small_send_buffers(engine, 4096) as url, ThreadPoolExecutor(4) as pool:
-        _stream_rate(url, 20)  # warm up
-        for i in range(5):
-            for slow in (False, True) if i % 2 else (True, False):
-                sock = None
-                if slow:
-                    sock = non_reading_stream(url, slow_body, "/v1/completions")
-                    assert wait_until(lambda: max(_undelivered(engine), default=0) >= 8, 10)
-                    stuck = max(_undelivered(engine))
-                try:
-                    rates = list(pool.map(lambda _: _stream_rate(url, 150), range(4)))
-                    if slow:  # still generating, and still not delivered: blocked all along
-                        assert engine.stats()["running"] == 1
-                        assert max(_undelivered(engine)) > stuck + 100
-                finally:
-                    if sock is not None:
-                        sock.close()
-                rounds[slow].append(statistics.median(rates))
-                assert wait_until(lambda: engine.stats()["running"] == 0, 20)
-    base, slowed = statistics.median(rounds[False]), statistics.median(rounds[True])
-    assert abs(slowed / base - 1) <= 0.2, (rounds, slowed / base)
+        sock = non_reading_stream(url, slow_body, "/v1/completions")
+        try:
+            assert wait_until(lambda: max(_undelivered(engine), default=0) >= 8, 10)
+            stuck = max(_undelivered(engine))
+            assert list(pool.map(lambda _: _stream_tokens(url, 150), range(4))) == [150] * 4
+            # still generating, and still not delivered: blocked all along, and never waited for
+            assert engine.stats()["running"] == 1
+            assert max(_undelivered(engine)) > stuck + 100
+        finally:
+            sock.close()
+        assert wait_until(lambda: engine.stats()["running"] == 0, 20)
 
 
 # ----------------------------------------------------------------------------- faults

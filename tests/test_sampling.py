@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from nbserve import sampling
+from nbserve.engine import sampling
 from nbserve.engine.sampling import SeqSampler, _top_k_, _top_p_sorted_, process_logits, sample
 from nbserve.types import SamplingParams
 

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 REPLICA_HEADER = "x-nbserve-replica"
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
-PROXY_CALLBACK = "nbserve.ray_asgi:proxy_middlewares"
+PROXY_CALLBACK = "nbserve.serving.ray_asgi:proxy_middlewares"
 _REPLICA_PATHS = ("/health", "/stats")
 
 
