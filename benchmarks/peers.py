@@ -1,10 +1,14 @@
-"""Peer OpenAI servers for serve_bench.py: `llama_cpp.server` and `transformers serve`.
+"""Peer OpenAI servers for serve_bench.py: llama.cpp's own `llama-server`, `llama_cpp.server`
+and `transformers serve`.
 
 Each peer runs as a subprocess on a free 127.0.0.1 port, with its output in a log file; it is
 ready when GET /v1/models answers 200, and is stopped with terminate, then kill. A peer that is
 not installed, cannot start or is not ready in time raises `PeerError` with the reason, which
 the benchmark reports as "skipped: <reason>".
 
+- `llama-server` (llama.cpp's own, built by llama_server.py) serves the .gguf file with
+  continuous batching over `-np` parallel slots sharing one `-c` context, as llama.cpp users run
+  it: `-np 16 -c 32768 -t <threads> --jinja` (its chat template from the file).
 - `llama_cpp.server` (llama-cpp-python) serves the .gguf file itself. It answers one request at
   a time; `--interrupt_requests false` makes it queue the others instead of cutting the running
   stream short, so that every request gets its full answer, as on the other servers.
@@ -30,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PEER_NAMES = ("llama_cpp", "transformers")
+PEER_NAMES = ("llama_server", "llama_cpp", "transformers")
 
 # Peers must not reach the network: no hub look-ups, no update checks, no telemetry.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1",
@@ -105,6 +109,22 @@ def model_files(source: str) -> tuple[Path | None, Path | None]:
     return None, None
 
 
+def llama_server_spec(gguf: Path | None, binary: Path | None, parallel: int = 16,
+                      context: int = 32768, threads: int | None = None) -> PeerSpec:
+    """llama.cpp's `llama-server` on the .gguf file: `parallel` slots sharing `context` tokens,
+    `threads` for generation and batches (default: every core, as nbserve uses them)."""
+    if gguf is None:
+        raise PeerError("llama-server needs a .gguf file (default model or --model x.gguf)")
+    if binary is None:
+        raise PeerError("llama-server is not built: python benchmarks/llama_server.py --build")
+    n = str(threads or os.cpu_count() or 1)
+    return PeerSpec(
+        "llama_server",
+        [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}",
+         "-np", str(parallel), "-c", str(context), "-t", n, "-tb", n, "--jinja", "--no-webui",
+         "-a", gguf.stem])
+
+
 def llama_cpp_spec(gguf: Path | None, context: int, python: str = sys.executable) -> PeerSpec:
     """`python -m llama_cpp.server` on the .gguf file (`python`: an interpreter that has
     llama-cpp-python, e.g. a separate venv, so its dependencies stay out of nbserve's)."""
@@ -144,7 +164,11 @@ def peer_specs(names: list[str], source: str, workdir: Path, context: int,
     out: list[PeerSpec | PeerError] = []
     for name in names:
         try:
-            if name == "llama_cpp":
+            if name == "llama_server":
+                from llama_server import find
+
+                out.append(llama_server_spec(gguf, find()))
+            elif name == "llama_cpp":
                 out.append(llama_cpp_spec(gguf, context, llama_cpp_python))
             elif name == "transformers":
                 out.append(transformers_spec(gguf, hf_dir, workdir, timeout))

@@ -88,7 +88,7 @@ def test_plot_without_matplotlib_prints_how_to_install(
 
 def test_flags() -> None:
     args = sb.parse_args([])
-    assert args.peers == ["llama_cpp", "transformers"]
+    assert args.peers == ["llama_server", "llama_cpp", "transformers"]
     assert args.plot == sb.DEFAULT_PLOT and args.plot.name == "serve_bench.png"
     assert sb.parse_args(["--no-peers"]).peers == []
     assert sb.parse_args(["--peers", "transformers"]).peers == ["transformers"]
@@ -147,6 +147,31 @@ def test_peer_specs_say_why_a_peer_cannot_run(tmp_path: Path) -> None:
     assert isinstance(tf, PeerSpec) and str(hf_dir) in tf.argv and tf.prepare is None
     assert "--continuous-batching" in tf.argv
     assert isinstance(ghost, PeerError) and "unknown peer" in str(ghost)
+
+
+def test_llama_server_runs_as_its_users_run_it(tmp_path: Path, monkeypatch) -> None:
+    """llama.cpp's own server on the .gguf: 16 slots over one 32k context, the file's own chat
+    template; unbuilt, it is skipped with the command that builds it."""
+    import llama_server
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv("NBSERVE_BENCH_CACHE", str(tmp_path / "cache"))
+    (missing,) = peers.peer_specs(["llama_server"], str(gguf), tmp_path, 2048, 60)
+    assert isinstance(missing, PeerError) and "llama_server.py --build" in str(missing)
+    binary = llama_server.build_dir() / llama_server.BINARY
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    (spec,) = peers.peer_specs(["llama_server"], str(gguf), tmp_path, 2048, 60)
+    assert isinstance(spec, PeerSpec) and spec.argv[0] == str(binary)
+    argv = " ".join(spec.argv)
+    assert f"-m {gguf}" in argv and "-np 16 -c 32768" in argv and "--jinja" in argv
+
+
+def test_the_benchmark_names_the_cpu() -> None:
+    line = sb.cpu_line()
+    assert line.startswith("cpu: ") and "cores" in line
 
 
 def test_bench_reports_skipped_peers_and_continues(

