@@ -522,9 +522,23 @@ def cpu_line() -> str:
     return f"cpu: {model}, {os.cpu_count()} cores, {' '.join(simd) or 'no AVX2'}"
 
 
+def kernel_line() -> str:
+    """Which path of nbserve's C kernels runs (NBSERVE_KERNEL_ISA can force the AVX2 one)."""
+    try:
+        from nbserve.cpu.kernels.build import KernelBuildError, quant_kernels
+
+        width = quant_kernels().nbq_simd_width()
+    except (ImportError, KernelBuildError) as exc:
+        return f"nbserve kernels: none ({exc})"
+    path = {16: "AVX-512", 8: "AVX2", 1: "plain C"}.get(width, f"{width} lanes")
+    isa = os.environ.get("NBSERVE_KERNEL_ISA", "native")
+    return f"nbserve kernels: {path} (NBSERVE_KERNEL_ISA={isa})"
+
+
 async def main_async(args: argparse.Namespace) -> None:
     """nbserve first (then it stops), then each peer, then the ratios and the plot."""
     print(cpu_line(), flush=True)
+    print(kernel_line(), flush=True)
     levels = parse_levels(args.concurrency)
     if args.url and args.peers:
         print("peers: skipped: --url given (peers are compared with the in-process nbserve)",

@@ -9,8 +9,11 @@ to rounding.
 from __future__ import annotations
 
 import copy
+import os
 import platform
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -271,3 +274,25 @@ def test_an_unwritable_cache_falls_back_with_a_warning(tiny_llama_dir, monkeypat
                          model.make_cache(1, 8)).isfinite().all()
     with pytest.raises(build.KernelBuildError, match="NBSERVE_CACHE"):
         nbserve.load(str(tiny_llama_dir), dtype="quantized", verbose=False)
+
+
+@pytest.mark.parametrize("isa, width", [pytest.param("avx2", 8, marks=pytest.mark.skipif(
+    not X86, reason="x86 only")), ("plain", 1)])
+def test_the_kernel_path_can_be_forced(tmp_path, isa, width):
+    """NBSERVE_KERNEL_ISA=avx2 builds the AVX2 path on any x86 CPU (AVX-512 ones included), so
+    one machine measures what an AVX2-only laptop runs; a fresh process, as the default build
+    is loaded once per process."""
+    env = {**os.environ, "NBSERVE_KERNEL_ISA": isa, "NBSERVE_CACHE": str(tmp_path)}
+    code = ("from nbserve.cpu.kernels.build import quant_kernels; "
+            "print(quant_kernels().nbq_simd_width())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, timeout=300)
+    assert out.stdout.strip() == str(width)
+
+
+def test_an_unknown_kernel_path_is_named(tmp_path):
+    env = {**os.environ, "NBSERVE_KERNEL_ISA": "avx9000", "NBSERVE_CACHE": str(tmp_path)}
+    code = "from nbserve.cpu.kernels.build import quant_kernels; quant_kernels()"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode != 0 and "NBSERVE_KERNEL_ISA='avx9000' is not one of" in out.stderr

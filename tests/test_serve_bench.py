@@ -169,9 +169,10 @@ def test_llama_server_runs_as_its_users_run_it(tmp_path: Path, monkeypatch) -> N
     assert f"-m {gguf}" in argv and "-np 16 -c 32768" in argv and "--jinja" in argv
 
 
-def test_the_benchmark_names_the_cpu() -> None:
+def test_the_benchmark_names_the_cpu_and_the_kernel_path() -> None:
     line = sb.cpu_line()
     assert line.startswith("cpu: ") and "cores" in line
+    assert sb.kernel_line().startswith("nbserve kernels: ")
 
 
 def test_bench_reports_skipped_peers_and_continues(

@@ -7,6 +7,9 @@ where the CPU has one) and `-fopenmp`, which links the OpenMP runtime torch has 
 (same soname), so the kernels share torch's thread pool instead of starting a second one. The
 library is cached under `$NBSERVE_CACHE/kernels` (default `~/.cache/nbserve/kernels`), keyed
 by the sources, the compiler and the CPU's flags.
+
+`NBSERVE_KERNEL_ISA=avx2` builds the AVX2 path even on a CPU with AVX-512 (`plain` builds the
+plain C one), so that one machine can measure what an AVX2-only laptop runs.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ SOURCES = [Path(__file__).with_name(name) for name in ("quant_matmul.c", "lone_a
 # -ffp-contract=off: a * b + c stays two roundings, as in torch's separate ops (no silent FMA)
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11", "-ffp-contract=off"]
 BUILD_TIMEOUT_S = 120
+# NBSERVE_KERNEL_ISA: which path the default build takes (each list is tried in turn)
+ISA_ARCH: dict[str, list[list[str]]] = {
+    "native": [["-march=native"], []],
+    "avx2": [["-march=native", "-mno-avx512f"], ["-mavx2", "-mfma", "-mf16c"]],
+    "plain": [["-mno-avx", "-mno-avx2"], []],
+}
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None = None
 
@@ -46,8 +55,17 @@ def quant_kernels(arch: list[str] | None = None) -> ctypes.CDLL:
         if arch is not None:
             return _load(_build(SOURCES, [arch]))
         if _loaded is None:
-            _loaded = _load(_build(SOURCES, [["-march=native"], []]))
+            _loaded = _load(_build(SOURCES, _isa_arch()))
         return _loaded
+
+
+def _isa_arch() -> list[list[str]]:
+    """The compiler flags to try for the default build, from NBSERVE_KERNEL_ISA."""
+    isa = os.environ.get("NBSERVE_KERNEL_ISA", "native").strip().lower() or "native"
+    if isa not in ISA_ARCH:
+        raise KernelBuildError(f"NBSERVE_KERNEL_ISA={isa!r} is not one of "
+                               f"{', '.join(ISA_ARCH)} (native: the best path this CPU has)")
+    return ISA_ARCH[isa]
 
 
 def kernels_available() -> bool:
