@@ -3,7 +3,8 @@
 `Engine` is the thread-safe front: submission and validation, the inbox the engine thread
 drains, abort, stats, and the thread's lifecycle (restart after a crash, the stall watch).
 The work of each step runs in `EngineStep` (step.py), which only the engine thread touches.
-Events reach an async caller through a `Mailbox` (requests.py), a sync caller through a queue.
+Events reach an async caller through a `Mailbox`, a sync caller through a `SyncMailbox`
+(requests.py).
 
 Reliability: a request that waits more than `queue_timeout` s for a slot fails with a clear
 error; a caller that stops reading (more than `max_backlog` events undelivered) is cancelled;
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -37,7 +37,16 @@ from ..types import (
     Request,
 )
 from .config import EngineConfig
-from .requests import ChoiceState, Mailbox, RequestGroup, Sink, count_down, drop_event
+from .requests import (
+    ChoiceState,
+    Mailbox,
+    RequestGroup,
+    Sink,
+    SyncMailbox,
+    backlog_limit,
+    count_down,
+    drop_event,
+)
 from .sampling import SeqSampler
 from .scheduler import Sequence
 from .stall_watch import StallWatch
@@ -154,27 +163,16 @@ class Engine(SyncHelpers):
     def stream(self, request: Request) -> Iterator[Event]:
         """Sync version of `generate`, for scripts and notebook cells. Submits at once (so a
         refusal raises here); closing the returned iterator cancels the request."""
-        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        limit, tripped = self._backlog_limit(request), False
-
-        def sink(ev: Event) -> None:
-            nonlocal tripped
-            events.put(ev)
-            if limit is not None and not tripped and events.qsize() > limit:
-                tripped = True
-                self.abort(request.request_id, "backlog")
-
-        group = self.submit(request, sink)
-        return self._iterate(group, events)
+        mailbox: SyncMailbox[Event] = SyncMailbox(self.abort, request.request_id,
+                                                   self._backlog_limit(request))
+        group = self.submit(request, mailbox.post)
+        return self._iterate(group, mailbox)
 
     def _backlog_limit(self, request: Request) -> int | None:
         """Unread events allowed to `request`'s caller: `max_backlog` per choice."""
-        n = request.params.n
-        if self.max_backlog is None:
-            return None
-        return self.max_backlog * (n if isinstance(n, int) and n > 0 else 1)
+        return backlog_limit(self.max_backlog, request.params.n)
 
-    def _iterate(self, group: RequestGroup, events: queue.SimpleQueue[Event]) -> Iterator[Event]:
+    def _iterate(self, group: RequestGroup, events: SyncMailbox[Event]) -> Iterator[Event]:
         remaining, finished = group.params.n, False
         try:
             while not finished:

@@ -8,6 +8,7 @@ only who is waiting for which events.
 from __future__ import annotations
 
 import asyncio
+import queue
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -102,6 +103,32 @@ class Mailbox(Generic[T]):
             finally:
                 self.waiter = None
         return self.events.popleft()
+
+
+class SyncMailbox(Generic[T]):
+    """Events to one caller that blocks in `get` (a thread-safe queue); past `limit` unread
+    events it asks the engine (`abort`), once, to cancel the request, like `Mailbox`."""
+
+    def __init__(self, abort: Abort, request_id: str, limit: int | None):
+        self.abort, self.request_id, self.limit = abort, request_id, limit
+        self.events: queue.SimpleQueue[T] = queue.SimpleQueue()
+        self.tripped = False
+
+    def post(self, ev: T) -> None:
+        self.events.put(ev)
+        if self.limit is not None and not self.tripped and self.events.qsize() > self.limit:
+            self.tripped = True
+            self.abort(self.request_id, "backlog")
+
+    def get(self) -> T:
+        return self.events.get()
+
+
+def backlog_limit(max_backlog: int | None, n: object) -> int | None:
+    """Unread events a caller of a request with `n` choices may leave: `max_backlog` each."""
+    if max_backlog is None:
+        return None
+    return max_backlog * (n if isinstance(n, int) and n > 0 else 1)
 
 
 def wake_waiter(waiter: asyncio.Future[None]) -> None:

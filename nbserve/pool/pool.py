@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -21,7 +20,7 @@ from typing import Any
 
 from ..engine.config import EngineConfig
 from ..engine.engine import Engine
-from ..engine.requests import Mailbox
+from ..engine.requests import Mailbox, SyncMailbox, backlog_limit
 from ..engine.sync_helpers import SyncHelpers
 from ..types import (
     BusyError,
@@ -182,27 +181,16 @@ class Pool(SyncHelpers):
 
     def stream(self, request: Request) -> Iterator[Event]:
         """Sync `generate` for scripts and notebook cells; a refusal raises here."""
-        events: queue.SimpleQueue[_Item] = queue.SimpleQueue()
-        limit, tripped = self._backlog_limit(request), False
-
-        def post(item: _Item) -> None:
-            nonlocal tripped
-            events.put(item)
-            if limit is not None and not tripped and events.qsize() > limit:
-                tripped = True
-                self.abort(request.request_id, "backlog")
-
-        ticket = self._open(request, post)
-        return self._iterate(ticket, events)
+        mailbox: SyncMailbox[_Item] = SyncMailbox(self.abort, request.request_id,
+                                                   self._backlog_limit(request))
+        ticket = self._open(request, mailbox.post)
+        return self._iterate(ticket, mailbox)
 
     def _backlog_limit(self, request: Request) -> int | None:
         """Unread events allowed to `request`'s caller: `max_backlog` per choice."""
-        n = request.params.n
-        if self.max_backlog is None:
-            return None
-        return self.max_backlog * (n if isinstance(n, int) and n > 0 else 1)
+        return backlog_limit(self.max_backlog, request.params.n)
 
-    def _iterate(self, ticket: _Ticket, events: queue.SimpleQueue[_Item]) -> Iterator[Event]:
+    def _iterate(self, ticket: _Ticket, events: SyncMailbox[_Item]) -> Iterator[Event]:
         done = False
         try:
             while not done:
