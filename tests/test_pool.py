@@ -536,3 +536,25 @@ def test_metrics_have_a_series_per_replica(loaded):
     slots = {s.labels["replica"]: s.value for s in families["nbserve_kv_cache_slots_total"]
              .samples}
     assert slots == {"0": 4.0, "1": 4.0}
+
+
+def test_a_request_that_meets_a_stuck_replica_before_the_watcher_leaves_it_readmittable(loaded):
+    """Between a stall and the watcher's next look, a request can still be routed to the stuck
+    replica; its refusal must take the replica out for a cool-down, not close it for good."""
+    with make_pool(loaded, step_timeout=0.3, readmit_after=0.2) as pool:
+        pool.watch_interval = 3600  # the watcher will not look in this test
+        stuck = pool.replicas[1]
+        model = HangingModel(stuck.engine.model)
+        stuck.engine.model = model
+        model.gate.clear()
+        pool.replicas[0].load = 10**6  # route the next request to replica 1
+        first = Request(prompt=PROMPTS[0], params=greedy(8))
+        run_all(pool, [first])  # stalls on 1, is failed by the stall watch, moves to 0
+        assert model.blocked.is_set() and stuck.engine.stalled
+        assert not stuck.healthy and "stuck" in stuck.reason
+        model.gate.set()  # the step returns
+        assert wait_for(lambda: not stuck.engine.stalled, 10)
+        assert stuck.alive and stuck.engine.health()["ready"]  # not closed
+        pool._readmit_due()
+        assert wait_for(lambda: (pool._readmit_due(), stuck.healthy)[1], 10)
+        pool.replicas[0].load -= 10**6

@@ -38,6 +38,7 @@ from .setup import load_replicas, plan_kv_caches, resolve_devices
 from .state import Replica, pool_health, pool_stats, route_order
 
 log = logging.getLogger("nbserve.pool")
+STUCK_REASON = "its model is stuck in one step (longer than step_timeout)"
 
 
 @dataclass(eq=False)
@@ -288,7 +289,8 @@ class Pool(SyncHelpers):
                 continue
             except EngineStoppedError as exc:  # stopped, crashed and restarting, or stuck
                 self._end_attempt(attempt, ok=False)
-                self._mark_unhealthy(rep, f"its engine refused work: {exc}", dead=True)
+                stuck = bool(getattr(rep.engine, "stalled", False))  # back when its step returns
+                self._mark_unhealthy(rep, f"its engine refused work: {exc}", dead=not stuck)
                 continue
             except BaseException:
                 self._end_attempt(attempt, ok=False)
@@ -328,6 +330,8 @@ class Pool(SyncHelpers):
                 self._end_attempt(attempt, ok=False)
                 if ev.kind == "server_error":
                     self._model_error(rep)
+                elif getattr(rep.engine, "stalled", False):  # out now, not at the next watch
+                    self._mark_unhealthy(rep, STUCK_REASON, dead=False)
             ticket.post((attempt, ev))
 
         return sink
@@ -462,6 +466,5 @@ class Pool(SyncHelpers):
                 if rep.healthy and not rep.alive:
                     self._mark_unhealthy(rep, "its engine thread died", dead=True)
                 elif rep.healthy and getattr(rep.engine, "stalled", False):
-                    self._mark_unhealthy(rep, "its model is stuck in one step (longer than "
-                                         "step_timeout)", dead=False)
+                    self._mark_unhealthy(rep, STUCK_REASON, dead=False)
             self._readmit_due()
