@@ -35,10 +35,14 @@ class InvalidRequestError(NbserveError, ValueError):
 class ContextLengthError(InvalidRequestError):
     """The prompt (plus the tokens asked for) does not fit in the context."""
 
-    def __init__(self, prompt_tokens: int, max_context: int, param: str | None = "messages"):
+    def __init__(self, prompt_tokens: int, max_context: int, param: str | None = "messages",
+                 kv_tokens: int | None = None):
+        why = "" if kv_tokens is None else (
+            f" (the KV cache's budget holds {kv_tokens} tokens in all, less than the model's "
+            "own context: serve it with a larger kv_memory for longer requests)")
         super().__init__(
-            f"This model's maximum context length is {max_context} tokens, but the prompt has "
-            f"{prompt_tokens} tokens. Shorten the prompt or start a new conversation.",
+            f"This model's maximum context length is {max_context} tokens{why}, but the prompt "
+            f"has {prompt_tokens} tokens. Shorten the prompt or start a new conversation.",
             param=param,
             code="context_length_exceeded",
         )

@@ -135,11 +135,14 @@ def test_cuda_sizing_splits_free_memory_between_replicas_of_one_gpu(loaded, monk
     assert per_token == 2 * 2 * 2 * 16 * 4
     plans = plan_kv_caches({"cuda:0": loaded}, ["cuda:0", "cuda:0"], 0.5, None, None)
     assert [p.max_context for p in plans] == [512, 512]  # the tiny model's own limit
-    budget = int(free * 0.5) // 2
-    assert plans[0].max_batch == min(budget // (per_token * 512), 256)
+    budget = min(int(free * 0.5) // 2, 64 * 512 * per_token)  # capped at 64 x 512 tokens
+    assert [p.kv_memory for p in plans] == [budget, budget]  # a paged cache's block budget
+    assert plans[0].engine_options() == {"max_batch": None, "max_context": 512,
+                                         "kv_memory": budget}
     assert "of 3.0 GiB free" in plans[0].describe(0, "cuda:0")
-    with pytest.raises(ValueError, match="kv_memory_fraction"):
-        plan_kv_caches({"cuda:0": loaded}, ["cuda:0"], 0.5, 10**6, 512)
+    small = plan_kv_caches({"cuda:0": loaded}, ["cuda:0"], None, None, None,
+                           kv_memory=100 * per_token)
+    assert small[0].kv_memory == 100 * per_token and small[0].max_context == 100
 
 
 def test_a_loaded_model_is_copied_to_another_device_with_ties_kept(loaded):
@@ -255,10 +258,14 @@ def test_cancel_and_n_choices_through_the_pool(loaded):
         assert st["requests_finished"].get("cancelled") == 1 and st["slots_used"] == 0
 
 
-def test_affinity_yields_to_an_overloaded_replica(loaded):
-    with make_pool(loaded) as pool:
+def test_affinity_reads_the_replicas_cache_and_yields_to_an_overloaded_replica(loaded):
+    with make_pool(loaded, kv_block_size=8) as pool:
         ids = list(range(10, 60))
-        pool.replicas[1].recent.append(ids + [5, 6])
+        assert pool.replicas[1].prefix_match(ids) == pool.replicas[0].prefix_match(ids) == 0
+        served = Request(prompt_ids=ids + [5, 6], params=greedy(2))
+        list(pool.replicas[1].engine.stream(served))  # its blocks hold the prompt now
+        assert pool.replicas[1].prefix_match(ids) == 48  # six full blocks of 8
+        assert pool.replicas[0].prefix_match(ids) == 0
         assert pool._route(ids, set())[0].index == 1
         pool.replicas[1].load = 2  # <= 0 + max_batch / 2: still preferred
         assert pool._route(ids, set())[0].index == 1
@@ -349,7 +356,8 @@ def test_a_replica_whose_model_recovers_comes_back_on_probation(loaded, referenc
         failing = FailingModel(bad.engine.model)
         bad.engine.model = failing
         run_all(pool, [Request(prompt=p, params=greedy(8)) for p in PROMPTS])
-        assert not bad.healthy and bad.cooldown == pytest.approx(0.3)
+        # taken out (on a busy machine its 0.3 s cool-down may be over already)
+        assert bad.down_since > 0 and bad.cooldown == pytest.approx(0.3)
         failing.broken = False  # repaired while out of rotation
         assert wait_for(lambda: bad.healthy, 5.0)
         requests = [Request(prompt=p, params=greedy(24)) for p in PROMPTS]
@@ -558,3 +566,20 @@ def test_a_request_that_meets_a_stuck_replica_before_the_watcher_leaves_it_readm
         pool._readmit_due()
         assert wait_for(lambda: (pool._readmit_due(), stuck.healthy)[1], 10)
         pool.replicas[0].load -= 10**6
+
+
+def test_a_quantized_model_without_its_float32_weights_still_copies_to_another_device(
+        tiny_llama_dir):
+    import nbserve
+    from nbserve.models.llama import kernels_available
+    from nbserve.pool.setup import replicate
+
+    if not kernels_available():
+        pytest.skip("dtype='quantized' needs nbserve's C kernels (a C compiler)")
+    loaded = nbserve.load(str(tiny_llama_dir), dtype="quantized", verbose=False)
+    assert loaded.model.dense_released  # its float32 matmul weights were dropped at load
+    copy = replicate(loaded, "meta").model
+    att = copy.model.layers[0].self_attn
+    assert att.q_proj.weight.device.type == "meta" and att.q_proj.weight.shape[0] > 0
+    assert not copy.dense_released  # copied from the rebuilt weights, not from placeholders
+    assert loaded.model.dense_released  # dropped again after the copy

@@ -22,6 +22,7 @@ from gguf_util import hf_dir_to_gguf
 import nbserve
 from nbserve.cpu.kernels import build
 from nbserve.models.quant import QUANT_MAX_ROWS, KernelLinear, QuantBlocks
+from nbserve.models.weights import count_parameters
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),
@@ -138,9 +139,11 @@ def test_a_gguf_is_multiplied_by_its_own_blocks(q4_gguf, monkeypatch):
     holders = model._named_holders()
     kinds = [holder.kernel.kind for holder, _ in holders]
     assert kinds == ["q4"] * (len(holders) - 1) + ["q8"]  # the tied head: the Q8_0 embedding
-    for holder, names in holders:  # exactly the float32 model's (dequantized) weights: the
-        assert torch.equal(holder.kernel.weight.dequantize(), holder.weight), names  # file's
-    ids = [3, 17, 5, 9, 11, 2] * 3  # own blocks, Q/K rows unpermuted, Q4_0 = Q4_1, m = -8 d
+    # exactly the float32 model's (dequantized) weights: the file's own blocks, Q/K rows
+    # unpermuted, Q4_0 = Q4_1, m = -8 d (the quantized model keeps no float32 weight to compare)
+    for (holder, names), (dense, _) in zip(holders, full._named_holders()):
+        assert torch.equal(holder.kernel.weight.dequantize(), dense.weight), names
+    ids = [3, 17, 5, 9, 11, 2] * 3
     assert len(ids) > QUANT_MAX_ROWS
     (pre_f, one_f), (pre_q, one_q) = _lone_steps(full, ids), _lone_steps(model, ids)
     pre_p, one_p = _lone_steps(plain, ids)
@@ -171,6 +174,7 @@ def test_a_fused_projection_with_other_types_gets_q8_0_made_at_load(tiny_llama_d
     blocks = holder.kernel.weight  # Q4_1 q/k and an F16 v: one Q8_0 made from the floats
     assert blocks.kind == "q8" and model._named_holders()[3][0].kernel.weight.kind == "q4"
     step = blocks.scales.repeat_interleave(32, dim=1)
+    model.restore_dense_weights()  # quantized keeps them in the packed copies only
     assert ((blocks.dequantize() - holder.weight).abs() <= step / 2 + 1e-7).all()
 
 
@@ -184,7 +188,8 @@ def test_a_float_checkpoint_gets_q8_0_copies(tiny_llama_dir):
     assert 0 < error < 0.03, error  # Q8_0 weights (0.2-0.4% each) through 2 random layers
     n_full, bytes_full = nbserve.models.weights.count_parameters(full)
     n_q, bytes_q = nbserve.models.weights.count_parameters(model)
-    assert n_q == n_full and bytes_q > bytes_full  # the copies are counted
+    assert n_q == n_full and bytes_q > 4 * n_q  # the copies are counted
+    assert bytes_q < bytes_full  # the float32 weights are in the packed copies only
 
 
 def test_moving_or_copying_the_model_keeps_the_copies_right(q4_gguf):
@@ -237,30 +242,6 @@ def test_default_model_keeps_its_answer_quantized():
     assert answer == "The capital of France is Paris."
 
 
-def test_the_lone_attention_kernel_matches_torch():
-    from nbserve.models.llama import apply_rope
-    from nbserve.models.lone_attention import lone_attention, lone_attention_serves
-
-    hq, hkv, d, ctx = 6, 2, 64, 40  # grouped-query: 3 query heads per kv head
-    for pos in (0, 1, 17, ctx - 1):
-        heads = torch.randn(hq + 2 * hkv, d)
-        keys, values = torch.randn(hkv, ctx, d), torch.randn(hkv, ctx, d)
-        angles = torch.rand(d // 2) * (pos + 1)
-        rope = (torch.cat([angles.cos()] * 2), torch.cat([-angles.sin(), angles.sin()]))
-        want_k, want_v = keys.clone(), values.clone()
-        qk = apply_rope(heads[:hq + hkv], *rope)
-        want_k[:, pos], want_v[:, pos] = qk[hq:], heads[hq + hkv:]
-        q = qk[:hq].view(hkv, hq // hkv, d).double()
-        scores = q @ want_k[:, :pos + 1].double().transpose(1, 2) / d ** 0.5
-        want = (torch.softmax(scores, -1) @ want_v[:, :pos + 1].double()).reshape(1, hq * d)
-        assert lone_attention_serves(heads, keys, values, rope)
-        assert not lone_attention_serves(heads, keys, values.transpose(1, 2), rope)  # strided
-        assert not lone_attention_serves(heads.double(), keys, values, rope)
-        out = lone_attention(heads, hq, hkv, rope, keys, values, pos)
-        assert torch.equal(keys, want_k) and torch.equal(values, want_v)  # rope rounded as torch
-        torch.testing.assert_close(out, want.float(), rtol=1e-5, atol=1e-5)
-
-
 def test_an_unwritable_cache_falls_back_with_a_warning(tiny_llama_dir, monkeypatch, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
@@ -296,3 +277,49 @@ def test_an_unknown_kernel_path_is_named(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode != 0 and "NBSERVE_KERNEL_ISA='avx9000' is not one of" in out.stderr
+
+
+def test_quantized_keeps_no_float32_copy_of_a_matmul_weight(q4_gguf, monkeypatch):
+    """The quantized blocks serve steps of up to QUANT_MAX_ROWS rows and the packed copies the
+    larger ones: the plain float32 weights are left in the packed copies only (on meta), the
+    parsed file is not kept, and every output stays the same bit for bit."""
+    from nbserve.loading import gguf
+
+    model = nbserve.load(str(q4_gguf), verbose=False).model  # a lossless GGUF: quantized
+    assert model.weight_format == "quantized" and model.dense_released
+    assert gguf._reader.cache_info().currsize == 0  # no parsed file (fields, memory map) kept
+    embedding = model.embedding_weight()
+    for holder, names in model._named_holders():
+        if holder.weight is embedding:  # the tied head: the embedding, which lookups read
+            continue
+        assert holder.weight.device.type == "meta", names
+        assert all(model.get_parameter(n).device.type == "meta" for n in names), names
+    real = [n for n, p in model.named_parameters() if p.device.type != "meta"]
+    assert all(n == "model.embed_tokens.weight" or n.endswith(("norm.weight", ".bias"))
+               for n in real), real
+    monkeypatch.setattr("nbserve.loading._release_unread_weights", lambda loaded: None)
+    kept = nbserve.load(str(q4_gguf), verbose=False).model  # as before: dense weights kept
+    assert not kept.dense_released
+    assert count_parameters(model)[0] == count_parameters(kept)[0]
+    assert count_parameters(model)[1] < count_parameters(kept)[1]  # the copies are counted
+    assert model.derived_bytes() < kept.derived_bytes()
+    ids = [3, 17, 5, 9, 11, 2] * 3
+    for a, b in zip(_lone_steps(model, ids), _lone_steps(kept, ids)):  # 18 rows (packed), 1
+        assert torch.equal(a, b)  # row (blocks)
+    for rows in (QUANT_MAX_ROWS, QUANT_MAX_ROWS + 1):  # a decode batch either side
+        x = torch.tensor([ids[:rows]]).t()
+        steps = [m.forward(x, torch.zeros(rows, 1, dtype=torch.long), torch.arange(rows),
+                           m.make_cache(rows, 8), contiguous_from=0) for m in (model, kept)]
+        assert torch.equal(*steps), rows
+    state, want = model.state_dict(), kept.state_dict()  # values read back, still released
+    assert model.dense_released and state.keys() == want.keys()
+    assert all(torch.equal(state[k], want[k]) for k in want)
+    model.to(torch.float64)  # a move brings the weights back, a float32 CPU model drops them
+    assert not model.dense_released and model.model.layers[0].mlp.down_proj.weight.dtype == \
+        torch.float64
+    model.to(torch.float32)
+    assert model.dense_released
+    assert torch.equal(_lone_steps(model, ids)[0], _lone_steps(kept, ids)[0])
+    model.restore_dense_weights()
+    for (holder, _), (twin, _) in zip(model._named_holders(), kept._named_holders()):
+        assert torch.equal(holder.weight, twin.weight)  # bit for bit, out of the packed copies

@@ -231,7 +231,7 @@ def test_health_stats_metrics(server_url: str, client: openai.OpenAI) -> None:
     assert h["status"] == "ready" and h["ready"] is True
     assert {"model", "replicas", "running", "waiting"} <= set(h)
     stats = httpx.get(server_url + "/stats").json()
-    assert stats["running"] == 0 and "slots_total" in stats
+    assert stats["running"] == 0 and "slots_total" in stats and stats["kv_blocks_total"] > 0
     assert stats["server"]["requests"] >= 1 and stats["server"]["ttft_s"]["p50"] is not None
     metrics = httpx.get(server_url + "/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
@@ -239,7 +239,9 @@ def test_health_stats_metrics(server_url: str, client: openai.OpenAI) -> None:
     for name in ("nbserve_requests", "nbserve_prompt_tokens", "nbserve_completion_tokens",
                  "nbserve_time_to_first_token_seconds", "nbserve_inter_token_latency_seconds",
                  "nbserve_queue_depth", "nbserve_running_sequences",
-                 "nbserve_kv_cache_slots_used", "nbserve_kv_cache_usage_ratio"):
+                 "nbserve_kv_cache_slots_used", "nbserve_kv_cache_usage_ratio",
+                 "nbserve_kv_blocks_total", "nbserve_kv_blocks_cached",
+                 "nbserve_prefix_cache_queries", "nbserve_prefix_cache_hits"):
         assert name in families, name
     chat_ok = [s for s in families["nbserve_requests"].samples
                if s.labels.get("route") == "/v1/chat/completions"

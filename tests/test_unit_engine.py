@@ -448,8 +448,15 @@ def test_options_come_from_keywords_a_config_or_both() -> None:
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"max_batch": 0}, "max_batch must be an integer >= 1, got 0"),
-    ({"max_batch": True}, "max_batch must be an integer >= 1, got True"),
+    ({"max_batch": 0}, "max_batch must be an integer >= 1 (or None: 64 with a paged cache, "
+                       "else 16), got 0"),
+    ({"max_batch": True}, "max_batch must be an integer >= 1 (or None: 64 with a paged "
+                          "cache, else 16), got True"),
+    ({"kv_memory": 0}, "kv_memory must be a number of bytes (an integer), a fraction"),
+    ({"kv_memory": 1.5}, "kv_memory must be a number of bytes (an integer), a fraction"),
+    ({"kv_memory": "1GB"}, "kv_memory must be a number of bytes"),
+    ({"kv_block_size": 0}, "kv_block_size must be an integer >= 1"),
+    ({"kv_dtype": "int8"}, "kv_dtype must be one of float32, bfloat16, float16"),
     ({"max_queue": 2.0}, "max_queue must be an integer >= 1"),
     ({"prefill_chunk": -5}, "prefill_chunk must be an integer >= 1"),
     ({"max_context": 1}, "max_context must be an integer >= 2"),

@@ -1,17 +1,24 @@
 """Unit tests of the pool's routing order (nbserve/pool/state.py `route_order`) and of
-`Replica.prefix_match`, on Replica records around a stub engine: no model, no threads."""
+`Replica.prefix_match`, on Replica records around a stub engine whose cache holds the given
+token lists: no model, no threads."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from nbserve.pool.state import RECENT_PER_REPLICA, Replica, route_order
+from nbserve.engine.blocks import common_prefix_len
+from nbserve.pool.state import Replica, route_order
 
 
 def replica(index: int, load: int = 0, recent: list[list[int]] = (), max_batch: int = 8) -> Replica:
-    rep = Replica(index, f"fake:{index}", SimpleNamespace(max_batch=max_batch), load=load)
-    rep.recent.extend(list(t) for t in recent)
-    return rep
+    """A replica whose engine's cache holds the prefixes `recent`."""
+    held = [list(t) for t in recent]
+
+    def cached_prefix(ids: list[int]) -> int:
+        return max((common_prefix_len(ids, t) for t in held), default=0)
+
+    engine = SimpleNamespace(max_batch=max_batch, cached_prefix=cached_prefix)
+    return Replica(index, f"fake:{index}", engine, load=load)
 
 
 def order(reps: list[Replica], ids: list[int], turn: int = 0) -> list[int]:
@@ -82,7 +89,7 @@ def test_the_gain_is_counted_over_the_least_loaded_replicas_own_prefix() -> None
     least = replica(0, recent=[PROMPT[:40]])
     other = replica(1, load=1, recent=[PROMPT[:71]])
     assert order([least, other], PROMPT) == [0, 1]  # 31 more tokens: not enough
-    other.recent.append(PROMPT[:72])
+    other = replica(1, load=1, recent=[PROMPT[:71], PROMPT[:72]])
     assert order([least, other], PROMPT) == [1, 0]  # 32 more
 
 
@@ -109,23 +116,3 @@ def test_among_equal_prefixes_the_less_loaded_holder_wins() -> None:
 
 def test_a_lone_replica_is_the_order() -> None:
     assert order([replica(4, load=9, recent=[PROMPT])], PROMPT) == [4]
-
-
-# ----------------------------------------------------------------------------- prefix_match
-
-
-def test_prefix_match_is_the_longest_over_recent_token_lists() -> None:
-    rep = replica(0, recent=[[1, 2, 9], [1, 2, 3, 4, 9], [5, 6], [1, 2, 3]])
-    assert rep.prefix_match([1, 2, 3, 4, 5]) == 4
-    assert rep.prefix_match([7]) == 0
-    assert replica(1).prefix_match([1, 2, 3]) == 0  # nothing served yet
-
-
-def test_prefix_match_remembers_only_the_most_recent_lists() -> None:
-    rep = replica(0)
-    rep.recent.append([1, 2, 3, 4])
-    for i in range(RECENT_PER_REPLICA):
-        rep.recent.append([100 + i])
-    assert rep.prefix_match([1, 2, 3, 4]) == 0
-    rep.recent.append([1, 2, 3, 4])
-    assert rep.prefix_match([1, 2, 3, 4]) == 4

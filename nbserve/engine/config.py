@@ -12,6 +12,14 @@ import difflib
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from .kv_budget import check_kv_memory
+
+PAGED_MAX_BATCH = 64  # default running sequences with a paged cache (a limit, no reservation)
+ROW_MAX_BATCH = 16  # default rows of a one-row-per-sequence cache (each reserved up front)
+KV_DTYPES = ("float32", "bfloat16", "float16")
+
 
 def _seconds_or_none(name: str, value: Any) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -32,18 +40,27 @@ def _int_at_least(name: str, value: Any, lo: int, none_means: str | None = None)
 class EngineConfig:
     """How an Engine schedules and protects itself.
 
-    max_batch: sequences decoded together (one KV slot each). max_context: tokens per sequence
-    (None: the model's, at most 4096). max_queue: requests waiting for a slot before new ones
-    get BusyError. prefill_chunk: prompt tokens prefilled per step (long prompts are split).
-    queue_timeout: seconds a request may wait for a slot. max_backlog: events per choice a
-    caller may leave unread before its request is cancelled. restart_on_failure: restart the
-    engine thread if it dies. threads: torch intra-op threads of the engine thread (None: tuned
-    per forward size on CPU). step_timeout: seconds one step may run before the engine counts
-    as stuck. name: the served model name (default: the model's). quiet: no start-up line.
+    max_batch: sequences running together (None: 64 where the model has a paged cache, else 16,
+    one cache row each). max_context: tokens per sequence (None: the model's, capped by what
+    the KV blocks hold; at most 4096 for a one-row-per-sequence cache). kv_memory: the paged
+    cache's budget, bytes (an int) or a fraction of the free memory (of the RAM available on
+    CPU); None: 0.25 of the RAM on CPU, 0.9 of the free GPU memory on CUDA, and no more than
+    max_batch sequences of max_context. kv_block_size: tokens per KV block. kv_dtype: the
+    cache's dtype ("float32", "bfloat16", "float16"; None: the model's). max_queue: requests
+    waiting for admission before new ones get BusyError. prefill_chunk: prompt tokens
+    prefilled per step (long prompts are split). queue_timeout: seconds a request may wait
+    for admission. max_backlog: events per choice a caller may leave unread before its
+    request is cancelled. restart_on_failure: restart the engine thread if it dies.
+    threads: torch intra-op threads of the engine thread (None: tuned per forward size on
+    CPU). step_timeout: seconds one step may run before the engine counts as stuck. name:
+    the served model name (default: the model's). quiet: no start-up line.
     """
 
-    max_batch: int = 16
+    max_batch: int | None = None
     max_context: int | None = None
+    kv_memory: int | float | None = None
+    kv_block_size: int = 32
+    kv_dtype: str | None = None
     max_queue: int = 256
     prefill_chunk: int = 512
     queue_timeout: float | None = 600.0
@@ -55,8 +72,13 @@ class EngineConfig:
     quiet: bool = False
 
     def __post_init__(self) -> None:
-        for field in ("max_batch", "max_queue", "prefill_chunk"):
+        for field in ("max_queue", "prefill_chunk", "kv_block_size"):
             _int_at_least(field, getattr(self, field), 1)
+        _int_at_least("max_batch", self.max_batch, 1, "64 with a paged cache, else 16")
+        check_kv_memory(self.kv_memory)
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} (or None: the "
+                             f"model's), got {self.kv_dtype!r}")
         _int_at_least("max_context", self.max_context, 2, "the model's, at most 4096")
         _int_at_least("max_backlog", self.max_backlog, 1, "no limit")
         _int_at_least("threads", self.threads, 1, "tuned")
@@ -85,10 +107,20 @@ class EngineConfig:
                             f"{', '.join(known)}")
         return dataclasses.replace(base or cls(), **options)
 
-    def context_for(self, model_context: int) -> int:
-        """The context length to serve a model whose own limit is `model_context`."""
+    def resolved_max_batch(self, paged: bool) -> int:
+        """`max_batch`, or its default for a model with (without) a paged cache."""
+        if self.max_batch is not None:
+            return self.max_batch
+        return PAGED_MAX_BATCH if paged else ROW_MAX_BATCH
+
+    def resolved_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype if self.kv_dtype is None else getattr(torch, self.kv_dtype)
+
+    def context_for(self, model_context: int, paged: bool = False) -> int:
+        """The context length to serve a model whose own limit is `model_context` (before
+        a paged cache caps it at what its blocks hold)."""
         if self.max_context is None:
-            return min(model_context, 4096)
+            return model_context if paged else min(model_context, 4096)
         if self.max_context > model_context:
             raise ValueError(f"max_context must be between 2 and the model's {model_context}, "
                              f"got {self.max_context}")

@@ -84,8 +84,9 @@ class Engine(SyncHelpers):
         self.tokenizer = model.tokenizer
         self.template = model.template
         self.model_name = config.name or model.name
-        self.max_batch, self.max_queue = config.max_batch, config.max_queue
-        self.max_context = config.context_for(int(model_.max_context))
+        self.max_queue = config.max_queue
+        paged = callable(getattr(model_, "make_paged_cache", None))
+        model_context = config.context_for(int(model_.max_context), paged)
         self.queue_timeout, self.max_backlog = config.queue_timeout, config.max_backlog
         self.restart_on_failure, self.step_timeout = config.restart_on_failure, config.step_timeout
         self.threads, self.prefill_chunk = config.threads, config.prefill_chunk
@@ -93,7 +94,8 @@ class Engine(SyncHelpers):
         self.vocab_size = int(model_.vocab_size)
         self.stop_token_ids = list(model.stop_token_ids)
         self.stats_ = EngineStats()
-        self._step = EngineStep(model, config, self.max_context, self.stats_, self)
+        self._step = EngineStep(model, config, model_context, self.stats_, self)
+        self.max_batch, self.max_context = self._step.max_batch, self._step.max_context
         self._lock = threading.Condition()
         self._inbox: deque[tuple[RequestGroup, list[Sequence]]] = deque()
         # (group, why): "cancel" (the caller left), "shutdown" (cancel_all) or "backlog"
@@ -109,8 +111,7 @@ class Engine(SyncHelpers):
             config.step_timeout, self._on_stall, f"nbserve-stall-watch-{id(self):x}")
         self._thread = self._new_thread()
         if not config.quiet:
-            print(f"nbserve: KV cache {self.max_batch} slots x {self.max_context} tokens, "
-                  f"{self.cache.nbytes / 2**20:.0f} MiB on {self.model.device}", flush=True)
+            print(f"nbserve: {self.describe_cache()}", flush=True)
         self._thread.start()
 
     @property
@@ -201,13 +202,39 @@ class Engine(SyncHelpers):
             self._lock.notify()
         return len(groups)
 
+    def describe_cache(self) -> str:
+        """The KV cache in one line: budget, blocks, the largest context one request gets."""
+        budget = self._step.budget
+        size = getattr(self.cache, "nbytes", 0) / 2**20
+        if budget is None:
+            return (f"KV cache {self.max_batch} rows x {self.max_context} tokens, {size:.0f} MiB "
+                    f"on {self.model.device}")
+        return (f"KV cache {budget.n_blocks} blocks x {budget.block_size} tokens = "
+                f"{budget.tokens} tokens, {size:.0f} MiB ({budget.source}; "
+                f"{str(self._step.kv_dtype).replace('torch.', '')}) on {self.model.device}, "
+                f"committed as used; up to {self.max_batch} sequences, "
+                f"{self.max_context} tokens each at most")
+
+    def cached_prefix(self, ids: list[int]) -> int:
+        """Tokens of `ids` whose keys/values this engine's cache holds now (any thread: a
+        racy read, good enough for routing)."""
+        try:
+            return self._step.space.cached_prefix(ids, len(ids))[0]
+        except (RuntimeError, KeyError, IndexError):  # the engine thread changed it meanwhile
+            return 0
+
     def stats(self) -> dict[str, Any]:
         s = self._step.scheduler
+        space = s.space
         tuner = self._step.tuner
         return self.stats_.snapshot(
             running=len(s.running), waiting=self._queued,
-            slots_used=self.max_batch - s.slots.n_free, slots_total=self.max_batch,
+            slots_used=len(s.running), slots_total=self.max_batch,
             kv_cache_bytes=getattr(self.cache, "nbytes", 0), max_context=self.max_context,
+            kv_block_size=space.block_size, kv_blocks_total=space.n_blocks,
+            kv_blocks_used=space.n_used, kv_blocks_cached=space.n_cached,
+            kv_budget_bytes=self._step.budget.budget_bytes if self._step.budget else
+            getattr(self.cache, "nbytes", 0), preemptions=s.preemptions,
             device=str(self.model.device), dtype=str(self.model.dtype).replace("torch.", ""),
             threads=self.threads or (tuner.summary() if tuner else None))
 
@@ -263,8 +290,12 @@ class Engine(SyncHelpers):
         """Token ids of the request's prompt (chat template applied for messages)."""
         ids = self._prompt_ids(request)
         if len(ids) >= self.max_context:
+            budget = self._step.budget
+            kv_tokens = budget.tokens if budget is not None and \
+                budget.tokens < self.loaded.model.max_context else None
             raise ContextLengthError(len(ids), self.max_context,
-                                     param="messages" if request.messages else "prompt")
+                                     param="messages" if request.messages else "prompt",
+                                     kv_tokens=kv_tokens)
         return ids
 
     def count_prompt_tokens(self, request: Request) -> int:

@@ -1,9 +1,17 @@
-"""Scheduler: which sequences run this step, in which cache slot, from which position.
+"""Scheduler: which sequences run this step, from which position, in which cache blocks.
 
-Pure Python, no torch. Sequences wait in FIFO order; a sequence admitted gets a KV-cache slot,
-preferring a free slot whose cached tokens share the longest prefix with its prompt (prefix
-reuse: the second turn of a chat prefills only what is new). Each step decodes every sequence
-that has finished its prefill, plus one prefill chunk of the oldest sequence still prefilling.
+Pure Python, no torch. Requests wait in FIFO order; one is admitted when a seat (`max_batch`
+running sequences) and the cache blocks for its prompt are free, taking whatever prefix of
+its prompt the cache already holds (`KVSpace.admit`: shared blocks of other sequences, or
+blocks cached by finished ones), so that it prefills only what is new. A request too big for
+the free blocks now may be passed by smaller ones behind it, but only `max_skips` times; then
+nothing passes it until it fits (no head-of-line blocking, no starvation).
+
+Each step decodes every sequence that has finished its prefill, plus prefill chunks of the
+oldest prefilling ones, up to `prefill_chunk` tokens in all. When a running sequence needs a
+block and none is free, the youngest running sequence is preempted: its blocks go back (its
+full blocks stay cached), and it waits at the head of the queue to be recomputed from its
+tokens, mostly from the cache.
 """
 
 from __future__ import annotations
@@ -11,6 +19,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+from .blocks import ROOT_KEY, KVSpace, common_prefix_len
+
+__all__ = ["PrefillWork", "Scheduler", "Sequence", "StepPlan", "common_prefix_len"]
 
 
 @dataclass(slots=True, eq=False)
@@ -21,11 +33,15 @@ class Sequence:
     index: int  # choice number within the request
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
-    slot: int = -1
     computed: int = 0  # tokens whose keys/values are in the cache
-    cached_prompt: int = 0  # prompt tokens found in the cache at admission
+    cached_prompt: int = 0  # prompt tokens found in the cache at (first) admission
     finished: bool = False
     parent: Sequence | None = None  # for n > 1: the choice whose prefill this one copies
+    table: list[int] = field(default_factory=list)  # cache blocks, in position order
+    keyed: int = 0  # leading blocks of `table` whose keys are known (see BlockSpace.commit)
+    last_key: int = ROOT_KEY  # the key of block keyed - 1
+    resumed: bool = False  # preempted once: its request was already admitted
+    skipped: int = 0  # times a request behind it was admitted first
 
     @property
     def tokens(self) -> list[int]:
@@ -36,8 +52,19 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def target(self) -> int:
+        """Positions to have in the cache before the next decode: the prompt, or (after a
+        preemption) every token but the last, which the next decode step feeds."""
+        return self.total_len - 1 if self.output_ids else len(self.prompt_ids)
+
+    @property
     def prefilling(self) -> bool:
-        return self.computed < len(self.prompt_ids)
+        return self.computed < self.target
+
+    @property
+    def slot(self) -> int:
+        """The first cache block (the cache row, for one-row-per-sequence caches)."""
+        return self.table[0] if self.table else -1
 
 
 @dataclass(slots=True)
@@ -48,7 +75,14 @@ class PrefillWork:
 
     @property
     def last(self) -> bool:
-        return self.start + len(self.ids) == len(self.seq.prompt_ids)
+        """The chunk completes the sequence's prefill."""
+        return self.start + len(self.ids) == self.seq.target
+
+    @property
+    def samples(self) -> bool:
+        """The chunk's last logits give the sequence's first token (not after a preemption:
+        a recomputed sequence has its tokens)."""
+        return self.last and not self.seq.output_ids
 
 
 @dataclass(slots=True)
@@ -62,58 +96,17 @@ class StepPlan:
         return not self.prefills and not self.decode and not self.admitted
 
 
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """Length of the shared prefix of two token lists (compares 64-token blocks first)."""
-    n, i = min(len(a), len(b)), 0
-    while i + 64 <= n and a[i:i + 64] == b[i:i + 64]:
-        i += 64
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-class SlotTable:
-    """Cache slots: which are in use, and which tokens each free slot still holds."""
-
-    def __init__(self, n: int):
-        self.free: set[int] = set(range(n))
-        self.cached: list[list[int]] = [[] for _ in range(n)]
-        self.last_used: list[int] = [0] * n
-        self._clock = 0
-
-    @property
-    def n_free(self) -> int:
-        return len(self.free)
-
-    def take(self, prompt: list[int] | None) -> tuple[int, int]:
-        """Take a free slot for `prompt`; return (slot, tokens already cached there)."""
-        best, best_len = -1, -1
-        for s in sorted(self.free):
-            n = common_prefix_len(self.cached[s], prompt) if prompt else 0
-            if n > best_len or (n == best_len and self.last_used[s] < self.last_used[best]):
-                best, best_len = s, n
-        self.free.remove(best)
-        reuse = min(best_len, len(prompt) - 1) if prompt else 0
-        self.cached[best] = []
-        return best, max(reuse, 0)
-
-    def release(self, slot: int, valid_tokens: list[int]) -> None:
-        """Give the slot back, remembering the tokens whose keys/values it holds."""
-        self._clock += 1
-        self.cached[slot] = valid_tokens
-        self.last_used[slot] = self._clock
-        self.free.add(slot)
-
-
 class Scheduler:
-    """Waiting queue, running set and slots. The engine calls admit/schedule/finish."""
+    """Waiting queue, running set and the cache's blocks. The engine calls add/schedule/finish."""
 
-    def __init__(self, max_batch: int, prefill_chunk: int):
+    def __init__(self, max_batch: int, prefill_chunk: int, space: KVSpace, max_skips: int = 16):
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
+        self.space = space
+        self.max_skips = max_skips
         self.waiting: deque[list[Sequence]] = deque()  # groups of n sequences
-        self.running: list[Sequence] = []
-        self.slots = SlotTable(max_batch)
+        self.running: list[Sequence] = []  # in admission order: the youngest last
+        self.preemptions = 0
 
     def add(self, group: list[Sequence]) -> None:
         if len(group) > self.max_batch:
@@ -124,49 +117,169 @@ class Scheduler:
     def num_waiting(self) -> int:
         return sum(len(g) for g in self.waiting)
 
+    # ---------------------------------------------------------------- admission
+
+    def _cost(self, group: list[Sequence]) -> int:
+        first = group[0]
+        return self.space.admission_cost(first.tokens, self._limit(first), first.target + 1,
+                                         len(group))
+
+    @staticmethod
+    def _limit(seq: Sequence) -> int:
+        """How much of a sequence's tokens may come from the cache: a new prompt's last token
+        is computed (its logits give the first output token)."""
+        return seq.target if seq.output_ids else seq.target - 1
+
     def _admit(self) -> list[Sequence]:
-        admitted = []
-        while self.waiting and self.slots.n_free >= len(self.waiting[0]):
+        admitted: list[Sequence] = []
+        kept: deque[list[Sequence]] = deque()
+        blocked = False  # a request that may not be passed any more waits for room
+        # free blocks that the running sequences, and those admitted in this pass, are still
+        # to take (blocks are taken as a step computes them, not at admission)
+        promised = self._promised()
+        while self.waiting:
             group = self.waiting.popleft()
-            first = group[0]
-            first.slot, first.computed = self.slots.take(first.prompt_ids)
-            first.cached_prompt = first.computed
-            for seq in group[1:]:  # siblings copy the first choice's prefill later
-                seq.slot, _ = self.slots.take(None)
-                seq.parent = first
-            self.running.extend(group)
-            admitted.append(first)
+            seats = len(self.running) + len(group) <= self.max_batch
+            spare = self.space.n_free - promised - (self.space.reserve if self.running else 0)
+            cost = self._cost(group) if seats and not blocked else 0
+            if blocked or not seats or cost > spare:
+                kept.append(group)
+                blocked = blocked or group[0].skipped >= self.max_skips
+                continue
+            for g in kept:
+                g[0].skipped += 1
+                blocked = blocked or g[0].skipped >= self.max_skips  # that was its last pass
+            free = self.space.n_free
+            self._start(group)
+            promised += cost - (free - self.space.n_free)  # less the cached blocks it took
+            if not group[0].resumed:
+                admitted.append(group[0])
+        self.waiting = kept
         return admitted
+
+    def _promised(self) -> int:
+        """Free blocks the running sequences will still take for what their admission
+        counted: the rest of a prefill (through its first decode), one per choice waiting to
+        copy its first choice's prefill."""
+        bs, total = self.space.block_size, 0
+        for s in self.running:
+            if s.parent is not None:
+                total += 1
+            elif s.prefilling:
+                total += max(0, -(-(s.target + 1) // bs) - len(s.table))
+        return total
+
+    def _start(self, group: list[Sequence]) -> None:
+        first = group[0]
+        first.computed = self.space.admit(first, first.tokens, self._limit(first))
+        if not first.resumed:
+            first.cached_prompt = first.computed
+        for seq in group[1:]:  # siblings copy the first choice's prefill later
+            seq.parent = first
+        self.running.extend(group)
+
+    # ---------------------------------------------------------------- one step
 
     def schedule(self) -> StepPlan:
         """Admit what fits, then plan one step: every decoding sequence, plus prefill chunks of
         the oldest prefilling sequences up to `prefill_chunk` tokens in all (so a burst of new
         requests is prefilled in a few steps, and one long prompt never stalls decoding for
-        more than one chunk's time)."""
+        more than one chunk's time). Blocks are taken for what the step computes; a sequence
+        that cannot get one makes room by preempting the youngest."""
         admitted = self._admit()
-        prefills, budget = [], self.prefill_chunk
-        for seq in self.running:
-            if budget <= 0:
-                break
-            if seq.parent is None and seq.prefilling:
-                end = min(seq.computed + budget, len(seq.prompt_ids))
-                prefills.append(PrefillWork(seq, seq.computed, seq.prompt_ids[seq.computed:end]))
+        prefills: list[PrefillWork] = []
+        decode: list[Sequence] = []
+        budget, i = self.prefill_chunk, 0
+        while i < len(self.running):
+            seq = self.running[i]
+            i += 1
+            if seq.parent is not None:
+                continue
+            if seq.prefilling:
+                if budget <= 0:
+                    continue
+                end = self._room_for(seq, min(seq.computed + budget, seq.target))
+                if end is None:
+                    i -= 1  # it preempted itself: the next one moved into its place
+                    continue
+                prefills.append(PrefillWork(seq, seq.computed, seq.tokens[seq.computed:end]))
                 budget -= end - seq.computed
-        decode = [s for s in self.running if not s.prefilling and s.output_ids]
+            elif seq.output_ids:
+                if self._room_for(seq, seq.computed + 1) is None:
+                    i -= 1
+                    continue
+                decode.append(seq)
         decode.sort(key=lambda s: s.slot)
         return StepPlan(prefills, decode, admitted)
 
-    def finish(self, seq: Sequence, keep_cache: bool = True) -> None:
-        """Remove a finished or cancelled sequence and free its slot.
+    def _room_for(self, seq: Sequence, end: int) -> int | None:
+        """Blocks for `seq`'s positions < end, preempting younger sequences as needed; a
+        prefill with no one younger left shrinks to the blocks there are. Returns the end it
+        got, or None if `seq` itself had to be preempted."""
+        while not self.space.grow(seq, end):
+            victim = next((s for s in reversed(self.running) if s.parent is None), None)
+            if victim is not seq and victim is not None:
+                self.preempt(victim)
+                continue
+            room = (len(seq.table) + self.space.n_free) * self.space.block_size
+            if seq.prefilling and room > seq.computed:
+                end = min(end, room)
+                continue
+            self.preempt(seq)
+            return None
+        return end
 
-        The slot remembers the sequence's cached tokens for prefix reuse, unless a failed
-        step left them undefined (`keep_cache=False`)."""
+    def preempt(self, seq: Sequence) -> None:
+        """Take `seq` (and the choices waiting to copy its prefill) out of the running set:
+        its blocks go back, their contents cached, and it waits at the head of the queue."""
+        self.preemptions += 1
+        family = [seq] + [s for s in self.running if s.parent is seq]
+        for s in family:
+            self.running.remove(s)
+        self.space.release(seq, seq.tokens[:seq.computed], keep=True)
+        seq.computed, seq.resumed = 0, True
+        for s in family[1:]:
+            s.parent = None
+            s.resumed = True
+        self.waiting.appendleft(family)
+
+    # ---------------------------------------------------------------- after a step
+
+    def computed(self, seq: Sequence) -> None:
+        """`seq.computed` advanced: its newly full blocks become shareable."""
+        self.space.commit(seq, seq.tokens, seq.computed)
+
+    def fork(self, parent: Sequence) -> list[tuple[Sequence, tuple[int, int, int] | None]]:
+        """After `parent`'s prefill: each choice waiting for it gets its blocks (the copy to
+        make, if any); a choice no block is free for waits to be recomputed instead."""
+        out = []
+        for sib in [s for s in self.running if s.parent is parent]:
+            try:
+                copy = self.space.fork(parent, sib, parent.computed)
+            except MemoryError:
+                self.running.remove(sib)
+                sib.parent, sib.resumed = None, True
+                self.waiting.appendleft([sib])
+                continue
+            sib.computed, sib.parent = parent.computed, None
+            out.append((sib, copy))
+        return out
+
+    def finish(self, seq: Sequence, keep_cache: bool = True) -> None:
+        """Remove a finished or cancelled sequence and give back its blocks.
+
+        Their contents stay cached for prefix reuse, unless a failed step left them undefined
+        (`keep_cache=False`)."""
         if seq.finished:
             return
         seq.finished = True
         if seq in self.running:
             self.running.remove(seq)
-            self.slots.release(seq.slot, seq.tokens[:seq.computed] if keep_cache else [])
+            for s in self.running:
+                if s.parent is seq:  # it never forked: it prefills on its own
+                    s.parent, s.computed = None, 0
+                    s.computed = self.space.admit(s, s.tokens, self._limit(s))
+            self.space.release(seq, seq.tokens[:seq.computed], keep=keep_cache)
         else:
             for group in self.waiting:
                 if seq in group:

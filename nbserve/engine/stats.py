@@ -22,6 +22,7 @@ class EngineStats:
     def __init__(self, window: int = 2048):
         self.started = time.time()
         self.prefilled = self.decoded = self.reused = 0
+        self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / found cached
         self.rejected = self.errors = self.steps = 0
         self.finished: dict[str, int] = {}
         self.ttft: deque[float] = deque(maxlen=window)
@@ -52,6 +53,8 @@ class EngineStats:
             "tokens_prefilled": self.prefilled,
             "tokens_decoded": self.decoded,
             "tokens_reused": self.reused,
+            "prefix_cache_queries": self.prefix_queries,
+            "prefix_cache_hits": self.prefix_hits,
             "requests_finished": dict(self.finished),
             "requests_rejected": self.rejected,
             "model_errors": self.errors,

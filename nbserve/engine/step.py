@@ -21,7 +21,9 @@ import torch
 from ..cpu.threads import ThreadTuner
 from ..models.base import LoadedModel
 from ..types import Delta, ErrorEvent, Finished, FinishReason, Started, TokenLogprob
+from .blocks import BlockSpace, KVSpace, SlotSpace
 from .config import EngineConfig
+from .kv_budget import KVBudget, plan_blocks
 from .requests import RequestGroup, drop_event
 from .sampling import sample
 from .scheduler import PrefillWork, Scheduler, Sequence, StepPlan
@@ -44,19 +46,46 @@ class EngineStep:
     """The engine thread's work: add, abort, step, fail. Not thread-safe by design: only the
     engine thread calls it (the front hands it the requests and aborts it collected)."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, max_context: int,
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, model_context: int,
                  stats: EngineStats, hooks: StepHooks):
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        self.config, self.max_context = config, max_context
-        self.stats, self.hooks = stats, hooks
+        self.config, self.stats, self.hooks = config, stats, hooks
         on_cpu = torch.device(self.model.device).type == "cpu"
         self.tuner = ThreadTuner() if on_cpu and config.threads is None else None
         self.hints = accepts_hints(self.model.forward)
         # right-padded prefill rows only for models that say they handle them (StepModel doc)
         self.padded_rows = bool(getattr(self.model, "accepts_padded_rows", False))
-        self.cache: Any = self.model.make_cache(config.max_batch, max_context)
-        self.scheduler = Scheduler(config.max_batch, config.prefill_chunk)
+        # a paged cache where the model offers one (models.base), else one row per sequence
+        self.paged = callable(getattr(self.model, "make_paged_cache", None))
+        self.max_batch = config.resolved_max_batch(self.paged)
+        self.budget: KVBudget | None = None
+        if self.paged:
+            kv_dtype = config.resolved_kv_dtype(self.model.dtype)
+            self.budget = plan_blocks(self.model.kv_bytes_per_token(kv_dtype),
+                                      config.kv_block_size, torch.device(self.model.device),
+                                      config.kv_memory, self.max_batch * model_context)
+            self.kv_dtype = kv_dtype
+        # the largest context one request can get: the model's, or what the blocks hold
+        self.max_context = model_context if self.budget is None else \
+            min(model_context, self.budget.tokens)
+        self.cache: Any = self._make_cache()
+        self.scheduler = self._make_scheduler()
+
+    def _make_cache(self) -> Any:
+        if self.budget is None:
+            return self.model.make_cache(self.max_batch, self.max_context)
+        return self.model.make_paged_cache(self.budget.n_blocks, self.budget.block_size,
+                                           self.kv_dtype)
+
+    def _make_scheduler(self) -> Scheduler:
+        space: KVSpace = SlotSpace(self.max_batch, self.max_context) if self.budget is None \
+            else BlockSpace(self.budget.n_blocks, self.budget.block_size)
+        return Scheduler(self.max_batch, self.config.prefill_chunk, space)
+
+    @property
+    def space(self) -> KVSpace:
+        return self.scheduler.space
 
     # ------------------------------------------------------------------ the interface
 
@@ -92,6 +121,8 @@ class EngineStep:
         for seq in plan.admitted:
             g = seq.group
             self._mark_admitted(g)
+            self.stats.prefix_queries += len(seq.prompt_ids)
+            self.stats.prefix_hits += seq.cached_prompt
             g.sink(Started(g.request_id, len(g.prompt_ids), seq.cached_prompt, g.prompt_ids))
         model_time = sample_time = 0.0
         if plan.decode:
@@ -124,14 +155,15 @@ class EngineStep:
         group.sink = drop_event
 
     def forget_requests(self) -> None:
-        """A fresh scheduler (after a stuck step returned: its sequences were failed)."""
-        self.scheduler = Scheduler(self.config.max_batch, self.config.prefill_chunk)
+        """A fresh scheduler and block pool (after a stuck step returned: its sequences were
+        failed; what the cache holds is forgotten with them)."""
+        self.scheduler = self._make_scheduler()
 
     def renew(self) -> None:
         """After a crash of the engine thread: a fresh KV cache (the old one is freed first)
         and scheduler. The stats and the thread tuner's timings stay."""
         self.cache = None
-        self.cache = self.model.make_cache(self.config.max_batch, self.max_context)
+        self.cache = self._make_cache()
         self.forget_requests()
 
     # ------------------------------------------------------------------ one step
@@ -142,8 +174,9 @@ class EngineStep:
         if timeout is None:
             return
         now = time.perf_counter()
-        while self.scheduler.waiting:
-            group: RequestGroup = self.scheduler.waiting[0][0].group
+        # a preempted sequence waits too, but its request was admitted long ago: not counted
+        for waiting in [g for g in self.scheduler.waiting if not g[0].resumed]:
+            group: RequestGroup = waiting[0].group
             waited = now - group.submitted
             if waited < timeout:
                 return
@@ -154,18 +187,14 @@ class EngineStep:
     def _run_decode(self, plan: StepPlan) -> tuple[float, float]:
         seqs = plan.decode
         dev = self.model.device
-        slots_l = [s.slot for s in seqs]
         pos_l = [s.computed for s in seqs]
         ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=dev)
         positions = torch.tensor(pos_l, device=dev).unsqueeze(1)
-        slots = torch.tensor(slots_l, device=dev)
-        contiguous = slots_l[0] if slots_l == list(range(slots_l[0], slots_l[0] + len(seqs))) \
-            else None
+        where, hints = self._where(seqs, max(pos_l))
         t0 = time.perf_counter()
         try:
-            hints = dict(max_pos=max(pos_l), contiguous_from=contiguous) if self.hints else {}
             with self._threads_for(len(seqs)):
-                logits = self.model.forward(ids, positions, slots, self.cache,
+                logits = self.model.forward(ids, positions, where, self.cache,
                                             logit_index=torch.zeros(len(seqs), dtype=torch.long,
                                                                     device=dev), **hints)
         except Exception as exc:
@@ -174,6 +203,7 @@ class EngineStep:
         t1 = time.perf_counter()
         for s in seqs:
             s.computed += 1
+            self.scheduler.computed(s)
         self.stats.decoded += len(seqs)
         self._sample_and_emit(seqs, logits)
         return t1 - t0, time.perf_counter() - t1
@@ -193,15 +223,12 @@ class EngineStep:
         pos_rows = [[min(w.start + j, limit) for j in range(width)] for w in works]
         ids = torch.tensor([w.ids + [0] * (width - len(w.ids)) for w in works], device=dev)
         positions = torch.tensor(pos_rows, device=dev)  # (B, T)
-        slots = torch.tensor([w.seq.slot for w in works], device=dev)
         last = torch.tensor([len(w.ids) - 1 for w in works], device=dev)
+        where, hints = self._where([w.seq for w in works], max(r[-1] for r in pos_rows))
         t0 = time.perf_counter()
         try:
-            hints = dict(max_pos=max(r[-1] for r in pos_rows),
-                         contiguous_from=works[0].seq.slot if len(works) == 1 else None) \
-                if self.hints else {}
             with self._threads_for(real):
-                logits = self.model.forward(ids, positions, slots, self.cache,
+                logits = self.model.forward(ids, positions, where, self.cache,
                                             logit_index=last, **hints)
         except Exception as exc:
             self._fail_step([w.seq for w in works], exc)
@@ -210,6 +237,22 @@ class EngineStep:
         for i, work in enumerate(works):
             self._after_prefill(work, logits[i:i + 1])
         return t1 - t0, time.perf_counter() - t1
+
+    def _where(self, seqs: list[Sequence], max_pos: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Where the rows' keys and values live, as the model takes it: block tables (B, S),
+        padded with the cache's pad block, for a paged cache; else cache rows (B,) and the
+        optional hints (`max_pos`, `contiguous_from`)."""
+        dev = self.model.device
+        if self.paged:
+            width = max(len(s.table) for s in seqs)
+            pad = self.cache.pad_block
+            rows = [s.table + [pad] * (width - len(s.table)) for s in seqs]
+            return torch.tensor(rows, device=dev), dict(max_pos=max_pos) if self.hints else {}
+        slots_l = [s.slot for s in seqs]
+        contiguous = slots_l[0] if slots_l == list(range(slots_l[0], slots_l[0] + len(seqs))) \
+            else None
+        hints = dict(max_pos=max_pos, contiguous_from=contiguous) if self.hints else {}
+        return torch.tensor(slots_l, device=dev), hints
 
     @contextlib.contextmanager
     def _threads_for(self, tokens: int) -> Iterator[None]:
@@ -228,17 +271,20 @@ class EngineStep:
         """Advance the sequence; after its last chunk, fork n > 1 and sample first tokens."""
         seq = work.seq
         seq.computed += len(work.ids)
+        self.scheduler.computed(seq)
         self.stats.prefilled += len(work.ids)
         if not work.last:
             return
-        group: RequestGroup = seq.group
-        self.stats.reused += seq.cached_prompt
-        for sib in group.seqs[1:]:  # n > 1: share the prefill
-            if not sib.finished:
-                self.cache.copy_prefix(seq.slot, sib.slot, seq.computed)
-                sib.computed, sib.parent = seq.computed, None
-        live = [s for s in group.seqs if not s.finished]
-        self._sample_and_emit(live, logits.expand(len(live), -1))
+        if not seq.resumed:
+            self.stats.reused += seq.cached_prompt
+        forked = []
+        for sib, copy in self.scheduler.fork(seq):  # n > 1: share the prefill
+            if copy is not None:
+                self.cache.copy_prefix(*copy)
+            forked.append(sib)
+        if work.samples:
+            live = [seq] + forked
+            self._sample_and_emit(live, logits.expand(len(live), -1))
 
     def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         groups = [s.group for s in seqs]

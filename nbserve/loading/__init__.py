@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -81,8 +83,10 @@ def load(source: Any, *, device: str | None = None, dtype: Any = None,
     lone stream, +50% weight memory, outputs can differ from float32 in rare near-ties, see
     `WeightFormats.use_16bit_weights`), or "quantized" (CPU: float32 plus quantized copies for
     steps of up to 12 rows, a GGUF's own Q4_0/Q4_1/Q8_0 blocks or Q8_0 made at load: the
-    fastest lone stream, +20% weight memory; compiles a small C kernel at first use; see
-    `WeightFormats.use_quantized_weights`). On CPU in float32 (and mixed16, quantized) the
+    fastest lone stream; compiles a small C kernel at first use; see
+    `WeightFormats.use_quantized_weights`; its float32 weights are then left in their packed
+    copies only, see `WeightFormats.release_dense_weights`, so it takes less memory than
+    float32). On CPU in float32 (and mixed16, quantized) the
     loaders also keep oneDNN-packed copies of the matmul weights, which make batched decoding
     faster (+100% weight memory; skipped when the copies would take over a quarter of the RAM;
     see `WeightFormats.pack_weights`). The load line shows the copies apart;
@@ -107,14 +111,47 @@ def load(source: Any, *, device: str | None = None, dtype: Any = None,
     torch_dtype = resolve_dtype("float32" if copies else dtype, device)
     t0 = time.perf_counter()
     with torch_threads(1):  # loading is I/O-bound; no OpenMP pool in the caller's thread
-        loaded = _load_path(str(source), device, torch_dtype)
-        if copies:
-            _add_weight_copies(loaded, copies)
-        elif dtype is None and torch_dtype == torch.float32:
-            _use_lossless_blocks(loaded)
+        try:
+            loaded = _load_path(str(source), device, torch_dtype)
+            if copies:
+                _add_weight_copies(loaded, copies)
+            elif dtype is None and torch_dtype == torch.float32:
+                _use_lossless_blocks(loaded)
+        finally:
+            _forget_files()
+        _release_unread_weights(loaded)
+    _return_freed_memory()
     if verbose:
         print(summary_line(loaded, time.perf_counter() - t0), flush=True)
     return loaded
+
+
+def _forget_files() -> None:
+    """Drop the parsed GGUF files kept for the opens of one load (`gguf.forget_readers`)."""
+    gguf = sys.modules.get(f"{__name__}.gguf")
+    if gguf is not None:
+        gguf.forget_readers()
+
+
+def _release_unread_weights(loaded: LoadedModel) -> None:
+    """dtype="quantized" (asked for, or a GGUF's lossless default): drop the float32 weights
+    that its quantized and packed copies leave unread (`WeightFormats.release_dense_weights`;
+    the outputs stay the same bit for bit)."""
+    release = getattr(loaded.model, "release_dense_weights", None)
+    if release is not None and getattr(loaded.model, "weight_format", None) == "quantized":
+        release()
+
+
+def _return_freed_memory() -> None:
+    """Give the heap pages that loading's temporaries (dequantized tensors, the unfused
+    projections, the parsed file) freed back to the system: glibc keeps them for the
+    process otherwise (about 100 MB after SmolLM2). No-op where there is no malloc_trim."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
 
 
 def _load_path(src: str, device: str, dtype: torch.dtype) -> LoadedModel:

@@ -233,8 +233,17 @@ def _open(path: Path) -> GGUFReader:
 def _reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
     """A parsed file, kept for the next open of the same unchanged file: parsing a vocabulary
     of 49k tokens takes 2-4 s, and dtype="quantized" opens the file twice (floats, blocks).
-    The reader holds a read-only memory map, not the tensors."""
+    The reader holds a read-only memory map, not the tensors, but its parsed fields and the
+    pages of the map it touched are resident (about 220 MB for SmolLM2's 93 MB file):
+    `load` forgets it when it is done (`forget_readers`)."""
     return GGUFReader(path)
+
+
+def forget_readers() -> None:
+    """Drop the parsed files `_open` keeps (their fields and memory maps): what a load needs
+    of a file is in its model by then. No model tensor points into a reader's map: every
+    tensor and block is a copy (see `GGUFTensors`, `QuantBlocks.from_gguf`)."""
+    _reader.cache_clear()
 
 
 class _Meta:

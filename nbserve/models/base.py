@@ -2,7 +2,8 @@
 LoadedModel, what every loader (and model adoption) returns and the engine is built from.
 
 A StepModel computes logits for a batch of token rows at explicit positions, reading and
-writing a KV cache that it allocated itself, one "slot" (row of the cache) per sequence.
+writing a KV cache that it allocated itself: one "slot" (row of the cache) per sequence, or,
+for a model that offers a paged cache, blocks named by a block table per sequence.
 The same call serves a prefill chunk (T > 1) and a decode batch (T == 1).
 """
 
@@ -35,6 +36,17 @@ class StepModel(Protocol):
         Optional: a forward that also accepts `max_pos` (the largest position in `positions`)
         and `contiguous_from` (the first slot when `slots` is a contiguous run, else None)
         gets them from the engine, which saves it a device sync and a gather.
+
+    A paged cache (optional; the engine uses it where the model has `make_paged_cache`):
+    - `make_paged_cache(n_blocks, block_size, dtype)`: a cache of `n_blocks` blocks of
+      `block_size` positions plus one pad block (`cache.pad_block`), with `nbytes` and
+      `copy_prefix(src_block, dst_block, length)` (the first `length` positions of a block);
+      `kv_bytes_per_token(dtype)` sizes it from the engine's memory budget.
+    - `forward` then takes block tables (B, S) int64 where `slots` were: position p of row b
+      lives in block tables[b, p // block_size] at offset p % block_size; entries past a
+      row's blocks are the pad block, and so are pad positions past a row's table. Blocks
+      may be shared by several rows (a common prefix): a row only writes positions at or past
+      its own `computed` tokens, which lie in blocks it holds alone.
     """
 
     max_context: int

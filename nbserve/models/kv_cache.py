@@ -1,46 +1,87 @@
-"""KVCache: one preallocated key/value tensor pair per layer, one row ("slot") per sequence.
+"""PagedKVCache: keys and values in fixed-size blocks, one pool per layer.
 
-Layout per layer: (slots, kv_heads, max_context, head_dim), so that a decode step reads the
-first `L` positions of B slots as a strided view (contiguous slots) or one gather (scattered).
+Layout per layer: (n_blocks + 1, kv_heads, block_size, head_dim). A sequence's block table
+lists its blocks in position order: position p lives in block table[p // block_size] at
+offset p % block_size. The extra block (`pad_block`) takes the writes of padding positions
+and fills the unused entries of a table row; nothing reads it.
+
+On CPU the storage is an anonymous memory map: zero-filled, and committed by the OS page by
+page as blocks are first written, so a cache sized for many tokens holds resident only the
+blocks that were used. Elsewhere it is one tensor allocated up front.
 """
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 
-class KVCache:
-    """Preallocated cache for `max_batch` sequences of up to `max_context` tokens each."""
+class PagedKVCache:
+    """`n_blocks` blocks of `block_size` positions for every layer, plus the pad block."""
 
-    def __init__(self, n_layers: int, max_batch: int, max_context: int, n_kv_heads: int,
-                 head_dim: int, device: torch.device | str, dtype: torch.dtype):
-        shape = (max_batch, n_kv_heads, max_context, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.max_batch = max_batch
-        self.max_context = max_context
+    def __init__(self, n_layers: int, n_blocks: int, block_size: int, n_kv_heads: int,
+                 head_dim: int, device: torch.device | str, dtype: torch.dtype,
+                 rows: int | None = None):
+        self.n_blocks, self.block_size, self.pad_block = n_blocks, block_size, n_blocks
+        self.n_kv_heads, self.head_dim, self.dtype = n_kv_heads, head_dim, dtype
+        self.device = torch.device(device)
+        shape = (n_blocks + 1, n_kv_heads, block_size, head_dim)
+        per = shape[0] * shape[1] * shape[2] * shape[3]
+        self._map: mmap.mmap | None = None
+        if self.device.type == "cpu":
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            self._map = mmap.mmap(-1, max(per * 2 * n_layers * itemsize, 1))
+            flat = torch.frombuffer(self._map, dtype=dtype, count=per * 2 * n_layers)
+        else:
+            flat = torch.zeros(per * 2 * n_layers, dtype=dtype, device=self.device)
+        parts = flat.view(2 * n_layers, *shape)
+        self.k = [parts[2 * i] for i in range(n_layers)]
+        self.v = [parts[2 * i + 1] for i in range(n_layers)]
+        # `rows`: a cache made by `make_cache(rows, context)`, where row r owns blocks
+        # r * blocks_per_row ... (the one-row-per-sequence calling convention)
+        self.rows = rows
+        self.blocks_per_row = n_blocks // rows if rows else 0
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        """Bytes of the blocks sequences can use (the pad block not counted)."""
+        return sum(t[:self.n_blocks].numel() * t.element_size() for t in self.k + self.v)
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
+    @property
+    def bytes_per_token(self) -> int:
+        return self.nbytes // max(self.n_blocks * self.block_size, 1)
+
+    def row_tables(self, rows: torch.Tensor) -> torch.Tensor:
+        """Block tables (B, blocks_per_row) of cache rows (B,), for a cache made per row."""
+        if not self.rows:
+            raise ValueError("this cache has no rows: pass block tables (B, blocks), not slots")
+        per = self.blocks_per_row
+        return rows[:, None].long() * per + torch.arange(per, device=rows.device)[None, :]
+
+    def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v (B, T, H, D) at (slots[b], :, positions[b, t])."""
-        idx_s = slots[:, None]  # (B, 1) broadcast against positions (B, T)
-        self.k[layer][idx_s, :, positions] = k
-        self.v[layer][idx_s, :, positions] = v
+        """Store k, v (B, T, H, D) at (blocks[b, t], :, offsets[b, t])."""
+        self.k[layer][blocks, :, offsets] = k.to(self.dtype)
+        self.v[layer][blocks, :, offsets] = v.to(self.dtype)
 
-    def read(self, layer: int, slots: torch.Tensor, length: int,
-             contiguous_from: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values (B, H, length, D) of `slots`; a view when slots are a contiguous run."""
-        if contiguous_from is not None:
-            s = slice(contiguous_from, contiguous_from + slots.shape[0])
-            return self.k[layer][s, :, :length], self.v[layer][s, :, :length]
-        return self.k[layer][slots, :, :length], self.v[layer][slots, :, :length]
+    def gather(self, layer: int, tables: torch.Tensor,
+               length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (B, H, length, D) of the first `length` positions of each table
+        row: a copy (for prefill and the paths without a paged-attention kernel)."""
+        nb = -(-length // self.block_size)
+        idx = tables[:, :nb]
+        b = idx.shape[0]
+
+        def one(t: torch.Tensor) -> torch.Tensor:
+            blocks = t[idx]  # (B, nb, H, bs, D)
+            return blocks.transpose(1, 2).reshape(b, self.n_kv_heads, nb * self.block_size,
+                                                  self.head_dim)[:, :, :length]
+
+        return one(self.k[layer]), one(self.v[layer])
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` cached positions of slot `src` into slot `dst` (n > 1)."""
+        """Copy the first `length` positions of block `src` into block `dst` (every layer)."""
         for k, v in zip(self.k, self.v):
             k[dst, :, :length] = k[src, :, :length]
             v[dst, :, :length] = v[src, :, :length]

@@ -1,8 +1,9 @@
 """Llama-family transformer written for serving (Llama 2/3, Mistral, Qwen2, SmolLM).
 
 It implements the StepModel protocol: token ids at explicit positions in, logits out, keys and
-values kept in a KVCache it allocates once. Parameter names mirror Hugging Face's, so a HF
-state dict loads as it is and a `transformers` model's tensors can be adopted without a copy.
+values kept in the blocks of a PagedKVCache, addressed by block tables. Parameter names mirror
+Hugging Face's, so a HF state dict loads as it is and a `transformers` model's tensors can be
+adopted without a copy.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import nn
 
 from ..cpu.kernels.build import kernels_available
 from .config import LlamaConfig
-from .kv_cache import KVCache
+from .kv_cache import PagedKVCache
 from .linear import (
     FusedProjection,
     gated_linear,
@@ -26,8 +27,10 @@ from .linear import (
     packing_affordable,
     packing_available,
 )
-from .lone_attention import lone_attention, lone_attention_serves
+from .paged_attention import paged_attention_serves, paged_decode_attention, paged_lone_attention
 from .weights import WeightFormats
+
+PAGED_BLOCK_SIZE = 32  # positions per block of a cache made by make_cache (the row convention)
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
@@ -68,7 +71,7 @@ class Attention(nn.Module):
         self.qkv: FusedProjection | None = None  # see LlamaModel.fuse_projections
 
     def forward(self, x: torch.Tensor, norm: RMSNorm, rope: tuple[torch.Tensor, torch.Tensor],
-                step: StepInputs, cache: KVCache) -> torch.Tensor:
+                step: StepInputs, cache: PagedKVCache) -> torch.Tensor:
         """Attention over norm(x) (the norm runs inside the q/k/v matmul where it can)."""
         b, t, _ = x.shape
         cos, sin_signed = rope  # (B, T, 1, D)
@@ -82,14 +85,21 @@ class Attention(nn.Module):
             q = apply_rope(linear(x, self.q_proj).view(b, t, hq, self.d), cos, sin_signed)
             k = apply_rope(linear(x, self.k_proj).view(b, t, hkv, self.d), cos, sin_signed)
             v = linear(x, self.v_proj).view(b, t, hkv, self.d)
-        cache.write(self.layer, step.slots, step.positions, k, v)
-        keys, values = cache.read(self.layer, step.slots, step.kv_len, step.contiguous_from)
-        if t == 1:
+        cache.write(self.layer, step.blocks, step.offsets, k, v)
+        keys_all, values_all = cache.k[self.layer], cache.v[self.layer]
+        if t == 1 and step.kernel and paged_attention_serves(keys_all, values_all):
+            qc = q.reshape(b, hq, self.d).contiguous()  # q is a view into the q/k heads
+            out = paged_decode_attention(qc, keys_all, values_all, cache.block_size,
+                                         step.tables_i32, step.lengths_i32,
+                                         check=False).view(b, 1, -1)
+        elif t == 1:  # (B, 1, H*D) over gathered blocks
+            keys, values = cache.gather(self.layer, step.tables, step.kv_len)
             bias = step.decode_bias(hkv, hq // hkv, q.dtype)
-            out = self._decode_attention(q, keys, values, bias)  # (B, 1, H*D)
+            out = self._decode_attention(q, keys.to(q.dtype), values.to(q.dtype), bias)
         else:  # (B, H, T, D) x (B, Hkv, L, D) -> (B, H, T, D)
+            keys, values = cache.gather(self.layer, step.tables, step.kv_len)
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=step.mask,
+                q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=step.mask,
                 enable_gqa=self.hq != self.hkv).transpose(1, 2).reshape(b, t, self.hq * self.d)
         return linear(out, self.o_proj)
 
@@ -113,24 +123,27 @@ class Attention(nn.Module):
         return out.view(b, 1, self.hq * d)  # (B, 1, H*D)
 
     def lone_step(self, x: torch.Tensor, norm: RMSNorm, rope: tuple[torch.Tensor, torch.Tensor],
-                  pos: int, slot: int, cache: KVCache) -> torch.Tensor:
+                  pos: int, seq: LoneInputs, cache: PagedKVCache) -> torch.Tensor:
         """`forward` for one sequence's one new token, x (1, H), with a fused q/k/v: the same
         ops on the same values (bit-for-bit equal output), minus the batch bookkeeping (index
         tensors, advanced indexing into the cache, masks), which is a tenth of a lone step.
-        Where the model runs on nbserve's C kernels, the attention is one kernel call too (the
-        same values up to summation order; the cache gets the same k and v bit for bit)."""
+        Where the model runs on nbserve's C kernels, the attention is one kernel call over
+        the block table (the same values up to summation order; the cache gets the same k
+        and v bit for bit)."""
         hq, hkv, d, qkv = self.hq, self.hkv, self.d, self.qkv
         assert qkv is not None  # lone steps run on fused q/k/v (LlamaModel._lone_ready)
         heads = normed_linear(x, norm, qkv).view(hq + 2 * hkv, d)
-        keys, values = cache.k[self.layer][slot], cache.v[self.layer][slot]  # (Hkv, ctx, D)
-        if qkv.kernel is not None and lone_attention_serves(heads, keys, values, rope):
-            out = lone_attention(heads, hq, hkv, rope, keys, values, pos)
+        keys, values = cache.k[self.layer], cache.v[self.layer]  # (blocks, Hkv, bs, D)
+        if qkv.kernel is not None and paged_attention_serves(heads, keys, values, *rope):
+            out = paged_lone_attention(heads, hq, hkv, rope, keys, values, cache.block_size,
+                                       seq.table_i32, pos, check=False)
             return linear(out, self.o_proj)
         qk = apply_rope(heads[:hq + hkv], *rope)
-        keys[:, pos] = qk[hq:]
-        values[:, pos] = heads[hq + hkv:]
-        out = self._decode_attention(qk[None, :hq], keys[None, :, :pos + 1],
-                                     values[None, :, :pos + 1], None)  # all keys visible
+        keys[seq.block, :, seq.offset] = qk[hq:].to(keys.dtype)
+        values[seq.block, :, seq.offset] = heads[hq + hkv:].to(values.dtype)
+        k_all, v_all = cache.gather(self.layer, seq.table, pos + 1)
+        out = self._decode_attention(qk[None, :hq], k_all.to(qk.dtype), v_all.to(qk.dtype),
+                                     None)  # all keys visible
         return linear(out.view(1, hq * d), self.o_proj)
 
 
@@ -181,8 +194,8 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(x, self.input_layernorm, rope, step, cache)
         return x + self.mlp(x, self.post_attention_layernorm)
 
-    def lone_step(self, x, rope, pos: int, slot: int, cache):  # see Attention.lone_step
-        x = x + self.self_attn.lone_step(x, self.input_layernorm, rope, pos, slot, cache)
+    def lone_step(self, x, rope, pos: int, seq, cache):  # see Attention.lone_step
+        x = x + self.self_attn.lone_step(x, self.input_layernorm, rope, pos, seq, cache)
         return x + self.mlp(x, self.post_attention_layernorm)
 
 
@@ -200,16 +213,29 @@ class Backbone(nn.Module):
 
 
 class StepInputs:
-    """Per-forward values shared by every layer: slots, positions, mask, cache read length."""
+    """Per-forward values shared by every layer: where each token's keys and values go
+    (block, offset), the block tables, the mask, the cache read length."""
 
-    __slots__ = ("slots", "positions", "kv_len", "mask", "contiguous_from", "_bias")
+    __slots__ = ("tables", "positions", "kv_len", "mask", "blocks", "offsets", "kernel",
+                 "tables_i32", "lengths_i32", "_bias")
 
-    def __init__(self, positions: torch.Tensor, slots: torch.Tensor, max_pos: int,
-                 contiguous_from: int | None):
-        self.slots, self.positions = slots, positions
+    def __init__(self, positions: torch.Tensor, tables: torch.Tensor, max_pos: int,
+                 cache: PagedKVCache, kernel: bool):
+        self.positions = positions
         self.kv_len = max_pos + 1
-        self.contiguous_from = contiguous_from
+        bs = cache.block_size
+        width = -(-self.kv_len // bs)
+        if tables.shape[1] < width:  # pad positions past every row's blocks: the pad block
+            pad = tables.new_full((tables.shape[0], width - tables.shape[1]), cache.pad_block)
+            tables = torch.cat((tables, pad), dim=1)
+        self.tables = tables
+        self.blocks = tables.gather(1, torch.div(positions, bs, rounding_mode="floor"))
+        self.offsets = positions % bs
         b, t = positions.shape
+        self.kernel = kernel and t == 1
+        if self.kernel:
+            self.tables_i32 = tables.to(torch.int32).contiguous()
+            self.lengths_i32 = (positions[:, 0] + 1).to(torch.int32)
         if b == 1 and t == 1:
             self.mask = None  # one query at the last position: every cached key is visible
         else:  # key j is visible to the query at position p iff j <= p
@@ -229,6 +255,19 @@ class StepInputs:
             self._bias = bias.expand(b, kv_heads, group, length).reshape(b * kv_heads, group,
                                                                          length)
         return self._bias
+
+
+class LoneInputs:
+    """Where a lone decode step's token goes: its block table (as an index and as the C
+    kernel's int32 array), the block and offset of its position."""
+
+    __slots__ = ("table", "table_i32", "block", "offset")
+
+    def __init__(self, table: torch.Tensor, pos: int, block_size: int):
+        self.table = table[None, :]  # (1, blocks)
+        self.table_i32 = table.to(torch.int32).contiguous()
+        self.block = int(table[pos // block_size])
+        self.offset = pos % block_size
 
 
 class LlamaModel(WeightFormats):
@@ -283,10 +322,29 @@ class LlamaModel(WeightFormats):
                     out += [(getattr(owner, attr), [name]) for attr, name in zip(attrs, names)]
         return out + [(self.lm_head, ["lm_head.weight"])]
 
-    def make_cache(self, max_batch: int, max_context: int) -> KVCache:
+    def make_paged_cache(self, n_blocks: int, block_size: int,
+                         dtype: torch.dtype | None = None) -> PagedKVCache:
+        """A paged cache of `n_blocks` blocks (`models.kv_cache`), in `dtype` (default: the
+        model's); forward then takes block tables (B, blocks) where slots were."""
         c = self.config
-        return KVCache(c.num_hidden_layers, max_batch, max_context, c.num_key_value_heads,
-                       c.head_dim, self.device, self.dtype)
+        return PagedKVCache(c.num_hidden_layers, n_blocks, block_size, c.num_key_value_heads,
+                            c.head_dim, self.device, dtype or self.dtype)
+
+    def make_cache(self, max_batch: int, max_context: int) -> PagedKVCache:
+        """A paged cache laid out as `max_batch` rows of `max_context` positions, for callers
+        that address sequences by row ("slot"): forward then also takes slots (B,)."""
+        bs = PAGED_BLOCK_SIZE
+        per_row = -(-max_context // bs)
+        c = self.config
+        return PagedKVCache(c.num_hidden_layers, max_batch * per_row, bs,
+                            c.num_key_value_heads, c.head_dim, self.device, self.dtype,
+                            rows=max_batch)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes one cached token takes (keys and values of every layer)."""
+        c = self.config
+        item = torch.empty((), dtype=dtype or self.dtype).element_size()
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * item
 
     def _rope_table(self) -> tuple[torch.Tensor, torch.Tensor]:
         key = (self.device, self.dtype)
@@ -300,19 +358,25 @@ class LlamaModel(WeightFormats):
         return self._rope_cache[key]
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                cache: KVCache, logit_index: torch.Tensor | None = None,
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                cache: PagedKVCache, logit_index: torch.Tensor | None = None,
                 max_pos: int | None = None, contiguous_from: int | None = None) -> torch.Tensor:
-        """ids, positions (B, T), slots (B,) -> logits (B, T, V) or (B, V) with logit_index.
+        """ids, positions (B, T), block tables (B, blocks) -> logits (B, T, V), or (B, V)
+        with logit_index. Rows of a cache made by `make_cache` may be given as slots (B,).
 
-        `max_pos` (the largest position, if the caller knows it) and `contiguous_from`
-        (first slot, when slots are a contiguous run) only save a device sync and a gather.
+        `max_pos` (the largest position, if the caller knows it: the engine does) saves a
+        device sync, and lets a lone decode step (B = T = 1) take `_lone_step`.
+        `contiguous_from` is accepted for callers of the row convention and not needed.
         """
+        if tables.dim() == 1:
+            tables = cache.row_tables(tables)
+        lone = max_pos is not None
         if max_pos is None:
             max_pos = int(positions.max())
-        if ids.shape == (1, 1) and contiguous_from is not None and self._lone_ready:
-            return self._lone_step(ids, max_pos, contiguous_from, cache, logit_index is None)
-        step = StepInputs(positions, slots, max_pos, contiguous_from)
+        if ids.shape == (1, 1) and lone and self._lone_ready:
+            return self._lone_step(ids, max_pos, tables[0], cache, logit_index is None)
+        kernel = self._paged_kernel and cache.dtype == torch.float32
+        step = StepInputs(positions, tables, max_pos, cache, kernel)
         cos_t, sin_signed_t = self._rope_table()
         rope = (cos_t[positions].unsqueeze(2), sin_signed_t[positions].unsqueeze(2))  # (B,T,1,D)
         x = self.model.embed_tokens(ids)  # (B, T, H)
@@ -321,6 +385,12 @@ class LlamaModel(WeightFormats):
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # (B, H)
         return self._logits(x)
+
+    @property
+    def _paged_kernel(self) -> bool:
+        """Whether decode attention runs in nbserve's C kernel: where the matmuls do."""
+        qkv = self.model.decoder_layers[0].self_attn.qkv
+        return qkv is not None and qkv.kernel is not None
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head over the final norm of the hidden states, as float32."""
@@ -333,16 +403,17 @@ class LlamaModel(WeightFormats):
         """Whether `_lone_step` can serve: it is written for fused q/k/v (what loaders make)."""
         return self.model.decoder_layers[0].self_attn.qkv is not None
 
-    def _lone_step(self, ids: torch.Tensor, pos: int, slot: int, cache: KVCache,
-                   keep_time_dim: bool) -> torch.Tensor:
+    def _lone_step(self, ids: torch.Tensor, pos: int, table: torch.Tensor,
+                   cache: PagedKVCache, keep_time_dim: bool) -> torch.Tensor:
         """`forward` for a lone decode step (B = T = 1, the single-stream case): the same
         values, through `DecoderLayer.lone_step`, without the batch bookkeeping that costs a
         noticeable share of a one-token step (benchmarks/README.md)."""
         cos_t, sin_signed_t = self._rope_table()
         rope = (cos_t[pos], sin_signed_t[pos])  # (D,)
         x = F.embedding(ids.view(1), self.model.embed_tokens.weight)  # (1, H)
+        seq = LoneInputs(table, pos, cache.block_size)
         for layer in self.model.decoder_layers:
-            x = layer.lone_step(x, rope, pos, slot, cache)
+            x = layer.lone_step(x, rope, pos, seq, cache)
         logits = self._logits(x)
         return logits.view(1, 1, -1) if keep_time_dim else logits
 

@@ -1,8 +1,8 @@
 """Pool: one Engine per device behind the engine's own API (a `Backend`), with routing and health.
 
-A request goes to the healthy replica with the fewest sequences in flight, unless its prompt
-shares a long prefix with what one replica served recently (that replica's KV slots still hold
-it, so a chat's next turn prefills only what is new) and that replica is not overloaded.
+A request goes to the healthy replica with the fewest sequences in flight, unless one
+replica's KV cache holds a long prefix of its prompt (read from its blocks: a chat's next turn,
+a shared system prompt, prefills only what is new there) and that replica is not overloaded.
 A replica whose engine thread dies, or whose model raises several steps in a row, leaves the
 rotation; its requests that have produced no output yet are re-submitted to the others.
 """
@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..engine.config import EngineConfig
@@ -63,7 +63,6 @@ class _Attempt:
 
     ticket: _Ticket
     replica: Replica
-    output: list[int] = field(default_factory=list)  # choice 0's tokens, for affinity
     finished: int = 0
     ended: bool = False
 
@@ -98,11 +97,12 @@ class Pool(SyncHelpers):
 
     watch_interval = 0.1  # seconds between checks that every engine thread is alive
 
-    def __init__(self, model: Any, *, devices: Any = "auto", kv_memory_fraction: float = 0.9,
+    def __init__(self, model: Any, *, devices: Any = "auto",
+                 kv_memory_fraction: float | None = None,
                  dtype: Any = None, device: str | None = None, tokenizer: Any = None,
                  chat_template: Any = None, max_model_errors: int = 3,
                  readmit_after: float | None = 30.0, **engine_options: Any):
-        if not 0 < kv_memory_fraction <= 1:
+        if kv_memory_fraction is not None and not 0 < kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction}")
         if not isinstance(max_model_errors, int) or max_model_errors < 1:
             raise ValueError(f"max_model_errors must be an integer >= 1, got {max_model_errors!r}")
@@ -117,16 +117,17 @@ class Pool(SyncHelpers):
                                           ("chat_template", chat_template)) if v is not None}
         max_batch = engine_options.pop("max_batch", None)
         max_context = engine_options.pop("max_context", None)
-        config = EngineConfig.from_options(**engine_options)  # a bad option fails before loading
+        kv_memory = engine_options.pop("kv_memory", None)
+        config = EngineConfig.from_options(**engine_options,  # a bad option fails before loading
+                                           kv_memory=kv_memory, max_batch=max_batch)
         loaded = load_replicas(model, self.devices, dtype=dtype, **load_options)
         plans = plan_kv_caches(loaded, self.devices, kv_memory_fraction, max_batch, max_context,
-                               EngineConfig().max_batch)
+                               config.resolved_max_batch(False), kv_memory)
         quiet = config.quiet
         self.replicas: list[Replica] = []
         try:
             for i, (d, plan) in enumerate(zip(self.devices, plans)):
-                engine = Engine(loaded[d], config, max_batch=plan.max_batch,
-                                max_context=plan.max_context)
+                engine = Engine(loaded[d], config, **plan.engine_options())
                 self.replicas.append(Replica(i, d, engine))
                 if not quiet:
                     print(plan.describe(i, d), flush=True)
@@ -320,8 +321,6 @@ class Pool(SyncHelpers):
             if isinstance(ev, Delta):
                 if rep.errors_in_row:
                     rep.errors_in_row, rep.cooldown = 0, None  # it works again
-                if ev.index == 0:
-                    attempt.output.extend(ev.token_ids)
             elif isinstance(ev, Finished):
                 attempt.finished += 1
                 if attempt.finished == ticket.n:
@@ -395,7 +394,7 @@ class Pool(SyncHelpers):
             self._end_attempt(attempt, ok=False)
 
     def _end_attempt(self, attempt: _Attempt, ok: bool) -> None:
-        """Release the attempt's load (once); a completed one feeds prefix affinity."""
+        """Release the attempt's load (once)."""
         with self._lock:
             if attempt.ended:
                 return
@@ -405,7 +404,6 @@ class Pool(SyncHelpers):
             rep.attempts.discard(attempt)
             if ok:
                 rep.served += 1
-                rep.recent.append(attempt.ticket.ids + attempt.output)
 
     # ------------------------------------------------------------------ faults
 

@@ -2,7 +2,9 @@
 
 `resolve_devices` turns "auto" / a count / a list into device strings; `load_replicas` loads a
 source once per distinct device (in parallel threads) or copies a loaded model there;
-`plan_kv_caches` sizes each replica's cache from the GPU's free memory.
+`plan_kv_caches` sizes each replica's cache: a paged cache gets a share of its device's free
+memory (of the RAM available, on CPU) as its block budget, split between the replicas on one
+device; a one-row-per-sequence cache gets `max_batch` rows, sized from the GPU's memory on CUDA.
 """
 
 from __future__ import annotations
@@ -135,24 +137,35 @@ def replicate(loaded: LoadedModel, device: str) -> LoadedModel:
     if same_device(getattr(model, "device", "cpu"), device):
         return loaded
     if isinstance(model, torch.nn.Module):
-        # deepcopy with every parameter and buffer pre-mapped to its copy on `device`, so
-        # the source tensors are never duplicated on their own device and tied weights stay tied
-        memo: dict[int, Any] = {}
-        for t in [*model.parameters(), *model.buffers()]:
-            if id(t) not in memo:
-                moved = t.detach().to(device)
-                memo[id(t)] = torch.nn.Parameter(moved, requires_grad=False) \
-                    if isinstance(t, torch.nn.Parameter) else moved
-        copied = copy.deepcopy(model, memo)
-        refresh = getattr(copied, "refresh_derived", None)
-        if callable(refresh):  # nbserve's model: fused views, CPU-only extras (see there)
-            refresh()
-        return dataclasses.replace(loaded, model=copied)
+        released = bool(getattr(model, "dense_released", False))
+        if released:  # a quantized CPU model keeps no float32 matmul weights: rebuild them
+            getattr(model, "restore_dense_weights")()  # noqa: B009 - not a Module attribute
+        try:
+            return dataclasses.replace(loaded, model=_copy_module(model, device))
+        finally:
+            if released:
+                getattr(model, "release_dense_weights")()  # noqa: B009
     if loaded.source:
         return load(loaded.source, device=device, dtype=getattr(model, "dtype", None),
                     verbose=False)
     raise TypeError(f"cannot copy a {type(model).__name__} to {device}: pass the model's source "
                     "(a path or hub id) to Pool so that each device loads its own copy")
+
+
+def _copy_module(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    """deepcopy with every parameter and buffer pre-mapped to its copy on `device`, so the
+    source tensors are never duplicated on their own device and tied weights stay tied."""
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in memo:
+            moved = t.detach().to(device)
+            memo[id(t)] = torch.nn.Parameter(moved, requires_grad=False) \
+                if isinstance(t, torch.nn.Parameter) else moved
+    copied = copy.deepcopy(model, memo)
+    refresh = getattr(copied, "refresh_derived", None)
+    if callable(refresh):  # nbserve's model: fused views, CPU-only extras (see there)
+        refresh()
+    return copied
 
 
 def _describe(model: Any) -> str:
@@ -165,15 +178,28 @@ def _describe(model: Any) -> str:
 
 @dataclasses.dataclass(slots=True)
 class KVPlan:
-    """Cache size of one replica, and the memory it was sized from (CUDA only)."""
+    """Cache size of one replica, and the memory it was sized from (CUDA only).
+    `kv_memory`: the block budget in bytes of a paged cache (None for a row cache)."""
 
-    max_batch: int
+    max_batch: int | None
     max_context: int
     nbytes: int
     free_bytes: int | None = None
     fraction: float | None = None
+    kv_memory: int | None = None
+
+    def engine_options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {"max_batch": self.max_batch, "max_context": self.max_context}
+        if self.kv_memory is not None:
+            opts["kv_memory"] = self.kv_memory
+        return opts
 
     def describe(self, index: int, device: str) -> str:
+        if self.kv_memory is not None:
+            return (f"nbserve: replica {index} on {device}: paged KV cache, "
+                    f"{self.kv_memory / 2**20:.0f} MiB budget ({self.fraction:g} of "
+                    f"{(self.free_bytes or 0) / 2**30:.1f} GiB free, shared by the replicas "
+                    f"there), {self.max_context} tokens per request at most")
         size = f"{self.nbytes / 2**30:.2f} GiB" if self.nbytes >= 2**30 else \
             f"{self.nbytes / 2**20:.1f} MiB"
         line = (f"nbserve: replica {index} on {device}: KV cache {self.max_batch} slots x "
@@ -183,8 +209,41 @@ class KVPlan:
         return line + ")"
 
 
+def plan_paged(loaded: dict[str, LoadedModel], devices: list[str], fraction: float | None,
+               max_batch: int | None, max_context: int | None,
+               kv_memory: int | float | None) -> list[KVPlan]:
+    """Block budgets in bytes: `kv_memory` bytes each, or a fraction of each device's free
+    memory split between its replicas (a default budget capped as the Engine's is)."""
+    from ..engine.config import PAGED_MAX_BATCH
+    from ..engine.kv_budget import CPU_FRACTION, CUDA_FRACTION, available_bytes
+
+    budgets: list[tuple[int, int | None, float | None]] = []
+    for d in devices:
+        model = loaded[d].model
+        per_token = int(model.kv_bytes_per_token())
+        ctx = min(int(model.max_context), max_context or int(model.max_context))
+        if isinstance(kv_memory, int):
+            budgets.append((kv_memory, None, None))
+            continue
+        dev = torch.device(d)
+        share = kv_memory if kv_memory is not None else fraction if fraction is not None \
+            else CUDA_FRACTION if dev.type == "cuda" else CPU_FRACTION
+        free, _ = available_bytes(dev)
+        budget = int(free * share) // devices.count(d)
+        if kv_memory is None:
+            budget = min(budget, (max_batch or PAGED_MAX_BATCH) * ctx * per_token)
+        budgets.append((budget, free, share))
+    tokens = min(b // int(loaded[d].model.kv_bytes_per_token()) for (b, _, _), d in
+                 zip(budgets, devices))
+    ctx = min(min(int(loaded[d].model.max_context) for d in devices), max_context or tokens,
+              tokens)
+    return [KVPlan(max_batch, ctx, b, free, share, kv_memory=b) for b, free, share in budgets]
+
+
 def kv_bytes_per_token(model: Any) -> int:
     """Bytes one cached token takes in one slot (all layers, keys and values)."""
+    if callable(getattr(model, "kv_bytes_per_token", None)):
+        return int(model.kv_bytes_per_token())
     probe = model.make_cache(1, 2)
     try:
         return max(int(probe.nbytes) // 2, 1)
@@ -224,11 +283,13 @@ def choose_kv_size(per_token: int, budget: int, model_context: int, max_batch: i
     return batch, max_context
 
 
-def plan_kv_caches(loaded: dict[str, LoadedModel], devices: list[str], fraction: float,
+def plan_kv_caches(loaded: dict[str, LoadedModel], devices: list[str], fraction: float | None,
                    max_batch: int | None, max_context: int | None,
-                   default_batch: int = 16) -> list[KVPlan]:
-    """One plan per replica. On CUDA, replicas on one GPU split `fraction` of its free memory;
-    elsewhere `max_batch` (else `default_batch`) slots. All replicas get the same max_context."""
+                   default_batch: int = 16, kv_memory: int | float | None = None) -> list[KVPlan]:
+    """One plan per replica; all get the same max_context. See the module docstring."""
+    if all(callable(getattr(loaded[d].model, "make_paged_cache", None)) for d in devices):
+        return plan_paged(loaded, devices, fraction, max_batch, max_context, kv_memory)
+    fraction = 0.9 if fraction is None else fraction
     budgets: dict[str, tuple[int, int]] = {}  # device -> (free bytes, budget per replica)
     for d in dict.fromkeys(devices):
         if torch.device(d).type == "cuda":

@@ -7,21 +7,20 @@
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.engine import Engine
-from ..engine.scheduler import common_prefix_len
 from ..engine.stats import percentile
 
 AFFINITY_TOKENS = 32  # a shared prefix this long (or half the prompt) pulls a request back
 AFFINITY_FRACTION = 0.5
 AFFINITY_MIN_TOKENS = 8  # below this, reuse saves too little to matter
-RECENT_PER_REPLICA = 64  # token lists remembered per replica for prefix affinity
 SUMMED = ("running", "waiting", "slots_used", "slots_total", "kv_cache_bytes",
-          "tokens_prefilled", "tokens_decoded", "tokens_reused", "requests_rejected",
-          "model_errors", "steps", "decode_tokens_per_s")
+          "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "kv_budget_bytes",
+          "tokens_prefilled", "tokens_decoded", "tokens_reused", "prefix_cache_queries",
+          "prefix_cache_hits", "preemptions", "requests_rejected", "model_errors", "steps",
+          "decode_tokens_per_s")
 
 
 @dataclass(eq=False)
@@ -39,7 +38,6 @@ class Replica:
     last_error_mark: Any = None
     down_since: float = 0.0  # time.monotonic() when it left the rotation
     cooldown: float | None = None  # seconds it stays out before another chance
-    recent: deque[list[int]] = field(default_factory=lambda: deque(maxlen=RECENT_PER_REPLICA))
     attempts: set[Any] = field(default_factory=set)  # requests in flight here
 
     @property
@@ -48,8 +46,9 @@ class Replica:
         return thread is None or thread.is_alive()
 
     def prefix_match(self, ids: list[int]) -> int:
-        """Longest prefix `ids` shares with a token list this replica served recently."""
-        return max((common_prefix_len(ids, t) for t in self.recent), default=0)
+        """Tokens of `ids` whose keys/values this replica's cache holds now (its engine's
+        `cached_prefix`: the blocks of running and of finished sequences alike)."""
+        return int(self.engine.cached_prefix(ids))
 
 
 def route_order(live: list[Replica], ids: list[int], turn: int, n: int) -> list[Replica]:

@@ -31,6 +31,10 @@ class _BackendCollector:
         "slots_used": ("nbserve_kv_cache_slots_used", "KV cache slots in use"),
         "slots_total": ("nbserve_kv_cache_slots_total", "KV cache slots in all"),
         "kv_cache_bytes": ("nbserve_kv_cache_bytes", "Bytes allocated to the KV cache"),
+        "kv_blocks_total": ("nbserve_kv_blocks_total", "KV cache blocks in all"),
+        "kv_blocks_used": ("nbserve_kv_blocks_used", "KV cache blocks held by running sequences"),
+        "kv_blocks_cached": ("nbserve_kv_blocks_cached",
+                             "KV cache blocks nobody runs that keep a reusable prefix"),
         "decode_tokens_per_s": ("nbserve_decode_tokens_per_second",
                                 "Engine decode throughput over the last seconds"),
     }
@@ -38,6 +42,12 @@ class _BackendCollector:
         "tokens_prefilled": ("nbserve_engine_prefill_tokens", "Prompt tokens computed"),
         "tokens_decoded": ("nbserve_engine_decode_tokens", "Tokens decoded"),
         "tokens_reused": ("nbserve_engine_reused_tokens", "Prompt tokens reused from cache"),
+        "prefix_cache_queries": ("nbserve_prefix_cache_queries",
+                                 "Prompt tokens looked up in the prefix cache"),
+        "prefix_cache_hits": ("nbserve_prefix_cache_hits",
+                              "Prompt tokens found in the prefix cache"),
+        "preemptions": ("nbserve_engine_preemptions",
+                        "Sequences preempted to free KV blocks (recomputed later)"),
         "requests_rejected": ("nbserve_engine_rejected_requests", "Requests refused (busy)"),
         "model_errors": ("nbserve_engine_model_errors", "Failed model steps"),
     }
@@ -79,7 +89,7 @@ class _BackendCollector:
             return fam if fam.samples else None
 
         def ratio(row: dict[str, Any]) -> float | None:
-            used, total = number(row, "slots_used"), number(row, "slots_total")
+            used, total = number(row, "kv_blocks_used"), number(row, "kv_blocks_total")
             return used / total if used is not None and total else None
 
         def of(key: str) -> Callable[[dict[str, Any]], float | None]:
@@ -88,7 +98,7 @@ class _BackendCollector:
         fams = [family(GaugeMetricFamily, name, doc, of(key))
                 for key, (name, doc) in self._GAUGES.items()]
         fams.append(family(GaugeMetricFamily, "nbserve_kv_cache_usage_ratio",
-                           "Fraction of KV cache slots in use", ratio))
+                           "Fraction of KV cache blocks held by running sequences", ratio))
         fams += [family(CounterMetricFamily, name, doc, of(key))
                  for key, (name, doc) in self._COUNTERS.items()]
         if names:

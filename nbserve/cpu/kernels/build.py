@@ -24,7 +24,8 @@ import threading
 import warnings
 from pathlib import Path
 
-SOURCES = [Path(__file__).with_name(name) for name in ("quant_matmul.c", "lone_attention.c")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("quant_matmul.c", "paged_attention.c")]
 # -ffp-contract=off: a * b + c stays two roundings, as in torch's separate ops (no silent FMA)
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11", "-ffp-contract=off"]
 BUILD_TIMEOUT_S = 120
@@ -160,8 +161,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.nbq_q4_matmul.argtypes = [ptr, i32, i32, ptr, ptr, ptr, i32, ptr, i32, ptr, f32, i32]
     lib.nbq_q8_matmul.argtypes = [ptr, i32, i32, ptr, ptr, i32, ptr, i32, ptr, f32, i32]
     lib.nbq_f32_matmul.argtypes = [ptr, i32, i32, ptr, i32, ptr, i32, ptr, f32, i32]
-    lib.nbq_lone_attention.argtypes = [ptr, i32, i32, i32, ptr, ptr, ptr, ptr, i32, i32, ptr, i32]
     lib.nbq_q4_matmul.restype = lib.nbq_q8_matmul.restype = lib.nbq_f32_matmul.restype = i32
-    lib.nbq_lone_attention.restype = i32
+    lib.nbq_paged_lone_attention.argtypes = [ptr, i32, i32, i32, ptr, ptr, ptr, ptr, i32, ptr,
+                                             i32, ptr, i32]
+    lib.nbq_paged_decode_attention.argtypes = [ptr, i32, i32, i32, i32, ptr, ptr, i32, ptr, i32,
+                                               ptr, ptr, i32]
+    lib.nbq_paged_lone_attention.restype = i32
+    lib.nbq_paged_decode_attention.restype = i32
     lib.nbq_simd_width.restype = i32
     return lib

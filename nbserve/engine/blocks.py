@@ -1,0 +1,328 @@
+"""KV space: which cache blocks each sequence's keys and values live in, and which blocks of
+finished or running sequences can be shared by a new one.
+
+Pure Python, no torch. Two implementations of one interface (`KVSpace`), chosen by the model:
+
+- `BlockSpace`, for models with a paged cache: fixed-size blocks from one pool, a block table
+  per sequence, full blocks identified by a hash chain over their tokens (a block's key is its
+  tokens and its parent's key, so equal keys mean equal prefixes) and shared, reference-
+  counted, between sequences. Blocks nobody uses keep their contents and their key, and are
+  reused least-recently-used first when the pool needs room: a later turn of a chat, the
+  sixteenth user of one system prompt, the n choices of one request prefill only what is new.
+- `SlotSpace`, for models with the older one-row-per-sequence cache (`make_cache`): one
+  "block" of `max_context` tokens per sequence; a free row remembers its tokens, and a new
+  prompt takes the free row that shares its longest prefix.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from typing import Any, Protocol
+
+ROOT_KEY = 0  # the parent key of a sequence's first block
+
+
+def block_key(parent: int, tokens: Seq[int]) -> int:
+    """The key of a full block: its tokens under its parent block's key."""
+    return hash((parent, tuple(tokens)))
+
+
+class KVSpace(Protocol):
+    """What the scheduler asks of the cache's bookkeeping. A sequence's `table` lists its
+    blocks in order; position p lives in block table[p // block_size]."""
+
+    block_size: int
+    n_blocks: int
+    reserve: int  # free blocks admission leaves for the growth of running sequences
+
+    @property
+    def n_free(self) -> int:
+        """Blocks a new allocation can take (never-used, freed, or cached but unused)."""
+
+    @property
+    def n_used(self) -> int:
+        """Blocks held by running sequences."""
+
+    @property
+    def n_cached(self) -> int:
+        """Blocks nobody runs that keep a reusable prefix."""
+
+    def admit(self, seq: Any, tokens: list[int], limit: int) -> int:
+        """Give `seq` the cached blocks of the longest prefix of `tokens[:limit]` that the
+        space holds; return how many tokens that covers (their keys/values are ready)."""
+
+    def cached_prefix(self, tokens: list[int], limit: int) -> tuple[int, int]:
+        """(tokens of `tokens[:limit]` cached, how many of those blocks are unused): no change."""
+
+    def admission_cost(self, tokens: list[int], limit: int, length: int, n: int) -> int:
+        """Free blocks that admitting `n` choices of `tokens` would use, prefilled to `length`
+        positions, with the prefix of `tokens[:limit]` that is cached taken from the cache."""
+
+    def grow(self, seq: Any, length: int) -> bool:
+        """Make `seq.table` cover positions < `length`; False (and no change) if the pool
+        lacks the blocks."""
+
+    def commit(self, seq: Any, tokens: list[int], computed: int) -> None:
+        """`seq`'s first `computed` positions now hold `tokens`' keys/values: share the full
+        blocks among them."""
+
+    def fork(self, parent: Any, child: Any, computed: int) -> tuple[int, int, int] | None:
+        """Give `child` the parent's first `computed` positions: the full blocks shared, the
+        partial one copied. Returns the copy to make (src block, dst block, positions), or
+        None when there is none; raises MemoryError when no block is free for it."""
+
+    def release(self, seq: Any, tokens: list[int], keep: bool) -> None:
+        """`seq` ended: return its blocks. `keep`: their cached contents stay valid."""
+
+
+class BlockSpace:
+    """A pool of `n_blocks` blocks of `block_size` positions, shared by hash chain."""
+
+    def __init__(self, n_blocks: int, block_size: int, share: bool = True):
+        if n_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of one position, got {n_blocks} x "
+                             f"{block_size}")
+        self.n_blocks, self.block_size, self.share = n_blocks, block_size, share
+        self.reserve = max(1, n_blocks // 100)  # kept free for running sequences' growth
+        self.refs = [0] * n_blocks
+        # never-used and freed blocks without a key; popped from the end: low ids first, so a
+        # lightly used server touches (and keeps resident) only the start of its cache
+        self._free = list(range(n_blocks - 1, -1, -1))
+        self._unused: OrderedDict[int, None] = OrderedDict()  # keyed, refs 0: oldest first
+        self._by_key: dict[int, int] = {}
+        self._key_of: dict[int, int] = {}
+        self._content: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (parent, tokens)
+        self.evictions = 0
+
+    # ---------------------------------------------------------------- counts
+
+    @property
+    def n_free(self) -> int:
+        return len(self._free) + len(self._unused)
+
+    @property
+    def n_used(self) -> int:
+        """Blocks held by at least one running sequence."""
+        return self.n_blocks - self.n_free
+
+    @property
+    def n_cached(self) -> int:
+        """Blocks that hold a shareable prefix nobody runs now (reusable, or evicted)."""
+        return len(self._unused)
+
+    @property
+    def n_keyed(self) -> int:
+        """Blocks with a key: shareable now (in use, or cached)."""
+        return len(self._key_of)
+
+    # ---------------------------------------------------------------- lookups
+
+    def _walk(self, tokens: list[int], limit: int) -> list[int]:
+        """The cached blocks of the longest keyed prefix of tokens[:limit]."""
+        if not self.share:
+            return []
+        bs, parent, found = self.block_size, ROOT_KEY, []
+        for start in range(0, limit - bs + 1, bs):
+            chunk = tuple(tokens[start:start + bs])
+            key = hash((parent, chunk))
+            block = self._by_key.get(key)
+            if block is None or self._content.get(block) != (parent, chunk):
+                break
+            found.append(block)
+            parent = key
+        return found
+
+    def cached_prefix(self, tokens: list[int], limit: int) -> tuple[int, int]:
+        blocks = self._walk(tokens, min(limit, len(tokens)))
+        return len(blocks) * self.block_size, sum(self.refs[b] == 0 for b in blocks)
+
+    def admission_cost(self, tokens: list[int], limit: int, length: int, n: int) -> int:
+        blocks = self._walk(tokens, min(limit, len(tokens)))
+        unused = sum(self.refs[b] == 0 for b in blocks)
+        # each other choice shares the prompt's full blocks and needs one of its own: the
+        # copy of the partial last block (which holds its first decode's position too), or,
+        # when the prompt ends on a block boundary, the block its first decode opens
+        return -(-length // self.block_size) - len(blocks) + unused + (n - 1)
+
+    # ---------------------------------------------------------------- changes
+
+    def admit(self, seq: Any, tokens: list[int], limit: int) -> int:
+        blocks = self._walk(tokens, min(limit, len(tokens)))
+        for b in blocks:
+            self._ref(b)
+        seq.table = list(blocks)
+        seq.keyed = len(blocks)
+        seq.last_key = self._key_of[blocks[-1]] if blocks else ROOT_KEY
+        return len(blocks) * self.block_size
+
+    def grow(self, seq: Any, length: int) -> bool:
+        need = -(-length // self.block_size) - len(seq.table)
+        if need <= 0:
+            return True
+        if need > self.n_free:
+            return False
+        seq.table.extend(self._take() for _ in range(need))
+        return True
+
+    def commit(self, seq: Any, tokens: list[int], computed: int) -> None:
+        if not self.share:
+            return
+        bs = self.block_size
+        while (seq.keyed + 1) * bs <= computed:
+            i = seq.keyed
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            key = hash((seq.last_key, chunk))
+            block = seq.table[i]
+            if block not in self._key_of and key not in self._by_key:  # else: a twin exists
+                self._by_key[key], self._key_of[block] = block, key
+                self._content[block] = (seq.last_key, chunk)
+            seq.keyed, seq.last_key = i + 1, key
+
+    def fork(self, parent: Any, child: Any, computed: int) -> tuple[int, int, int] | None:
+        full, rest = divmod(computed, self.block_size)
+        if rest and not self.n_free:
+            raise MemoryError("no free KV block for a choice's copy of the prompt's last block")
+        child.table = list(parent.table[:full])
+        for b in child.table:
+            self._ref(b)
+        child.keyed, child.last_key = parent.keyed, parent.last_key  # keyed blocks are full
+        if not rest:
+            return None
+        dst = self._take()
+        child.table.append(dst)
+        return parent.table[full], dst, rest
+
+    def release(self, seq: Any, tokens: list[int], keep: bool) -> None:
+        # last block first: the LRU then evicts a chain from its tail (evicting its head
+        # would leave the rest unreachable), and freed low ids are handed out again first
+        for b in reversed(seq.table):
+            self.refs[b] -= 1
+            assert self.refs[b] >= 0, f"block {b} released more often than taken"
+            if self.refs[b]:
+                continue
+            if keep and b in self._key_of:
+                self._unused[b] = None  # newest last
+            else:
+                self._forget(b)
+                self._free.append(b)
+        seq.table = []
+        seq.keyed, seq.last_key = 0, ROOT_KEY
+
+    # ---------------------------------------------------------------- internals
+
+    def _ref(self, block: int) -> None:
+        if self.refs[block] == 0:
+            self._unused.pop(block, None)
+        self.refs[block] += 1
+
+    def _take(self) -> int:
+        """A block for new contents: never-used or freed ones first, then the least recently
+        used cached one (its key is dropped)."""
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, _ = self._unused.popitem(last=False)
+            self._forget(block)
+            self.evictions += 1
+        self.refs[block] = 1
+        return block
+
+    def _forget(self, block: int) -> None:
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            self._content.pop(block, None)
+            if self._by_key.get(key) == block:
+                del self._by_key[key]
+
+
+class SlotSpace:
+    """One block of `max_context` positions per sequence, for models whose cache is one row
+    per sequence (`make_cache(max_batch, max_context)`); nothing is shared between running
+    sequences, and a free row remembers its tokens for the next prompt that starts with them."""
+
+    def __init__(self, n_slots: int, max_context: int):
+        self.n_blocks, self.block_size = n_slots, max_context
+        self.reserve = 0  # a running sequence never needs a second row
+        self._free: set[int] = set(range(n_slots))
+        self._cached: list[list[int]] = [[] for _ in range(n_slots)]
+        self._last_used = [0] * n_slots
+        self._clock = 0
+        self.evictions = 0
+
+    @property
+    def n_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def n_used(self) -> int:
+        return self.n_blocks - len(self._free)
+
+    @property
+    def n_cached(self) -> int:
+        return sum(1 for s in self._free if self._cached[s])
+
+    n_keyed = n_cached
+
+    def _best(self, tokens: list[int], limit: int) -> tuple[int, int]:
+        best, best_len = -1, -1
+        for s in sorted(self._free):
+            n = min(common_prefix_len(self._cached[s], tokens), limit)
+            if n > best_len or (n == best_len and self._last_used[s] < self._last_used[best]):
+                best, best_len = s, n
+        return best, max(best_len, 0)
+
+    def cached_prefix(self, tokens: list[int], limit: int) -> tuple[int, int]:
+        if not self._free:
+            return 0, 0
+        _, n = self._best(tokens, limit)
+        return n, 1 if n else 0
+
+    def admission_cost(self, tokens: list[int], limit: int, length: int, n: int) -> int:
+        return n
+
+    def admit(self, seq: Any, tokens: list[int], limit: int) -> int:
+        slot, n = self._best(tokens, limit)
+        self._free.discard(slot)
+        self._cached[slot] = []
+        seq.table = [slot]
+        return n
+
+    def grow(self, seq: Any, length: int) -> bool:
+        if seq.table:
+            return length <= self.block_size
+        if not self._free:
+            return False
+        slot, _ = self._best([], 0)
+        self._free.discard(slot)
+        self._cached[slot] = []
+        seq.table = [slot]
+        return True
+
+    def commit(self, seq: Any, tokens: list[int], computed: int) -> None:
+        pass
+
+    def fork(self, parent: Any, child: Any, computed: int) -> tuple[int, int, int] | None:
+        if not self.grow(child, computed):
+            raise MemoryError("no free cache row for a choice of this request")
+        return (parent.table[0], child.table[0], computed) if computed else None
+
+    def release(self, seq: Any, tokens: list[int], keep: bool) -> None:
+        if not seq.table:
+            return
+        slot = seq.table[0]
+        self._clock += 1
+        self._cached[slot] = tokens if keep else []
+        self._last_used[slot] = self._clock
+        self._free.add(slot)
+        seq.table = []
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the shared prefix of two token lists (compares 64-token blocks first)."""
+    n, i = min(len(a), len(b)), 0
+    while i + 64 <= n and a[i:i + 64] == b[i:i + 64]:
+        i += 64
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,221 @@
+"""The paged KV cache end to end, on the tiny random Llama: attention over scattered block
+tables equals one forward over the whole sequence (prefill, chunked prefill, decode, a mixed
+batch with a shared prefix, in torch and in the C kernels); the engine shares a system prompt's
+blocks between users, preempts and recomputes without changing answers, refuses a request
+larger than the whole budget with both numbers, lets small requests pass a big one without
+starving it, and commits memory only for the blocks it uses."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from nbserve.engine import Engine
+from nbserve.loading.hf_dir import load_hf_dir
+from nbserve.types import ContextLengthError, Delta, ErrorEvent, Request, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_llama_dir):
+    return load_hf_dir(tiny_llama_dir)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def ids_of(engine: Engine, request: Request) -> list[int]:
+    out: list[int] = []
+    for ev in engine.stream(request):
+        assert not isinstance(ev, ErrorEvent), ev.message
+        if isinstance(ev, Delta):
+            out += ev.token_ids
+    return out
+
+
+async def ids_async(engine: Engine, request: Request) -> list[int]:
+    out: list[int] = []
+    async for ev in engine.generate(request):
+        assert not isinstance(ev, ErrorEvent), ev.message
+        if isinstance(ev, Delta):
+            out += ev.token_ids
+    return out
+
+
+def full_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits at every position from one forward over the whole sequence (a fresh cache)."""
+    cache = model.make_cache(1, len(ids) + 1)
+    return model.forward(torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([0]),
+                         cache)[0]
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_scattered_blocks_chunked_prefill_and_decode_equal_one_whole_forward(
+        tiny_llama_dir, kernels, monkeypatch):
+    import nbserve
+
+    monkeypatch.setenv("NBSERVE_KERNELS", kernels)
+    model = nbserve.load(str(tiny_llama_dir), verbose=False).model
+    rng = random.Random(0)
+    seq = [rng.randrange(model.vocab_size) for _ in range(45)]
+    want = full_logits(model, seq)
+    bs = 4
+    cache = model.make_paged_cache(40, bs)
+    table = rng.sample(range(40), 12)  # 12 blocks in no order: positions 0..47
+    tables = torch.tensor([table])
+    got = []
+    for start in range(0, 30, 7):  # chunked prefill of 7 (chunks end mid-block)
+        chunk = seq[start:min(start + 7, 30)]
+        pos = torch.arange(start, start + len(chunk))[None]
+        got.append(model.forward(torch.tensor([chunk]), pos, tables, cache)[0])
+    for p in range(30, 45):  # decode, one token a step, through the lone step (max_pos given)
+        got.append(model.forward(torch.tensor([[seq[p]]]), torch.tensor([[p]]), tables, cache,
+                                 max_pos=p)[0])
+    torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(torch.cat(got).argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_a_mixed_decode_batch_over_a_shared_prefix_equals_each_sequence_alone(
+        tiny_llama_dir, kernels, monkeypatch):
+    import nbserve
+
+    monkeypatch.setenv("NBSERVE_KERNELS", kernels)
+    model = nbserve.load(str(tiny_llama_dir), verbose=False).model
+    rng = random.Random(1)
+    prefix = [rng.randrange(model.vocab_size) for _ in range(16)]  # four full blocks of 4
+    a = prefix + [rng.randrange(model.vocab_size) for _ in range(9)]
+    b = prefix + [rng.randrange(model.vocab_size) for _ in range(3)]
+    cache = model.make_paged_cache(32, 4)
+    shared = [7, 3, 30, 12]
+    ta, tb = shared + [5, 9, 21], shared + [14, 2]  # b reuses a's four prefix blocks
+    model.forward(torch.tensor([a[:-1]]), torch.arange(len(a) - 1)[None],
+                  torch.tensor([ta]), cache)
+    before = [t[shared].clone() for t in cache.k]
+    model.forward(torch.tensor([b[16:-1]]), torch.arange(16, len(b) - 1)[None],
+                  torch.tensor([tb]), cache)  # only b's own tokens are prefilled
+    assert all(torch.equal(t[shared], x) for t, x in zip(cache.k, before))  # never rewritten
+    pad = cache.pad_block
+    tables = torch.tensor([ta, tb + [pad]])
+    positions = torch.tensor([[len(a) - 1], [len(b) - 1]])
+    out = model.forward(torch.tensor([[a[-1]], [b[-1]]]), positions, tables, cache,
+                        logit_index=torch.zeros(2, dtype=torch.long), max_pos=len(a) - 1)
+    torch.testing.assert_close(out[0], full_logits(model, a)[-1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[1], full_logits(model, b)[-1], rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+def test_sixteen_users_of_one_system_prompt_prefill_it_once(loaded):
+    with Engine(loaded, max_batch=16, max_context=512, kv_block_size=16, quiet=True) as eng:
+        system = eng.tokenizer.encode("You are a careful assistant. " * 20)[:200]
+        questions = [eng.tokenizer.encode(f" Question {i}: what is {i} + {i}?") for i in
+                     range(17)]
+        ids_of(eng, Request(prompt_ids=system + questions[16], params=greedy(2)))  # seen once
+        before = eng.stats()
+
+        async def users() -> list[list[int]]:
+            return await asyncio.gather(*[ids_async(eng, Request(
+                prompt_ids=system + q, params=greedy(4))) for q in questions[:16]])
+
+        answers = asyncio.run(users())
+        after = eng.stats()
+        prefilled = after["tokens_prefilled"] - before["tokens_prefilled"]
+        reusable = len(system) // 16 * 16  # the system prompt's full blocks
+        assert prefilled <= sum(len(system) - reusable + len(q) for q in questions[:16])
+        assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= 16 * reusable
+        assert after["kv_blocks_used"] == 0 and after["kv_blocks_cached"] > 0
+        alone = [ids_of(eng, Request(prompt_ids=system + q, params=greedy(4)))
+                 for q in questions[:3]]
+        assert answers[:3] == alone
+
+
+def test_preemption_recomputes_and_keeps_every_answer(loaded):
+    prompts = [loaded.tokenizer.encode(f"Story number {i} begins like this:") for i in range(6)]
+    with Engine(loaded, max_batch=8, max_context=256, kv_block_size=8, quiet=True) as roomy:
+        alone = [ids_of(roomy, Request(prompt_ids=p, params=greedy(40))) for p in prompts]
+    per_token = loaded.model.kv_bytes_per_token()
+    # 24 blocks of 8: room for about three of the six 50-token sequences at once
+    with Engine(loaded, max_batch=8, max_context=160, kv_block_size=8,
+                kv_memory=24 * 8 * per_token, quiet=True) as tight:
+
+        async def together() -> list[list[int]]:
+            return await asyncio.gather(*[ids_async(tight, Request(
+                prompt_ids=p, params=greedy(40))) for p in prompts])
+
+        assert asyncio.run(together()) == alone
+        st = tight.stats()
+        assert st["preemptions"] > 0 and st["kv_blocks_used"] == 0
+        assert st["kv_blocks_total"] == 24
+
+
+def test_a_request_larger_than_the_whole_budget_is_refused_with_both_numbers(loaded):
+    per_token = loaded.model.kv_bytes_per_token()
+    with Engine(loaded, kv_block_size=8, kv_memory=10 * 8 * per_token, quiet=True) as eng:
+        assert eng.max_context == 80  # the blocks hold 80 tokens: the largest context
+        assert "80 tokens each at most" in eng.describe_cache()
+        with pytest.raises(ContextLengthError) as err:
+            eng.stream(Request(prompt_ids=list(range(3, 103)), params=greedy(4)))
+        message = str(err.value)
+        assert "100 tokens" in message and "80 tokens" in message and "kv_memory" in message
+        assert ids_of(eng, Request(prompt_ids=list(range(3, 43)), params=greedy(4)))  # healthy
+
+
+def test_small_requests_pass_a_big_one_that_still_gets_its_turn(loaded):
+    per_token = loaded.model.kv_bytes_per_token()
+    with Engine(loaded, max_batch=8, kv_block_size=8, kv_memory=16 * 8 * per_token,
+                quiet=True) as eng:
+        hog = Request(prompt_ids=list(range(3, 60)), params=greedy(40))  # ~12 blocks
+        big = Request(prompt_ids=list(range(5, 100)), params=greedy(4))  # ~13 blocks
+        smalls = [Request(prompt_ids=[7 + i, 8, 9], params=greedy(4)) for i in range(30)]
+        order: list[str] = []
+
+        async def go(request: Request, name: str) -> None:
+            await ids_async(eng, request)
+            order.append(name)
+
+        async def scenario() -> None:
+            first = asyncio.ensure_future(go(hog, "hog"))
+            await asyncio.sleep(0.2)  # the hog runs; the big one cannot fit beside it
+            tasks = [asyncio.ensure_future(go(big, "big"))]
+            await asyncio.sleep(0.05)
+            tasks += [asyncio.ensure_future(go(s, f"small{i}")) for i, s in enumerate(smalls)]
+            await asyncio.gather(first, *tasks)
+
+        asyncio.run(scenario())
+        assert "big" in order  # not starved
+        assert order.index("big") > order.index("small0")  # smaller ones passed it
+        assert eng.stats()["kv_blocks_used"] == 0
+
+
+def test_n_choices_share_the_prompt_blocks(loaded):
+    with Engine(loaded, max_batch=8, kv_block_size=4, quiet=True) as eng:
+        prompt = list(range(3, 25))  # 22 tokens: five full blocks and a partial one
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=4)
+        out: dict[int, list[int]] = {}
+        for ev in eng.stream(Request(prompt_ids=prompt, params=params)):
+            if isinstance(ev, Delta):
+                out.setdefault(ev.index, []).extend(ev.token_ids)
+        assert len({tuple(v) for v in out.values()}) == 1  # greedy: the same answer four times
+        assert eng.stats()["tokens_prefilled"] == len(prompt)  # prefilled once for all four
+
+
+def test_an_idle_engine_with_a_large_budget_holds_little_memory(loaded):
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+    before = rss()
+    with Engine(loaded, kv_memory=2 * 2**30, quiet=True) as eng:  # 2 GiB of blocks
+        assert eng.stats()["kv_cache_bytes"] > 1.9 * 2**30
+        idle = rss() - before
+        assert idle < 64 * 2**20, idle  # committed as blocks are written: none yet
+        ids_of(eng, Request(prompt_ids=list(range(3, 40)), params=greedy(8)))
+        assert rss() - before < 128 * 2**20

@@ -1,0 +1,320 @@
+"""Unit tests of the paged cache's bookkeeping (nbserve/engine/blocks.py, `BlockSpace`), pure
+Python: prefix sharing by hash chain and reference counts, the prompt's last token never taken
+from the cache, cached blocks outliving their sequence, least-recently-used eviction (a
+released chain from its tail), `grow`, `fork`, `keep=False`, `admission_cost` against what
+admitting really takes, and the order block ids are handed out. No model, no torch."""
+
+from __future__ import annotations
+
+import pytest
+
+from nbserve.engine.blocks import ROOT_KEY, BlockSpace, block_key
+from nbserve.engine.scheduler import Sequence
+
+
+def seq(prompt: list[int]) -> Sequence:
+    return Sequence("g", 0, list(prompt))
+
+
+def computed_seq(space: BlockSpace, prompt: list[int], limit: int | None = None) -> Sequence:
+    """A sequence admitted with `prompt` and prefilled through all of it (blocks taken,
+    keys/values "written", full blocks committed), as the scheduler and engine would."""
+    s = seq(prompt)
+    s.computed = space.admit(s, s.tokens, len(prompt) - 1 if limit is None else limit)
+    assert space.grow(s, len(prompt))
+    s.computed = len(prompt)
+    space.commit(s, s.tokens, s.computed)
+    return s
+
+
+def check(space: BlockSpace, running: list[Sequence]) -> None:
+    """The pool's books agree with the sequences that hold blocks."""
+    held = [b for s in running for b in s.table]
+    for b in range(space.n_blocks):
+        assert space.refs[b] == held.count(b)
+    in_use = set(held)
+    assert not in_use & set(space._free) and not in_use & set(space._unused)
+    assert not set(space._free) & set(space._unused)
+    assert len(space._free) + len(space._unused) + len(in_use) == space.n_blocks
+    assert space.n_free + space.n_used == space.n_blocks
+    assert all(b in space._key_of for b in space._unused)
+    for key, b in space._by_key.items():
+        assert space._key_of[b] == key
+        parent, tokens = space._content[b]
+        assert block_key(parent, tokens) == key
+
+
+# ----------------------------------------------------------------------------- sharing
+
+
+def test_two_sequences_with_one_prompt_share_its_full_blocks() -> None:
+    space = BlockSpace(16, 2)
+    prompt = [1, 2, 3, 4, 5, 6, 7]  # 3 full blocks and one partial
+    a = computed_seq(space, prompt)
+    assert a.table == [0, 1, 2, 3] and a.keyed == 3 and space.n_keyed == 3
+    b = seq(prompt)
+    assert space.admit(b, b.tokens, len(prompt) - 1) == 6
+    assert b.table == a.table[:3] and b.keyed == 3 and b.last_key == a.last_key
+    assert [space.refs[x] for x in a.table] == [2, 2, 2, 1]
+    assert space.grow(b, 7) and b.table[3] not in a.table  # the partial block is its own
+    check(space, [a, b])
+
+
+def test_a_different_second_block_shares_only_the_first() -> None:
+    space = BlockSpace(16, 2)
+    a = computed_seq(space, [1, 2, 3, 4, 5, 6, 7])
+    c = seq([1, 2, 9, 9, 5, 6, 7])  # same third block's tokens, under another parent
+    assert space.admit(c, c.tokens, 6) == 2
+    assert c.table == a.table[:1] and space.refs[a.table[0]] == 2
+    assert [space.refs[x] for x in a.table[1:]] == [1, 1, 1]
+    assert space.cached_prefix([1, 2, 9, 9, 5, 6, 7], 7) == (2, 0)
+    assert space.cached_prefix([1, 2, 3, 4, 5, 6, 7], 7) == (6, 0)
+    check(space, [a, c])
+
+
+def test_keys_chain_through_the_parents() -> None:
+    space = BlockSpace(8, 2)
+    a = computed_seq(space, [1, 2, 3, 4])
+    k1 = block_key(ROOT_KEY, (1, 2))
+    assert a.last_key == block_key(k1, (3, 4))
+    assert space._key_of[a.table[0]] == k1
+
+
+def test_the_last_prompt_token_is_never_taken_from_the_cache() -> None:
+    space = BlockSpace(16, 2)
+    prompt = [1, 2, 3, 4, 5, 6]  # exactly 3 full blocks, all cached
+    a = computed_seq(space, prompt)
+    space.release(a, a.tokens, keep=True)
+    b = seq(prompt)
+    # the scheduler's limit for a new prompt: all but its last token
+    assert space.admit(b, b.tokens, len(prompt) - 1) == 4 and len(b.table) == 2
+    assert space.cached_prefix(prompt, 5) == (4, 0)  # b holds both: none unused
+    assert space.cached_prefix(prompt, 6) == (6, 1)  # the third block, unused
+    assert space.cached_prefix(prompt[:1], 6) == (0, 0)  # no full block to find
+    check(space, [b])
+
+
+def test_share_false_never_shares() -> None:
+    space = BlockSpace(8, 2, share=False)
+    a = computed_seq(space, [1, 2, 3, 4, 5])
+    assert a.keyed == 0 and space.n_keyed == 0
+    b = seq([1, 2, 3, 4, 5])
+    assert space.admit(b, b.tokens, 4) == 0 and b.table == []
+    space.release(a, a.tokens, keep=True)
+    assert space.n_cached == 0 and space.n_free == 8
+
+
+def test_a_twin_computed_at_the_same_time_stays_private() -> None:
+    """Two sequences that prefilled one prompt side by side: the first to commit gives the
+    key; the other's equal block is not keyed (one key, one block), and is freed on release."""
+    space = BlockSpace(8, 2)
+    a, b = seq([1, 2, 3]), seq([1, 2, 3])
+    for s in (a, b):
+        assert space.admit(s, s.tokens, 2) == 0 and space.grow(s, 3)
+    for s in (a, b):
+        s.computed = 3
+        space.commit(s, s.tokens, 3)
+    assert a.keyed == b.keyed == 1 and a.last_key == b.last_key
+    assert a.table[0] in space._key_of and b.table[0] not in space._key_of
+    check(space, [a, b])
+    keyed = a.table[0]
+    space.release(b, b.tokens, keep=True)
+    space.release(a, a.tokens, keep=True)
+    assert space.n_cached == 1 and space.n_keyed == 1
+    c = seq([1, 2, 3])
+    assert space.admit(c, c.tokens, 2) == 2 and c.table == [keyed]
+    check(space, [c])
+
+
+def test_a_block_whose_content_differs_from_its_key_is_not_found() -> None:
+    """A hash collision (forced here) never hands out a block with other tokens."""
+    space = BlockSpace(8, 2)
+    a = computed_seq(space, [1, 2, 3])
+    space._content[a.table[0]] = (ROOT_KEY, (7, 7))  # as if another prefix had that key
+    assert space.cached_prefix([1, 2, 3], 3) == (0, 0)
+
+
+# ----------------------------------------------------------------------------- caching
+
+
+def test_cached_blocks_survive_release_and_are_reused() -> None:
+    space = BlockSpace(8, 2)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    a = computed_seq(space, prompt)
+    blocks = list(a.table)
+    space.release(a, a.tokens, keep=True)
+    assert a.table == [] and a.keyed == 0 and a.last_key == ROOT_KEY
+    assert space.n_free == 8 and space.n_used == 0 and space.n_cached == 3
+    assert all(space.refs[b] == 0 for b in blocks)
+    assert blocks[3] in space._free  # the partial block has no key: plainly free
+    b = seq(prompt + [8])
+    assert space.admit(b, b.tokens, 7) == 6 and b.table == blocks[:3]
+    assert space.n_cached == 0 and space.n_free == 5 and space.evictions == 0
+    check(space, [b])
+
+
+def test_release_with_keep_false_drops_the_keys() -> None:
+    space = BlockSpace(8, 2)
+    a = computed_seq(space, [1, 2, 3, 4, 5])
+    space.release(a, a.tokens, keep=False)
+    assert space.n_cached == 0 and space.n_keyed == 0 and space._by_key == {}
+    assert len(space._free) == 8
+    assert space.cached_prefix([1, 2, 3, 4, 5], 5) == (0, 0)
+    check(space, [])
+
+
+def test_keep_false_keeps_a_block_another_sequence_still_uses() -> None:
+    space = BlockSpace(8, 2)
+    a = computed_seq(space, [1, 2, 3, 4, 5])
+    b = computed_seq(space, [1, 2, 3, 4, 9])
+    assert b.table[:2] == a.table[:2]
+    space.release(b, b.tokens, keep=False)
+    assert space.cached_prefix([1, 2, 3, 4], 4) == (4, 0)  # a's blocks: still keyed, in use
+    check(space, [a])
+
+
+def test_eviction_takes_the_least_recently_released_block_first() -> None:
+    space = BlockSpace(4, 2)
+    a = computed_seq(space, [1, 1])
+    b = computed_seq(space, [2, 2])
+    space.release(a, a.tokens, keep=True)  # released first: oldest
+    space.release(b, b.tokens, keep=True)
+    c = computed_seq(space, [3, 3, 3, 3])  # takes the two never-used blocks
+    assert space.evictions == 0 and space.n_cached == 2
+    d = seq([4, 4, 4, 4, 4, 4])
+    assert space.grow(d, 2)  # the pool is full: one cached block is evicted
+    assert space.evictions == 1
+    assert space.cached_prefix([1, 1], 2) == (0, 0)
+    assert space.cached_prefix([2, 2], 2) == (2, 1)
+    assert space.grow(d, 4) and space.evictions == 2
+    assert space.cached_prefix([2, 2], 2) == (0, 0)
+    # Every block is in use now: nothing is evicted from a running sequence.
+    assert not space.grow(d, 6)
+    assert space.cached_prefix([3, 3, 3, 3], 4) == (4, 0)
+    check(space, [c, d])
+
+
+def test_reuse_makes_a_cached_block_the_most_recently_used() -> None:
+    space = BlockSpace(3, 2)
+    a = computed_seq(space, [1, 1])
+    b = computed_seq(space, [2, 2])
+    space.release(a, a.tokens, keep=True)
+    space.release(b, b.tokens, keep=True)
+    again = seq([1, 1, 5])
+    assert space.admit(again, again.tokens, 2) == 2
+    space.release(again, again.tokens, keep=True)  # [1, 1] is now newer than [2, 2]
+    x = seq([9] * 6)
+    assert space.grow(x, 4)  # the free block, then the oldest cached: [2, 2]'s
+    assert space.cached_prefix([1, 1], 2) == (2, 1)
+    assert space.cached_prefix([2, 2], 2) == (0, 0)
+
+
+def test_a_released_chain_is_evicted_from_its_tail() -> None:
+    """Evicting a chain's first block would make all of it unreachable; its last block goes
+    first, so the pool keeps the longest prefix it can."""
+    space = BlockSpace(4, 2)
+    a = computed_seq(space, [1, 2, 3, 4, 5, 6, 7, 8])
+    space.release(a, a.tokens, keep=True)
+    x = seq([9, 9])
+    assert space.grow(x, 2) and space.evictions == 1
+    assert space.cached_prefix([1, 2, 3, 4, 5, 6, 7, 8], 8) == (6, 3)
+    assert space.grow(x, 4)
+    assert space.cached_prefix([1, 2, 3, 4, 5, 6, 7, 8], 8) == (4, 2)
+
+
+# ----------------------------------------------------------------------------- grow, fork
+
+
+def test_grow_takes_what_the_length_needs_and_refuses_without_change_when_short() -> None:
+    space = BlockSpace(4, 3)
+    s = seq([1] * 10)
+    assert space.grow(s, 0) and s.table == []
+    assert space.grow(s, 1) and s.table == [0]
+    assert space.grow(s, 3) and s.table == [0]  # still one block of 3 positions
+    assert space.grow(s, 4) and s.table == [0, 1]
+    t = seq([2])
+    assert space.grow(t, 3) and t.table == [2]
+    before = (list(s.table), list(space.refs), space.n_free)
+    assert not space.grow(s, 10)  # needs 2 more blocks, 1 is free
+    assert (list(s.table), list(space.refs), space.n_free) == before
+    assert space.grow(s, 9) and s.table == [0, 1, 3]
+    check(space, [s, t])
+
+
+def test_low_block_ids_are_handed_out_first() -> None:
+    space = BlockSpace(8, 2)
+    a, b = seq([1] * 6), seq([2] * 4)
+    assert space.grow(a, 6) and a.table == [0, 1, 2]
+    assert space.grow(b, 4) and b.table == [3, 4]
+    space.release(a, a.tokens, keep=False)
+    c = seq([3] * 6)
+    assert space.grow(c, 6) and c.table == [0, 1, 2]  # freed low ids before never-used high
+
+
+def test_fork_shares_the_full_blocks_and_copies_the_partial_one() -> None:
+    space = BlockSpace(8, 2)
+    parent = computed_seq(space, [1, 2, 3, 4, 5])
+    child = seq([1, 2, 3, 4, 5])
+    copy = space.fork(parent, child, 5)
+    assert child.table[:2] == parent.table[:2] and len(child.table) == 3
+    assert copy == (parent.table[2], child.table[2], 1)
+    assert child.table[2] != parent.table[2]
+    assert child.keyed == parent.keyed == 2 and child.last_key == parent.last_key
+    assert [space.refs[b] for b in parent.table] == [2, 2, 1]
+    check(space, [parent, child])
+
+
+def test_fork_at_a_block_boundary_copies_nothing() -> None:
+    space = BlockSpace(8, 2)
+    parent = computed_seq(space, [1, 2, 3, 4])
+    child = seq([1, 2, 3, 4])
+    assert space.fork(parent, child, 4) is None
+    assert child.table == parent.table and space.n_free == 6
+    check(space, [parent, child])
+
+
+def test_fork_without_a_free_block_for_the_copy_raises_and_changes_nothing() -> None:
+    space = BlockSpace(2, 2)
+    parent = computed_seq(space, [1, 2, 3])
+    child = seq([1, 2, 3])
+    with pytest.raises(MemoryError):
+        space.fork(parent, child, 3)
+    assert child.table == [] and space.refs == [1, 1]
+    check(space, [parent])
+
+
+# ----------------------------------------------------------------------------- admission cost
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("prompt_len", [1, 2, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("cached", ["none", "in use", "unused"])
+def test_admission_cost_is_what_admission_prefill_fork_and_a_first_decode_take(
+        n: int, prompt_len: int, cached: str) -> None:
+    """The scheduler asks for the cost of a prompt prefilled to `target + 1` positions: the
+    prompt and the first output token of each choice. Play that out and count."""
+    space = BlockSpace(32, 2)
+    prompt = list(range(1, prompt_len + 1))
+    running = []
+    if cached != "none":
+        other = computed_seq(space, prompt + [99])
+        if cached == "unused":
+            space.release(other, other.tokens, keep=True)
+        else:
+            running.append(other)
+    free = space.n_free
+    limit = prompt_len - 1
+    cost = space.admission_cost(prompt, limit, prompt_len + 1, n)
+    first = seq(prompt)
+    first.computed = space.admit(first, prompt, limit)
+    assert space.grow(first, prompt_len)
+    first.computed = prompt_len
+    space.commit(first, first.tokens, prompt_len)
+    children = [seq(prompt) for _ in range(n - 1)]
+    for c in children:
+        space.fork(first, c, prompt_len)
+    for s in [first, *children]:
+        s.output_ids.append(0)
+        assert space.grow(s, prompt_len + 1)  # the first decode's position
+    assert cost == free - space.n_free
+    check(space, running + [first, *children])
