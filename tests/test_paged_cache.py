@@ -15,7 +15,14 @@ import torch
 
 from nbserve.engine import Engine
 from nbserve.loading.hf_dir import load_hf_dir
-from nbserve.types import ContextLengthError, Delta, ErrorEvent, Request, SamplingParams
+from nbserve.types import (
+    ContextLengthError,
+    Delta,
+    ErrorEvent,
+    InvalidRequestError,
+    Request,
+    SamplingParams,
+)
 
 
 @pytest.fixture(scope="module")
@@ -170,29 +177,44 @@ def test_a_request_larger_than_the_whole_budget_is_refused_with_both_numbers(loa
 
 def test_small_requests_pass_a_big_one_that_still_gets_its_turn(loaded):
     per_token = loaded.model.kv_bytes_per_token()
-    with Engine(loaded, max_batch=8, kv_block_size=8, kv_memory=16 * 8 * per_token,
-                quiet=True) as eng:
-        hog = Request(prompt_ids=list(range(3, 60)), params=greedy(40))  # ~12 blocks
-        big = Request(prompt_ids=list(range(5, 100)), params=greedy(4))  # ~13 blocks
+    with Engine(loaded, max_batch=8, max_context=128, kv_block_size=8,
+                kv_memory=16 * 8 * per_token, quiet=True) as eng:
+        hog = Request(prompt_ids=list(range(3, 60)), params=greedy(60))  # 8 blocks, then 15
+        big = Request(prompt_ids=list(range(5, 100)), params=greedy(4))  # 13 blocks: not beside it
         smalls = [Request(prompt_ids=[7 + i, 8, 9], params=greedy(4)) for i in range(30)]
         order: list[str] = []
 
-        async def go(request: Request, name: str) -> None:
-            await ids_async(eng, request)
+        async def go(request: Request, name: str, started: asyncio.Event | None = None) -> None:
+            async for ev in eng.generate(request):
+                assert not isinstance(ev, ErrorEvent), ev.message
+                if started is not None and isinstance(ev, Delta):
+                    started.set()
             order.append(name)
 
         async def scenario() -> None:
-            first = asyncio.ensure_future(go(hog, "hog"))
-            await asyncio.sleep(0.2)  # the hog runs; the big one cannot fit beside it
+            running = asyncio.Event()
+            first = asyncio.ensure_future(go(hog, "hog", running))
+            await running.wait()  # the hog holds 8 of the 16 blocks from now until it ends
             tasks = [asyncio.ensure_future(go(big, "big"))]
-            await asyncio.sleep(0.05)
             tasks += [asyncio.ensure_future(go(s, f"small{i}")) for i, s in enumerate(smalls)]
             await asyncio.gather(first, *tasks)
 
         asyncio.run(scenario())
-        assert "big" in order  # not starved
-        assert order.index("big") > order.index("small0")  # smaller ones passed it
+        assert len(order) == 32 and "big" in order  # everyone served: the big one not starved
+        assert order.index("small0") < order.index("hog") < order.index("big")  # passed it
         assert eng.stats()["kv_blocks_used"] == 0
+
+
+def test_a_request_whose_choices_could_never_fit_is_refused(loaded):
+    per_token = loaded.model.kv_bytes_per_token()
+    with Engine(loaded, max_batch=8, kv_block_size=8, kv_memory=10 * 8 * per_token,
+                quiet=True) as eng:
+        prompt = list(range(3, 70))  # 67 tokens: 9 blocks with its first token, 1 more a choice
+        assert ids_of(eng, Request(prompt_ids=prompt, params=greedy(2)))
+        many = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, n=3)
+        with pytest.raises(InvalidRequestError, match="11 KV blocks .* 10"):
+            eng.stream(Request(prompt_ids=prompt, params=many))
+        assert ids_of(eng, Request(prompt_ids=prompt[:20], params=greedy(2)))  # still serving
 
 
 def test_n_choices_share_the_prompt_blocks(loaded):

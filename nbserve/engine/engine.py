@@ -338,6 +338,14 @@ class Engine(SyncHelpers):
             raise InvalidRequestError(
                 f"n must be at most max_batch={self.max_batch}, got {params.n}", param="n")
         ids = self.prepare_prompt(request)
+        budget = self._step.budget
+        if budget is not None:  # every choice needs its own last block beside the prompt's
+            need = -(-(len(ids) + 1) // budget.block_size) + params.n - 1
+            if need > budget.n_blocks:
+                raise InvalidRequestError(
+                    f"{params.n} choices of this {len(ids)}-token prompt need {need} KV blocks "
+                    f"of {budget.block_size} tokens at once, but the cache has {budget.n_blocks}"
+                    ": lower n, shorten the prompt, or serve with a larger kv_memory", param="n")
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.stop_token_ids)
