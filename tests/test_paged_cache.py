@@ -144,6 +144,25 @@ def test_sixteen_users_of_one_system_prompt_prefill_it_once(loaded):
         assert answers[:3] == alone
 
 
+def test_sixteen_users_arriving_together_with_a_new_system_prompt_prefill_it_once(loaded):
+    with Engine(loaded, max_batch=16, max_context=512, kv_block_size=16, prefill_chunk=64,
+                quiet=True) as eng:
+        system = eng.tokenizer.encode("Answer in one short line, politely. " * 20)[:200]
+        questions = [eng.tokenizer.encode(f" Q{i}: name a colour.") for i in range(16)]
+
+        async def users() -> list[list[int]]:
+            return await asyncio.gather(*[ids_async(eng, Request(
+                prompt_ids=system + q, params=greedy(3))) for q in questions])
+
+        answers = asyncio.run(users())
+        st = eng.stats()
+        tail = len(system) % 16  # the system prompt's last, partial block: each user's own
+        assert st["tokens_prefilled"] <= len(system) + sum(tail + len(q) for q in questions)
+        assert st["prefix_cache_hits"] >= 15 * (len(system) - tail)
+        assert answers[0] == ids_of(eng, Request(prompt_ids=system + questions[0],
+                                                 params=greedy(3)))
+
+
 def test_preemption_recomputes_and_keeps_every_answer(loaded):
     prompts = [loaded.tokenizer.encode(f"Story number {i} begins like this:") for i in range(6)]
     with Engine(loaded, max_batch=8, max_context=256, kv_block_size=8, quiet=True) as roomy:

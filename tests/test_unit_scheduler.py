@@ -470,17 +470,18 @@ def test_a_running_sequence_shares_its_committed_blocks_with_a_new_one() -> None
 
 def test_prefill_chunks_share_one_budget_across_sequences_oldest_first() -> None:
     sched = sched_with(3, 10)
-    a, b, c = group(list(range(6)), tag="a"), group(list(range(7)), tag="b"), group([1], tag="c")
+    a, b = group(list(range(6)), tag="a"), group(list(range(10, 17)), tag="b")
+    c = group([1], tag="c")
     for g in (a, b, c):
         sched.add(g)
     (plan,) = drive(sched)
     assert [(w.seq.group, w.start, len(w.ids), w.last) for w in plan.prefills] == [
         ("a", 0, 6, True), ("b", 0, 4, False)]
-    assert plan.prefills[1].ids == [0, 1, 2, 3]
+    assert plan.prefills[1].ids == [10, 11, 12, 13]
     assert a[0].output_ids == [0] and b[0].output_ids == []
     (plan,) = drive(sched)
     assert [(w.seq.group, w.start, w.ids) for w in plan.prefills] == [
-        ("b", 4, [4, 5, 6]), ("c", 0, [1])]
+        ("b", 4, [14, 15, 16]), ("c", 0, [1])]
     assert plan.prefills[0].last and plan.prefills[1].last
     assert plan.decode == [a[0]]
 
@@ -909,3 +910,24 @@ def test_every_request_ends(work: tuple, arrive_every: int) -> None:
         for s in req.seqs:
             assert s.finished and len(s.output_ids) == req.max_tokens
     assert space.n_free == n_blocks and all(r == 0 for r in space.refs)
+
+
+def test_a_request_waits_for_a_running_prefill_of_its_prefix_and_then_shares_it() -> None:
+    """Users of one new system prompt arriving together prefill it once: the others wait
+    until the first one's blocks hold it (being passed meanwhile does not count as a skip)."""
+    sched = sched_with(4, prefill_chunk=8, space=BlockSpace(64, 4))
+    system = list(range(100, 120))  # 20 tokens: five blocks of 4
+    first, second = group(system + [1, 2], tag="first"), group(system + [3], tag="second")
+    other = group([7, 8, 9], tag="other")
+    for g in (first, second, other):
+        sched.add(g)
+    prefilled: list[tuple[str, int]] = []
+    for _ in range(8):
+        for plan in drive(sched):
+            prefilled += [(w.seq.group, len(w.ids)) for w in plan.prefills]
+    assert sum(n for tag, n in prefilled if tag == "first") == 22
+    assert sum(n for tag, n in prefilled if tag == "second") == 1  # 20 of 21 from the cache
+    assert second[0].cached_prompt == 20 and second[0].skipped == 0
+    tags = [tag for tag, _ in prefilled]
+    assert sum(n for tag, n in prefilled if tag == "other") == 3
+    assert tags.index("other") < tags.index("second")  # with nothing to wait for: not held up

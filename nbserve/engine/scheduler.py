@@ -5,7 +5,9 @@ running sequences) and the cache blocks for its prompt are free, taking whatever
 its prompt the cache already holds (`KVSpace.admit`: shared blocks of other sequences, or
 blocks cached by finished ones), so that it prefills only what is new. A request too big for
 the free blocks now may be passed by smaller ones behind it, but only `max_skips` times; then
-nothing passes it until it fits (no head-of-line blocking, no starvation).
+nothing passes it until it fits (no head-of-line blocking, no starvation). A request whose
+prompt starts with blocks that a running sequence is prefilling waits for them instead of
+computing them a second time.
 
 Each step decodes every sequence that has finished its prefill, plus prefill chunks of the
 oldest prefilling ones, up to `prefill_chunk` tokens in all. When a running sequence needs a
@@ -134,11 +136,16 @@ class Scheduler:
         admitted: list[Sequence] = []
         kept: deque[list[Sequence]] = deque()
         blocked = False  # a request that may not be passed any more waits for room
+        deferred: set[int] = set()  # waiting for a running prefill of their prefix
         # free blocks that the running sequences, and those admitted in this pass, are still
         # to take (blocks are taken as a step computes them, not at admission)
         promised = self._promised()
         while self.waiting:
             group = self.waiting.popleft()
+            if not blocked and self._prefilled_soon(group[0]):
+                kept.append(group)  # a step or two from now the cache holds its prefix
+                deferred.add(id(group))
+                continue
             seats = len(self.running) + len(group) <= self.max_batch
             spare = self.space.n_free - promised - (self.space.reserve if self.running else 0)
             cost = self._cost(group) if seats and not blocked else 0
@@ -147,6 +154,8 @@ class Scheduler:
                 blocked = blocked or group[0].skipped >= self.max_skips
                 continue
             for g in kept:
+                if id(g) in deferred:
+                    continue  # it chose to wait: being passed does not count against it
                 g[0].skipped += 1
                 blocked = blocked or g[0].skipped >= self.max_skips  # that was its last pass
             free = self.space.n_free
@@ -156,6 +165,26 @@ class Scheduler:
                 admitted.append(group[0])
         self.waiting = kept
         return admitted
+
+    def _prefilled_soon(self, seq: Sequence) -> bool:
+        """Whether a running sequence is prefilling at least one whole block of `seq`'s prompt
+        that the cache does not hold yet: then `seq` waits for it, and sixteen users of one new
+        system prompt arriving together prefill it once, not sixteen times."""
+        bs, limit = self.space.block_size, self._limit(seq)
+        if limit < bs:
+            return False
+        have: int | None = None
+        head = seq.tokens[:limit]
+        for other in self.running:
+            if other.parent is not None or not other.prefilling:
+                continue
+            shared = min(common_prefix_len(head, other.tokens), other.target) // bs * bs
+            if shared > other.computed:  # its coming chunks write blocks `seq` can share
+                if have is None:
+                    have = self.space.cached_prefix(seq.tokens, limit)[0]
+                if shared > have:
+                    return True
+        return False
 
     def _promised(self) -> int:
         """Free blocks the running sequences will still take for what their admission
