@@ -69,3 +69,28 @@ def test_logits_match_and_32_greedy_tokens_identical(ours, reference):
     assert got == ref_new
     answer = ours.tokenizer.decode(got[:got.index(2)] if 2 in got else got)
     assert answer == "The capital of France is Paris."
+
+
+def test_a_float16_kv_cache_keeps_the_greedy_answers(ours):
+    """16-bit keys/values, measured: float16 keeps these answers identical to the float32
+    cache; bfloat16 (7 bits of mantissa) changes some (benchmarks/README.md)."""
+    from nbserve.engine import Engine
+    from nbserve.types import Request, SamplingParams
+
+    chats = ["What is 12 times 7?", "Give me a tip for learning Python.",
+             "Write a haiku about the sea.", "Who wrote Hamlet?"]
+
+    def answers(kv_dtype: str | None) -> list[list[int]]:
+        with Engine(ours, max_batch=4, max_context=512, quiet=True, kv_dtype=kv_dtype) as eng:
+            out = []
+            for chat in chats:
+                got: list[int] = []
+                for ev in eng.stream(Request(messages=[{"role": "user", "content": chat}],
+                                             params=SamplingParams(temperature=0,
+                                                                   max_tokens=48))):
+                    got += getattr(ev, "token_ids", [])
+                out.append(got)
+            assert eng.cache.dtype == (torch.float16 if kv_dtype else torch.float32)
+            return out
+
+    assert answers("float16") == answers(None)
