@@ -11,11 +11,10 @@ else, and equal the contiguous lone kernel when the table is 0, 1, 2, ...
 from __future__ import annotations
 
 import ctypes
-import platform
-import shutil
 
 import pytest
 import torch
+from kernel_paths import NEEDS_COMPILER, PATHS
 
 from nbserve.cpu.kernels import build
 from nbserve.models.llama import apply_rope
@@ -25,13 +24,7 @@ from nbserve.models.paged_attention import (
     paged_lone_attention,
 )
 
-X86 = platform.machine().lower() in ("x86_64", "amd64")
-pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),
-                                reason="nbserve's C kernels need a C compiler (apt install gcc)")
-PATHS = [pytest.param(None, id="native"),
-         pytest.param(["-mavx2", "-mfma"], id="avx2",
-                      marks=pytest.mark.skipif(not X86, reason="x86 only")),
-         pytest.param(["-mno-avx", "-mno-avx2"] if X86 else [], id="plain-c")]
+pytestmark = NEEDS_COMPILER
 HEADS = [pytest.param(6, 2, id="gqa-6-2"), pytest.param(4, 4, id="mha-4-4")]
 D = 32
 

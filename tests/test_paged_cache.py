@@ -62,13 +62,16 @@ def full_logits(model, ids: list[int]) -> torch.Tensor:
 # ----------------------------------------------------------------------------- the model
 
 
-@pytest.mark.parametrize("kernels", ["1", "0"])
-def test_scattered_blocks_chunked_prefill_and_decode_equal_one_whole_forward(
-        tiny_llama_dir, kernels, monkeypatch):
+@pytest.fixture(params=["1", "0"], ids=["C-kernels", "torch"])
+def model(request, tiny_llama_dir, monkeypatch):
+    """The tiny Llama with nbserve's C kernels (the paged-attention kernels), or without."""
     import nbserve
 
-    monkeypatch.setenv("NBSERVE_KERNELS", kernels)
-    model = nbserve.load(str(tiny_llama_dir), verbose=False).model
+    monkeypatch.setenv("NBSERVE_KERNELS", request.param)
+    return nbserve.load(str(tiny_llama_dir), verbose=False).model
+
+
+def test_scattered_blocks_chunked_prefill_and_decode_equal_one_whole_forward(model):
     rng = random.Random(0)
     seq = [rng.randrange(model.vocab_size) for _ in range(45)]
     want = full_logits(model, seq)
@@ -88,13 +91,7 @@ def test_scattered_blocks_chunked_prefill_and_decode_equal_one_whole_forward(
     assert torch.equal(torch.cat(got).argmax(-1), want.argmax(-1))
 
 
-@pytest.mark.parametrize("kernels", ["1", "0"])
-def test_a_mixed_decode_batch_over_a_shared_prefix_equals_each_sequence_alone(
-        tiny_llama_dir, kernels, monkeypatch):
-    import nbserve
-
-    monkeypatch.setenv("NBSERVE_KERNELS", kernels)
-    model = nbserve.load(str(tiny_llama_dir), verbose=False).model
+def test_a_mixed_decode_batch_over_a_shared_prefix_equals_each_sequence_alone(model):
     rng = random.Random(1)
     prefix = [rng.randrange(model.vocab_size) for _ in range(16)]  # four full blocks of 4
     a = prefix + [rng.randrange(model.vocab_size) for _ in range(9)]

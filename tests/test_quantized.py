@@ -10,27 +10,20 @@ from __future__ import annotations
 
 import copy
 import os
-import platform
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 from gguf_util import hf_dir_to_gguf
+from kernel_paths import NEEDS_COMPILER, PATHS, X86
 
 import nbserve
 from nbserve.cpu.kernels import build
 from nbserve.models.quant import QUANT_MAX_ROWS, KernelLinear, QuantBlocks
 from nbserve.models.weights import count_parameters
 
-X86 = platform.machine().lower() in ("x86_64", "amd64")
-pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),
-                                reason="nbserve's C kernels need a C compiler (apt install gcc)")
-PATHS = [pytest.param(None, id="native"),
-         pytest.param(["-mavx2", "-mfma"], id="avx2",
-                      marks=pytest.mark.skipif(not X86, reason="x86 only")),
-         pytest.param(["-mno-avx", "-mno-avx2"] if X86 else [], id="plain-c")]
+pytestmark = NEEDS_COMPILER
 WIDTH = {"avx2": 8, "plain-c": 1}
 
 
