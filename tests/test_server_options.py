@@ -191,3 +191,25 @@ def test_bad_limit_flag_is_a_clear_cli_error(tiny_llama_dir):
                           "--limit", "max_tokens"], capture_output=True, text=True,
                          timeout=60, cwd=ROOT, check=False)
     assert out.returncode == 2 and "NAME=VALUE" in out.stderr
+
+
+@pytest.mark.parametrize(("text", "value"), [("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20),
+                                             ("1000000", 10**6), ("1.5GB", 15 * 10**8),
+                                             ("0.3", 0.3), ("1.0", 1.0)])
+def test_kv_memory_flag_takes_bytes_or_a_fraction(text, value):
+    from nbserve.serving.cli import build_parser, serve_kwargs
+
+    args = build_parser().parse_args(["serve", "--kv-memory", text, "--kv-block-size", "16",
+                                      "--kv-dtype", "float16"])
+    kwargs = serve_kwargs(args)
+    assert kwargs["kv_memory"] == value and type(kwargs["kv_memory"]) is type(value)
+    assert kwargs["kv_block_size"] == 16 and kwargs["kv_dtype"] == "float16"
+
+
+@pytest.mark.parametrize("text", ["lots", "-1GiB", "2.5", "0", "3TiB"])
+def test_a_bad_kv_memory_flag_says_what_it_takes(text, capsys):
+    from nbserve.serving.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", f"--kv-memory={text}"])
+    assert "is not a KV budget: give bytes" in capsys.readouterr().err

@@ -20,6 +20,28 @@ def parse_devices(value: str | None) -> Any:
     return parts[0] if len(parts) == 1 else parts
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30}
+
+
+def parse_kv_memory(text: str) -> int | float:
+    """`--kv-memory`: "2GiB", "512MiB", "1500000" (bytes) or "0.3" (a fraction in (0, 1])."""
+    t = text.strip().lower().replace(" ", "")
+    number = t.rstrip("kmgib")
+    unit = t[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value <= 0 or (not unit and "." in number and value > 1):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a KV budget: give bytes (\"2GiB\", \"512MiB\", \"1000000\") or "
+            "a fraction of the free memory in (0, 1] (\"0.3\")")
+    if not unit and "." in number:
+        return value
+    return int(value * _UNITS[unit])
+
+
 def add_serve_options(parser: argparse.ArgumentParser) -> None:
     """The options `nbserve serve` and `python app.py` share."""
     parser.add_argument("--port", type=int, default=8000, help="port (0: pick a free one)")
@@ -29,9 +51,18 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
                         help="also open a public Gradio share link (UI and /v1)")
     parser.add_argument("--devices", default=None,
                         help='"auto", a count, or a list like "cuda:0,cuda:1" (one replica each)')
-    parser.add_argument("--max-batch", type=int, default=None, help="sequences decoded together")
+    parser.add_argument("--max-batch", type=int, default=None,
+                        help="sequences running together (default 64; a limit, no reservation)")
     parser.add_argument("--max-context", type=int, default=None,
-                        help="tokens per sequence (default: min(model's, 4096))")
+                        help="tokens per sequence (default: the model's, within the KV budget)")
+    parser.add_argument("--kv-memory", type=parse_kv_memory, default=None,
+                        help='KV cache budget: bytes ("2GiB", "512MiB", "1000000") or a '
+                        'fraction of the free memory / available RAM ("0.3"); default 0.25 of '
+                        "the RAM on CPU, 0.9 of the GPU's free memory; committed as used on CPU")
+    parser.add_argument("--kv-block-size", type=int, default=None, help="tokens per KV block "
+                        "(default 32; full blocks are shared between requests by prefix)")
+    parser.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="the KV cache's dtype (default: the model's; float16 halves it)")
     parser.add_argument("--dtype", default=None,
                         choices=["float32", "bfloat16", "float16", "mixed16", "quantized"],
                         help="weights: float32 (CPU default; for a GGUF of Q4_0/Q4_1/Q8_0 "
@@ -47,7 +78,7 @@ def serve_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """launch() keywords from parsed `add_serve_options` flags."""
     kwargs: dict[str, Any] = {"port": args.port, "host": args.host, "share": args.share,
                               "devices": parse_devices(args.devices)}
-    for name in ("max_batch", "max_context", "dtype"):
+    for name in ("max_batch", "max_context", "dtype", "kv_memory", "kv_block_size", "kv_dtype"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
     kwargs.update(cli_kwargs(args))
