@@ -20,6 +20,7 @@ from nbserve.cpu.kernels import build
 from nbserve.models.llama import apply_rope
 from nbserve.models.paged_attention import (
     paged_attention_serves,
+    paged_cache_serves,
     paged_decode_attention,
     paged_lone_attention,
 )
@@ -43,10 +44,16 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-def _cache(n_blocks: int, hkv: int, block_size: int, seed: int):
+@pytest.fixture(params=[torch.float32, torch.float16], ids=["f32-cache", "f16-cache"])
+def cache_dtype(request) -> torch.dtype:
+    return request.param
+
+
+def _cache(n_blocks: int, hkv: int, block_size: int, seed: int,
+           dtype: torch.dtype = torch.float32):
     g = torch.Generator().manual_seed(seed)
     shape = (n_blocks, hkv, block_size, D)
-    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
 
 
 def _tables(lengths: list[int], block_size: int, n_blocks: int, seed: int,
@@ -88,12 +95,12 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("hq, hkv", HEADS)
-def test_decode_batch_matches_torch(kernels, threads, block_size, hq, hkv):
+def test_decode_batch_matches_torch(kernels, threads, block_size, hq, hkv, cache_dtype):
     # mid-block, exactly on a block boundary, one token, several blocks, a shared prefix (row 1)
     lengths = [2 * block_size + 3, 3 * block_size, 1, 5 * block_size - 1, block_size + 1]
     lengths[1] = max(lengths[1], 2 * block_size + 1)
     n_blocks = sum(-(-n // block_size) for n in lengths) + 3  # a few blocks no row uses
-    keys, values = _cache(n_blocks, hkv, block_size, seed=block_size)
+    keys, values = _cache(n_blocks, hkv, block_size, seed=block_size, dtype=cache_dtype)
     tables = _tables(lengths, block_size, n_blocks, seed=hq, share=2)
     assert torch.equal(tables[0, :2], tables[1, :2])
     q = torch.randn(len(lengths), hq, D)
@@ -111,12 +118,13 @@ def test_decode_batch_matches_torch(kernels, threads, block_size, hq, hkv):
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("hq, hkv", HEADS)
-def test_lone_step_writes_through_the_table_and_attends(kernels, threads, block_size, hq, hkv):
+def test_lone_step_writes_through_the_table_and_attends(kernels, threads, block_size, hq, hkv,
+                                                        cache_dtype):
     n_blocks = 7 * 32 // block_size + 2 if block_size > 1 else 80
     positions = sorted({0, block_size - 1, block_size, 2 * block_size + 5, 3 * block_size - 1})
     positions = [p for p in positions if p < 70]
     table = _tables([positions[-1] + 1], block_size, n_blocks, seed=block_size)[0].contiguous()
-    keys, values = _cache(n_blocks, hkv, block_size, seed=hq)
+    keys, values = _cache(n_blocks, hkv, block_size, seed=hq, dtype=cache_dtype)
     for pos in positions:
         heads = torch.randn(hq + 2 * hkv, D)
         angles = torch.rand(D // 2) * (pos + 1)
@@ -124,8 +132,10 @@ def test_lone_step_writes_through_the_table_and_attends(kernels, threads, block_
         qk = apply_rope(heads[:hq + hkv], *rope)
         want_k, want_v = keys.clone(), values.clone()
         block, offset = int(table[pos // block_size]), pos % block_size
-        want_k[block, :, offset], want_v[block, :, offset] = qk[hq:], heads[hq + hkv:]
-        assert paged_attention_serves(heads, keys, values, *rope)
+        # stored in the cache's type, rounded as torch rounds (to nearest even)
+        want_k[block, :, offset] = qk[hq:].to(cache_dtype)
+        want_v[block, :, offset] = heads[hq + hkv:].to(cache_dtype)
+        assert paged_attention_serves(heads, *rope) and paged_cache_serves(keys, values)
         out = paged_lone_attention(heads, hq, hkv, rope, keys, values, block_size, table, pos,
                                    kernels=kernels)
         # the whole cache: k (rope rounded as torch's) and v at the slot, nothing else touched

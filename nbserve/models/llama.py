@@ -27,7 +27,13 @@ from .linear import (
     packing_affordable,
     packing_available,
 )
-from .paged_attention import paged_attention_serves, paged_decode_attention, paged_lone_attention
+from .paged_attention import (
+    CACHE_DTYPES,
+    paged_attention_serves,
+    paged_cache_serves,
+    paged_decode_attention,
+    paged_lone_attention,
+)
 from .weights import WeightFormats
 
 PAGED_BLOCK_SIZE = 32  # positions per block of a cache made by make_cache (the row convention)
@@ -87,7 +93,7 @@ class Attention(nn.Module):
             v = linear(x, self.v_proj).view(b, t, hkv, self.d)
         cache.write(self.layer, step.blocks, step.offsets, k, v)
         keys_all, values_all = cache.k[self.layer], cache.v[self.layer]
-        if t == 1 and step.kernel and paged_attention_serves(keys_all, values_all):
+        if t == 1 and step.kernel and paged_cache_serves(keys_all, values_all):
             qc = q.reshape(b, hq, self.d).contiguous()  # q is a view into the q/k heads
             out = paged_decode_attention(qc, keys_all, values_all, cache.block_size,
                                          step.tables_i32, step.lengths_i32,
@@ -134,7 +140,8 @@ class Attention(nn.Module):
         assert qkv is not None  # lone steps run on fused q/k/v (LlamaModel._lone_ready)
         heads = normed_linear(x, norm, qkv).view(hq + 2 * hkv, d)
         keys, values = cache.k[self.layer], cache.v[self.layer]  # (blocks, Hkv, bs, D)
-        if qkv.kernel is not None and paged_attention_serves(heads, keys, values, *rope):
+        if qkv.kernel is not None and paged_attention_serves(heads, *rope) and \
+                paged_cache_serves(keys, values):
             out = paged_lone_attention(heads, hq, hkv, rope, keys, values, cache.block_size,
                                        seq.table_i32, pos, check=False)
             return linear(out, self.o_proj)
@@ -375,7 +382,7 @@ class LlamaModel(WeightFormats):
             max_pos = int(positions.max())
         if ids.shape == (1, 1) and lone and self._lone_ready:
             return self._lone_step(ids, max_pos, tables[0], cache, logit_index is None)
-        kernel = self._paged_kernel and cache.dtype == torch.float32
+        kernel = self._paged_kernel and cache.dtype in CACHE_DTYPES
         step = StepInputs(positions, tables, max_pos, cache, kernel)
         cos_t, sin_signed_t = self._rope_table()
         rope = (cos_t[positions].unsqueeze(2), sin_signed_t[positions].unsqueeze(2))  # (B,T,1,D)

@@ -13,6 +13,7 @@ whose queries are roped and whose keys and values are written already.
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -26,8 +27,25 @@ def paged_attention_serves(*tensors: torch.Tensor) -> bool:
                for t in tensors)
 
 
+CACHE_DTYPES = (torch.float32, torch.float16)  # the kernels' cache types (float32 maths)
+
+
+def paged_cache_serves(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether the kernels can take this cache: CPU, contiguous, float32 or float16."""
+    return keys.dtype == values.dtype and keys.dtype in CACHE_DTYPES and all(
+        t.device.type == "cpu" and t.is_contiguous() for t in (keys, values))
+
+
+def _kernel(lib: ctypes.CDLL, name: str, keys: torch.Tensor) -> Any:
+    """The entry point for the cache's element type (`name`, or `name` + "_f16")."""
+    return getattr(lib, name + ("_f16" if keys.dtype == torch.float16 else ""))
+
+
 def _check_cache(keys: torch.Tensor, values: torch.Tensor, hkv: int, block_size: int,
                  d: int) -> None:
+    if not paged_cache_serves(keys, values):
+        raise ValueError(f"paged attention: keys ({keys.dtype}) and values ({values.dtype}) "
+                         "must be contiguous CPU tensors of float32 or float16, the same")
     if keys.dim() != 4 or tuple(keys.shape[1:]) != (hkv, block_size, d):
         raise ValueError(f"paged attention: keys {tuple(keys.shape)} are not "
                          f"(n_blocks, {hkv}, {block_size}, {d})")
@@ -74,7 +92,7 @@ def paged_lone_attention(heads: torch.Tensor, hq: int, hkv: int,
     cos, sin_signed = rope
     out = torch.empty(1, hq * d, dtype=torch.float32)
     lib = kernels if kernels is not None else quant_kernels()
-    failed = lib.nbq_paged_lone_attention(
+    failed = _kernel(lib, "nbq_paged_lone_attention", keys)(
         heads.data_ptr(), hq, hkv, d, cos.data_ptr(), sin_signed.data_ptr(), keys.data_ptr(),
         values.data_ptr(), block_size, table.data_ptr(), pos, out.data_ptr(),
         torch.get_num_threads())
@@ -111,7 +129,7 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
                              f"0..{keys.shape[0] - 1}")
     out = torch.empty(batch, hq * d, dtype=torch.float32)
     lib = kernels if kernels is not None else quant_kernels()
-    failed = lib.nbq_paged_decode_attention(
+    failed = _kernel(lib, "nbq_paged_decode_attention", keys)(
         q.data_ptr(), batch, hq, hkv, d, keys.data_ptr(), values.data_ptr(), block_size,
         tables.data_ptr(), tables.shape[1], lengths.data_ptr(), out.data_ptr(),
         torch.get_num_threads())

@@ -26,6 +26,7 @@ from pathlib import Path
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("quant_matmul.c", "paged_attention.c")]
+HEADERS = [Path(__file__).with_name("paged_attention_body.h")]  # in the cache key, not built
 # -ffp-contract=off: a * b + c stays two roundings, as in torch's separate ops (no silent FMA)
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11", "-ffp-contract=off"]
 BUILD_TIMEOUT_S = 120
@@ -125,7 +126,8 @@ def _build(sources: list[Path], arch_options: list[list[str]]) -> Path:
     cc = compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              check=False).stdout
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + version.encode()
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in [*sources, *HEADERS])
+                         + version.encode()
                          + _cpu_flags().encode() + repr((FLAGS, arch_options)).encode())
     target = _cache_dir() / f"nbserve-kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -162,11 +164,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.nbq_q8_matmul.argtypes = [ptr, i32, i32, ptr, ptr, i32, ptr, i32, ptr, f32, i32]
     lib.nbq_f32_matmul.argtypes = [ptr, i32, i32, ptr, i32, ptr, i32, ptr, f32, i32]
     lib.nbq_q4_matmul.restype = lib.nbq_q8_matmul.restype = lib.nbq_f32_matmul.restype = i32
-    lib.nbq_paged_lone_attention.argtypes = [ptr, i32, i32, i32, ptr, ptr, ptr, ptr, i32, ptr,
-                                             i32, ptr, i32]
-    lib.nbq_paged_decode_attention.argtypes = [ptr, i32, i32, i32, i32, ptr, ptr, i32, ptr, i32,
-                                               ptr, ptr, i32]
-    lib.nbq_paged_lone_attention.restype = i32
-    lib.nbq_paged_decode_attention.restype = i32
+    for suffix in ("", "_f16"):  # a float32 cache, a float16 one
+        lone = getattr(lib, f"nbq_paged_lone_attention{suffix}")
+        lone.argtypes = [ptr, i32, i32, i32, ptr, ptr, ptr, ptr, i32, ptr, i32, ptr, i32]
+        decode = getattr(lib, f"nbq_paged_decode_attention{suffix}")
+        decode.argtypes = [ptr, i32, i32, i32, i32, ptr, ptr, i32, ptr, i32, ptr, ptr, i32]
+        lone.restype = decode.restype = i32
     lib.nbq_simd_width.restype = i32
     return lib

@@ -28,122 +28,19 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Query heads q (n, d) of kv head kh over positions 0..length-1 of one table: scores (n rows of
- * score_stride floats, scratch), out (n, d). */
-static void attend(const float *q, int n, int d, int hkv, int kh, const float *keys,
-                   const float *values, int block_size, const int32_t *table, int length,
-                   float *scores, size_t score_stride, float *out) {
-    const float scale = 1.0f / sqrtf((float)d);
-    const size_t head_stride = (size_t)block_size * d, block_stride = (size_t)hkv * head_stride;
-    for (int t0 = 0, blk = 0; t0 < length; t0 += block_size, blk++) {
-        const float *kb = keys + (size_t)table[blk] * block_stride + (size_t)kh * head_stride;
-        int end = length - t0 < block_size ? length - t0 : block_size;
-        for (int i = 0; i < end; i++) {
-            const float *k = kb + (size_t)i * d;
-            for (int g = 0; g < n; g++) {
-                const float *qh = q + (size_t)g * d;
-                float dot = 0.f;
-                #pragma omp simd reduction(+:dot)
-                for (int j = 0; j < d; j++) dot += qh[j] * k[j];
-                scores[(size_t)g * score_stride + t0 + i] = dot * scale;
-            }
-        }
-    }
-    for (int g = 0; g < n; g++) {
-        float *s = scores + (size_t)g * score_stride, top = -INFINITY, total = 0.f;
-        for (int t = 0; t < length; t++) top = s[t] > top ? s[t] : top;
-        for (int t = 0; t < length; t++) {
-            s[t] = expf(s[t] - top);
-            total += s[t];
-        }
-        for (int t = 0; t < length; t++) s[t] = s[t] / total;
-    }
-    memset(out, 0, sizeof(float) * (size_t)n * d);
-    for (int t0 = 0, blk = 0; t0 < length; t0 += block_size, blk++) {
-        const float *vb = values + (size_t)table[blk] * block_stride + (size_t)kh * head_stride;
-        int end = length - t0 < block_size ? length - t0 : block_size;
-        for (int i = 0; i < end; i++) {
-            const float *v = vb + (size_t)i * d;
-            for (int g = 0; g < n; g++) {
-                float p = scores[(size_t)g * score_stride + t0 + i];
-                float *o = out + (size_t)g * d;
-                #pragma omp simd
-                for (int j = 0; j < d; j++) o[j] += p * v[j];
-            }
-        }
-    }
-}
-
 static int shape_ok(int hq, int hkv, int d, int block_size) {
     return hq > 0 && hkv > 0 && hq % hkv == 0 && d > 0 && block_size > 0;
 }
 
-int nbq_paged_decode_attention(const float *q, int batch, int hq, int hkv, int d,
-                               const float *keys, const float *values, int block_size,
-                               const int32_t *tables, int table_stride, const int32_t *lengths,
-                               float *out, int threads) {
-    if (!shape_ok(hq, hkv, d, block_size) || batch < 0 || table_stride < 0) return -2;
-    int max_len = 0;
-    for (int b = 0; b < batch; b++) {
-        int length = lengths[b];
-        if (length < 0 || (long long)length > (long long)table_stride * block_size) return -2;
-        const int32_t *table = tables + (size_t)b * table_stride;
-        for (int blk = 0; blk < (length + block_size - 1) / block_size; blk++)
-            if (table[blk] < 0) return -2;
-        max_len = length > max_len ? length : max_len;
-    }
-    if (batch == 0) return 0;
-    if (threads < 1) threads = 1;
-    size_t cells = (size_t)batch * hq * max_len;
-    float *scores = malloc(sizeof(float) * (cells ? cells : 1));
-    if (!scores) return -1;
-    /* work items: (row, kv head, slice of its group), slices only as many as keep threads busy */
-    int group = hq / hkv;
-    long long pairs = (long long)batch * hkv;
-    int slices = 1;
-    if (threads > pairs) {
-        long long want = (threads + pairs - 1) / pairs;
-        slices = want < group ? (int)want : group;
-    }
-    int per = (group + slices - 1) / slices;
-    slices = (group + per - 1) / per;
-    long long items = pairs * slices;
-    #pragma omp parallel for schedule(dynamic) num_threads(threads)
-    for (long long item = 0; item < items; item++) {
-        int slice = (int)(item % slices), kh = (int)(item / slices % hkv);
-        int b = (int)(item / slices / hkv), first = kh * group + slice * per;
-        int n = group - slice * per < per ? group - slice * per : per;
-        size_t at = (size_t)b * hq + first;
-        attend(q + at * d, n, d, hkv, kh, keys, values, block_size,
-               tables + (size_t)b * table_stride, lengths[b], scores + at * max_len,
-               (size_t)max_len, out + at * d);
-    }
-    free(scores);
-    return 0;
-}
+#define KV_T float
+#define KV_NAME(name) name
+#include "paged_attention_body.h"
+#undef KV_T
+#undef KV_NAME
 
-int nbq_paged_lone_attention(const float *heads, int hq, int hkv, int d, const float *cos,
-                             const float *sin_signed, float *keys, float *values, int block_size,
-                             const int32_t *table, int pos, float *out, int threads) {
-    if (!shape_ok(hq, hkv, d, block_size) || pos < 0) return -2;
-    for (int blk = 0; blk <= pos / block_size; blk++)
-        if (table[blk] < 0) return -2;
-    float *q = malloc(sizeof(float) * (size_t)hq * d);
-    if (!q) return -1;
-    const int half = d / 2, length = pos + 1;
-    const size_t head_stride = (size_t)block_size * d;
-    const size_t slot = (size_t)table[pos / block_size] * hkv * head_stride
-                        + (size_t)(pos % block_size) * d;
-    for (int h = 0; h < hq + hkv; h++) {  /* rope on the query and key heads */
-        const float *x = heads + (size_t)h * d;
-        float *to = h < hq ? q + (size_t)h * d : keys + slot + (size_t)(h - hq) * head_stride;
-        for (int j = 0; j < d; j++) to[j] = x[j] * cos[j] + x[(j + half) % d] * sin_signed[j];
-    }
-    for (int h = 0; h < hkv; h++)
-        memcpy(values + slot + (size_t)h * head_stride, heads + (size_t)(hq + hkv + h) * d,
-               sizeof(float) * d);
-    int failed = nbq_paged_decode_attention(q, 1, hq, hkv, d, keys, values, block_size, table,
-                                            pos / block_size + 1, &length, out, threads);
-    free(q);
-    return failed;
-}
+/* The same kernels over a float16 cache (kv_dtype="float16"): half the bytes per token. */
+#define KV_T _Float16
+#define KV_NAME(name) name##_f16
+#include "paged_attention_body.h"
+#undef KV_T
+#undef KV_NAME
