@@ -25,6 +25,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "(or pip install 'ray[serve]>=2.60')") from exc
 from starlette.types import ASGIApp
 
+from .engine.config import PAGED_MAX_BATCH
 from .serving.ray_asgi import (
     PROXY_CALLBACK,
     PROXY_CALLBACK_ENV,
@@ -63,7 +64,7 @@ log = logging.getLogger("nbserve.ray")
 #: answers (plain text) in the OpenAI error shape; `nbserve.ray.run` passes it for you.
 CONTROLLER_OPTIONS: dict[str, Any] = {
     "runtime_env": {"env_vars": {PROXY_CALLBACK_ENV: PROXY_CALLBACK}}}
-DEFAULT_MAX_BATCH = 16  # Engine's default, for the defaults derived from it below
+DEFAULT_MAX_BATCH = PAGED_MAX_BATCH  # the Engine's, for the defaults derived from it below
 _AUTOSCALING_KEYS = ("min_replicas", "max_replicas", "initial_replicas",
                      "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s")
 

@@ -117,8 +117,8 @@ def test_deployment_refuses_what_it_cannot_ship_or_place(tiny_llama_dir):
         nray.deployment(tiny_llama_dir, autoscaling={"max_replicaz": 4})
     app = nray.deployment(os.path.relpath(tiny_llama_dir), autoscaling={"max_replicas": 3})
     d = app._bound_deployment  # what Ray will get
-    assert d._deployment_config.autoscaling_config.target_ongoing_requests == 8  # 16 // 2
-    assert d.backpressure_config.status_code == 429 and d.max_ongoing_requests == 32
+    assert d._deployment_config.autoscaling_config.target_ongoing_requests == 32  # 64 // 2
+    assert d.backpressure_config.status_code == 429 and d.max_ongoing_requests == 128
     assert d.ray_actor_options["num_gpus"] == 0
     model, build, app_options = d.init_args
     assert model == str(tiny_llama_dir) and build["device"] == "cpu"  # absolute for replicas
