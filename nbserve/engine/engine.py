@@ -85,8 +85,6 @@ class Engine(SyncHelpers):
         self.template = model.template
         self.model_name = config.name or model.name
         self.max_queue = config.max_queue
-        paged = callable(getattr(model_, "make_paged_cache", None))
-        model_context = config.context_for(int(model_.max_context), paged)
         self.queue_timeout, self.max_backlog = config.queue_timeout, config.max_backlog
         self.restart_on_failure, self.step_timeout = config.restart_on_failure, config.step_timeout
         self.threads, self.prefill_chunk = config.threads, config.prefill_chunk
@@ -94,7 +92,7 @@ class Engine(SyncHelpers):
         self.vocab_size = int(model_.vocab_size)
         self.stop_token_ids = list(model.stop_token_ids)
         self.stats_ = EngineStats()
-        self._step = EngineStep(model, config, model_context, self.stats_, self)
+        self._step = EngineStep(model, config, self.stats_, self)
         self.max_batch, self.max_context = self._step.max_batch, self._step.max_context
         self._lock = threading.Condition()
         self._inbox: deque[tuple[RequestGroup, list[Sequence]]] = deque()
@@ -340,7 +338,7 @@ class Engine(SyncHelpers):
         ids = self.prepare_prompt(request)
         budget = self._step.budget
         if budget is not None:  # every choice needs its own last block beside the prompt's
-            need = -(-(len(ids) + 1) // budget.block_size) + params.n - 1
+            need = self._step.space.admission_cost([], 0, len(ids) + 1, params.n)  # no cache
             if need > budget.n_blocks:
                 raise InvalidRequestError(
                     f"{params.n} choices of this {len(ids)}-token prompt need {need} KV blocks "

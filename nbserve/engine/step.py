@@ -46,8 +46,8 @@ class EngineStep:
     """The engine thread's work: add, abort, step, fail. Not thread-safe by design: only the
     engine thread calls it (the front hands it the requests and aborts it collected)."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, model_context: int,
-                 stats: EngineStats, hooks: StepHooks):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, stats: EngineStats,
+                 hooks: StepHooks):
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.config, self.stats, self.hooks = config, stats, hooks
@@ -59,6 +59,7 @@ class EngineStep:
         # a paged cache where the model offers one (models.base), else one row per sequence
         self.paged = callable(getattr(self.model, "make_paged_cache", None))
         self.max_batch = config.resolved_max_batch(self.paged)
+        model_context = config.context_for(int(self.model.max_context), self.paged)
         self.budget: KVBudget | None = None
         if self.paged:
             kv_dtype = config.resolved_kv_dtype(self.model.dtype)
