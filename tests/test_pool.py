@@ -569,14 +569,18 @@ def test_a_request_that_meets_a_stuck_replica_before_the_watcher_leaves_it_readm
 
 
 def test_a_quantized_model_without_its_float32_weights_still_copies_to_another_device(
-        tiny_llama_dir):
+        tiny_llama_dir, tmp_path):
+    from gguf_util import hf_dir_to_gguf
+
     import nbserve
     from nbserve.models.llama import kernels_available
     from nbserve.pool.setup import replicate
 
     if not kernels_available():
         pytest.skip("dtype='quantized' needs nbserve's C kernels (a C compiler)")
-    loaded = nbserve.load(str(tiny_llama_dir), dtype="quantized", verbose=False)
+    path = hf_dir_to_gguf(tiny_llama_dir, tmp_path / "m.gguf", "Q4_1",
+                          tensor_types={"token_embd.weight": "Q8_0"})
+    loaded = nbserve.load(str(path), dtype="quantized", verbose=False)  # the file's own blocks
     assert loaded.model.dense_released  # its float32 matmul weights were dropped at load
     copy = replicate(loaded, "meta").model
     att = copy.model.layers[0].self_attn

@@ -1,4 +1,5 @@
-"""dtype="quantized": matmuls of a few rows over 4/8-bit blocks, through nbserve's C kernel.
+"""dtype="quantized": matmuls of any row count over 4/8-bit blocks, through nbserve's C kernel
+(row kernels for a few rows, panels of dequantized weight rows for more).
 
 The kernel is checked against a float64 product on every code path it has (AVX-512 where this
 CPU has it, AVX2, plain C: each built with its own compiler flags); the loaders are checked to
@@ -20,7 +21,7 @@ from kernel_paths import NEEDS_COMPILER, PATHS, X86
 
 import nbserve
 from nbserve.cpu.kernels import build
-from nbserve.models.quant import QUANT_MAX_ROWS, KernelLinear, QuantBlocks
+from nbserve.models.quant import KernelLinear, QuantBlocks
 from nbserve.models.weights import count_parameters
 
 pytestmark = NEEDS_COMPILER
@@ -44,7 +45,8 @@ def test_kernel_equals_a_float64_product_on_every_path(arch, kind, request):
     path = request.node.callspec.id.split("-", 1)[1] if arch is not None else "native"
     if path in WIDTH:
         assert kernels.nbq_simd_width() == WIDTH[path]  # the path meant to run is the one built
-    for rows, k, n in [(1, 64, 7), (2, 96, 33), (3, 576, 50), (4, 160, 9), (9, 128, 17)]:
+    for rows, k, n in [(1, 64, 7), (2, 96, 33), (3, 576, 50), (4, 160, 9), (9, 128, 17),
+                       (16, 576, 70), (37, 96, 33)]:  # past 3 rows: the panels
         blocks = _random_blocks(kind, n, k, seed=rows)  # 96 and 160: an odd number of blocks
         x = torch.randn(rows, k)
         want = (x.double() @ blocks.dequantize().double().t()).float()
@@ -91,11 +93,33 @@ def test_q8_0_from_float_is_within_half_a_step():
     assert QuantBlocks.from_float(torch.zeros(2, 32)).dequantize().abs().sum() == 0
 
 
-def test_kernel_applies_to_a_few_float32_cpu_rows_only():
+@pytest.mark.parametrize("arch", PATHS)
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_a_rows_product_does_not_depend_on_the_other_rows(arch, kind):
+    """Within the row kernels (up to nbq_row_path_max rows) and within the panels (more), a
+    row gets the same bits whatever else the step holds (each row sums in one order in every
+    tile), so batching does not change an answer; the two paths agree to rounding."""
+    kernels = build.quant_kernels(arch)
+    most = kernels.nbq_row_path_max()
+    blocks = _random_blocks(kind, 75, 160, seed=3)
+    linear = KernelLinear(blocks, kernels=kernels)
+    x = torch.randn(4 * most + 7, 160)
+    whole = linear(x)  # the panels
+    for start, stop in [(0, most + 1), (5, 2 * most + 3), (most, 4 * most + 7), (3, 3 * most)]:
+        assert torch.equal(linear(x[start:stop]), whole[start:stop]), (start, stop)
+    rows = linear(x[:most])  # the row kernels
+    for start, stop in [(0, 1), (1, 3), (2, most)]:
+        assert torch.equal(linear(x[start:stop]), rows[start:stop]), (start, stop)
+    torch.testing.assert_close(rows, whole[:most], rtol=1e-5, atol=1e-4)
+
+
+def test_kernel_applies_to_float32_cpu_rows_of_any_count():
     q = KernelLinear(_random_blocks("q8", 8, 32), bias=torch.ones(8))
-    assert q.applies(torch.randn(1, 32)) and q.applies(torch.randn(QUANT_MAX_ROWS, 1, 32))
-    assert not q.applies(torch.randn(QUANT_MAX_ROWS + 1, 32))
+    assert q.serves_every_step and q.max_rows is None
+    assert q.applies(torch.randn(1, 32)) and q.applies(torch.randn(300, 1, 32))
     assert not q.applies(torch.randn(1, 32).double())
+    f = KernelLinear(torch.randn(8, 32))  # the float32 kernel: a few rows only
+    assert not f.serves_every_step and not f.applies(torch.randn(f.max_rows + 1, 32))
     x = torch.randn(2, 1, 32)
     torch.testing.assert_close(q(x), x @ q.weight.dequantize().t() + 1, rtol=1e-5, atol=1e-5)
 
@@ -137,12 +161,12 @@ def test_a_gguf_is_multiplied_by_its_own_blocks(q4_gguf, monkeypatch):
     for (holder, names), (dense, _) in zip(holders, full._named_holders()):
         assert torch.equal(holder.kernel.weight.dequantize(), dense.weight), names
     ids = [3, 17, 5, 9, 11, 2] * 3
-    assert len(ids) > QUANT_MAX_ROWS
     (pre_f, one_f), (pre_q, one_q) = _lone_steps(full, ids), _lone_steps(model, ids)
     pre_p, one_p = _lone_steps(plain, ids)
-    assert torch.equal(pre_q, pre_f) and torch.equal(pre_f, pre_p)  # 18 rows: oneDNN float32
-    assert not torch.equal(one_q, one_p)  # 1 row: the kernel ran, in another summation order
-    torch.testing.assert_close(one_q, one_p, rtol=1e-4, atol=1e-4)
+    assert torch.equal(pre_f, pre_p)  # 18 rows of the float32 model: oneDNN either way
+    for got, want in ((pre_q, pre_p), (one_q, one_p)):  # 18 rows: the panels; 1: a row kernel
+        assert not torch.equal(got, want)  # the blocks ran, in another summation order
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     if build.quant_kernels().nbq_simd_width() == 16:  # AVX-512 rebuilds the float32 weights
         assert torch.equal(one_q, one_f)  # exactly and sums as the float kernel: lossless
 
@@ -182,7 +206,9 @@ def test_a_float_checkpoint_gets_q8_0_copies(tiny_llama_dir):
     n_full, bytes_full = nbserve.models.weights.count_parameters(full)
     n_q, bytes_q = nbserve.models.weights.count_parameters(model)
     assert n_q == n_full and bytes_q > 4 * n_q  # the copies are counted
-    assert bytes_q < bytes_full  # the float32 weights are in the packed copies only
+    assert bytes_q < bytes_full  # no packed copies: the blocks serve every step
+    # Q8_0 made here is not the weights' exact values: the float32 weights stay, to restore
+    assert not model.dense_released and all(h.packed is None for h in model._weight_holders())
 
 
 def test_moving_or_copying_the_model_keeps_the_copies_right(q4_gguf):
@@ -273,9 +299,9 @@ def test_an_unknown_kernel_path_is_named(tmp_path):
 
 
 def test_quantized_keeps_no_float32_copy_of_a_matmul_weight(q4_gguf, monkeypatch):
-    """The quantized blocks serve steps of up to QUANT_MAX_ROWS rows and the packed copies the
-    larger ones: the plain float32 weights are left in the packed copies only (on meta), the
-    parsed file is not kept, and every output stays the same bit for bit."""
+    """The quantized blocks serve steps of every size: no packed copy is kept, the plain
+    float32 weights are dropped (on meta, restorable from the blocks bit for bit), the parsed
+    file is not kept, and every output stays the same bit for bit."""
     from nbserve.loading import gguf
 
     model = nbserve.load(str(q4_gguf), verbose=False).model  # a lossless GGUF: quantized
@@ -283,6 +309,7 @@ def test_quantized_keeps_no_float32_copy_of_a_matmul_weight(q4_gguf, monkeypatch
     assert gguf._reader.cache_info().currsize == 0  # no parsed file (fields, memory map) kept
     embedding = model.embedding_weight()
     for holder, names in model._named_holders():
+        assert holder.kernel.serves_every_step and holder.packed is None, names
         if holder.weight is embedding:  # the tied head: the embedding, which lookups read
             continue
         assert holder.weight.device.type == "meta", names
@@ -290,16 +317,17 @@ def test_quantized_keeps_no_float32_copy_of_a_matmul_weight(q4_gguf, monkeypatch
     real = [n for n, p in model.named_parameters() if p.device.type != "meta"]
     assert all(n == "model.embed_tokens.weight" or n.endswith(("norm.weight", ".bias"))
                for n in real), real
+    blocks = sum(holder.kernel.nbytes for holder, _ in model._named_holders())
+    assert model.derived_bytes() == blocks  # the blocks and nothing else
     monkeypatch.setattr("nbserve.loading._release_unread_weights", lambda loaded: None)
     kept = nbserve.load(str(q4_gguf), verbose=False).model  # as before: dense weights kept
     assert not kept.dense_released
     assert count_parameters(model)[0] == count_parameters(kept)[0]
     assert count_parameters(model)[1] < count_parameters(kept)[1]  # the copies are counted
-    assert model.derived_bytes() < kept.derived_bytes()
     ids = [3, 17, 5, 9, 11, 2] * 3
-    for a, b in zip(_lone_steps(model, ids), _lone_steps(kept, ids)):  # 18 rows (packed), 1
-        assert torch.equal(a, b)  # row (blocks)
-    for rows in (QUANT_MAX_ROWS, QUANT_MAX_ROWS + 1):  # a decode batch either side
+    for a, b in zip(_lone_steps(model, ids), _lone_steps(kept, ids)):  # 18 rows, 1 row
+        assert torch.equal(a, b)
+    for rows in (3, 4, 13):  # decode batches on either side of the row kernels
         x = torch.tensor([ids[:rows]]).t()
         steps = [m.forward(x, torch.zeros(rows, 1, dtype=torch.long), torch.arange(rows),
                            m.make_cache(rows, 8), contiguous_from=0) for m in (model, kept)]
@@ -315,4 +343,4 @@ def test_quantized_keeps_no_float32_copy_of_a_matmul_weight(q4_gguf, monkeypatch
     assert torch.equal(_lone_steps(model, ids)[0], _lone_steps(kept, ids)[0])
     model.restore_dense_weights()
     for (holder, _), (twin, _) in zip(model._named_holders(), kept._named_holders()):
-        assert torch.equal(holder.weight, twin.weight)  # bit for bit, out of the packed copies
+        assert torch.equal(holder.weight, twin.weight)  # bit for bit, out of the blocks

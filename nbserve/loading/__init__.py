@@ -81,12 +81,12 @@ def load(source: Any, *, device: str | None = None, dtype: Any = None,
     "quantized", which is lossless there), "bfloat16" (CUDA default), "float16", "mixed16" (CPU:
     float32 plus float16 copies of the matmul weights for one- and two-row steps: a faster
     lone stream, +50% weight memory, outputs can differ from float32 in rare near-ties, see
-    `WeightFormats.use_16bit_weights`), or "quantized" (CPU: float32 plus quantized copies for
-    steps of up to 12 rows, a GGUF's own Q4_0/Q4_1/Q8_0 blocks or Q8_0 made at load: the
-    fastest lone stream; compiles a small C kernel at first use; see
-    `WeightFormats.use_quantized_weights`; its float32 weights are then left in their packed
-    copies only, see `WeightFormats.release_dense_weights`, so it takes less memory than
-    float32). On CPU in float32 (and mixed16, quantized) the
+    `WeightFormats.use_16bit_weights`), or "quantized" (CPU: every matmul, of any step size, over
+    a GGUF's own Q4_0/Q4_1/Q8_0 blocks or Q8_0 made at load, with float32 arithmetic; compiles a
+    small C kernel at first use; see `WeightFormats.use_quantized_weights`. A GGUF's own blocks
+    are the float32 weights' exact values, so those are then dropped, see
+    `WeightFormats.release_dense_weights`: the weights take about the file's size). On CPU in
+    float32 (and mixed16) the
     loaders also keep oneDNN-packed copies of the matmul weights, which make batched decoding
     faster (+100% weight memory; skipped when the copies would take over a quarter of the RAM;
     see `WeightFormats.pack_weights`). The load line shows the copies apart;

@@ -1,14 +1,16 @@
-"""Quantized weight copies (dtype="quantized"): matmuls of one to a few rows over blocks of
-4- or 8-bit codes, through nbserve's C kernel (`nbserve/kernels/quant_matmul.c`).
+"""Quantized weights (dtype="quantized"): matmuls over blocks of 4- or 8-bit codes, through
+nbserve's C kernel (`nbserve/cpu/kernels/quant_matmul.c`), for steps of any row count.
 
 A lone stream's decode step reads every weight once per token, so its speed is set by the bytes
 it reads: SmolLM2-135M's matmuls read 540 MB in float32, 270 MB in float16 and 96 MB as the
 GGUF's own Q4_1/Q8_0 blocks. The blocks are kept as the file stores them (no requantization:
 the same weights llama.cpp multiplies); weights of other types, and float checkpoints, are
-quantized to Q8_0 at load. Inputs, outputs and the arithmetic stay float32 (per block
-d * sum(x q) + m * sum(x)), so a product differs from one over the dequantized weights only in
-rounding. Steps of more rows (batches of over 12 streams, prefills) keep the float32
-(packed) weights, faster there.
+quantized to Q8_0 at load. Inputs, outputs and the arithmetic stay float32: steps of a few rows
+add d * sum(x q) + m * sum(x) per block, steps of more rows dequantize panels of weight rows
+(d * q + m, as GGUF does) and multiply them as float32, so a product differs from one over the
+dequantized weights only in rounding. Activations are not rounded to 8 bits as llama.cpp's
+CPU kernels do: that changed most of the default model's greedy answers (benchmarks/README.md).
+The blocks serve every step, so a model loaded from them needs no float32 copy of its weights.
 """
 
 from __future__ import annotations
@@ -21,9 +23,6 @@ import numpy as np
 import torch
 
 BLOCK = 32  # weights per block, along the input dimension (GGUF's Q4_0, Q4_1, Q8_0)
-QUANT_MAX_ROWS = 12  # inputs of up to this many rows use the quantized copy. Measured, a
-# SmolLM2 decode step in the engine's thread, quantized against float32 packed weights (ms):
-# 2 rows 13.9 / 39.5, 4: 17.7 / 39, 8: 29.4 / 42.5, 12: 40 / 49, 16: 61 / 56.
 FLOAT_MAX_ROWS = 4  # the same for float32 weights; SmolLM2's matmuls in the engine's thread,
 # kernel against oneDNN-packed (ms): 1 row 13.6 / 20.3, 3: 17.3 / 20.2, 4: 16.7 / 17.1, 8: 29 / 22
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # fp16 scale [fp16 min] codes
@@ -132,10 +131,11 @@ class NormWeights(Protocol):
 
 
 class KernelLinear:
-    """A matmul through nbserve's C kernel for inputs of a few rows (`applies`): over a
-    weight's quantized blocks (up to QUANT_MAX_ROWS rows), or over a float32 weight as it is,
-    shared, not copied (up to FLOAT_MAX_ROWS rows). Larger inputs take the model's other paths.
-    """
+    """A matmul through nbserve's C kernel: over a weight's quantized blocks (any number of
+    rows: `max_rows` None), or over a float32 weight as it is, shared, not copied (up to
+    FLOAT_MAX_ROWS rows; larger inputs take the model's other paths). See `applies`."""
+
+    max_rows: int | None  # the most input rows it takes; None: any
 
     def __init__(self, weight: QuantBlocks | torch.Tensor, bias: torch.Tensor | None = None,
                  kernels: ctypes.CDLL | None = None):
@@ -146,7 +146,7 @@ class KernelLinear:
         self.out_features, self.in_features = weight.shape
         self._lib = kernels or quant_kernels()  # a build for another CPU path, in tests
         if isinstance(weight, QuantBlocks):
-            self.kind, self.max_rows = weight.kind, QUANT_MAX_ROWS
+            self.kind, self.max_rows = weight.kind, None
             self._pointers = (weight.codes.data_ptr(), weight.scales.data_ptr(),
                               None if weight.mins is None else weight.mins.data_ptr())
         else:
@@ -160,9 +160,14 @@ class KernelLinear:
         """Bytes this adds to the model: its blocks; nothing for a float32 weight (shared)."""
         return self.weight.nbytes if isinstance(self.weight, QuantBlocks) else 0
 
+    @property
+    def serves_every_step(self) -> bool:
+        """Whether this kernel multiplies inputs of any row count (quantized blocks do)."""
+        return self.max_rows is None
+
     def applies(self, x: torch.Tensor) -> bool:
-        return (x.numel() <= self.max_rows * x.shape[-1] and x.dtype == torch.float32
-                and x.device.type == "cpu")
+        return ((self.max_rows is None or x.numel() <= self.max_rows * x.shape[-1])
+                and x.dtype == torch.float32 and x.device.type == "cpu")
 
     def __call__(self, x: torch.Tensor, norm: NormWeights | None = None,
                  gated: bool = False) -> torch.Tensor:

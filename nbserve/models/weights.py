@@ -36,7 +36,7 @@ class WeightFormats(nn.Module):
         self._wants = {"transposed_head": False, "16bit": False, "packed": False,
                        "quantized": False, "float_kernel": False, "release_dense": False}
         self._quant_copies: list[KernelLinear | None] = []  # per holder, kept across .to()
-        self._released: list[Holder] = []  # holders whose float32 weight lives in `packed` only
+        self._released: list[Holder] = []  # holders whose float32 weight lives in copies only
 
     # ------------------------------------------------------------------ what a model provides
 
@@ -115,9 +115,10 @@ class WeightFormats(nn.Module):
 
     def use_quantized_weights(self, blocks: Mapping[str, QuantBlocks] | None = None,
                               only_lossless: bool = False) -> bool:
-        """Add a quantized copy of every matmul weight and of the LM head (`KernelLinear`) for
-        steps of up to QUANT_MAX_ROWS rows: a lone stream reads a fraction of float32's bytes
-        and decodes faster than float32 with the C kernel (benchmarks/README.md).
+        """Add a quantized copy of every matmul weight and of the LM head (`KernelLinear`),
+        which then serves steps of every size (its packed copy, if any, goes): a step reads a
+        fraction of float32's bytes, and batches are multiplied by panels of dequantized
+        rows (benchmarks/README.md).
         `blocks`: a checkpoint's own blocks by parameter name (a GGUF's Q4_0/Q4_1/Q8_0
         tensors, see `loading.gguf`): the same values as the float32 weights dequantized from
         them, so nothing is lost; other weights are quantized to Q8_0 here, and greedy output
@@ -151,14 +152,21 @@ class WeightFormats(nn.Module):
         return True
 
     def _attach_quant_copies(self) -> None:
+        """Hang the quantized copies on their holders; a packed copy of a weight whose blocks
+        serve every step would never be read again, so it goes."""
         for holder, copy in zip(self._weight_holders(), self._quant_copies):
             holder.kernel = copy
+            if copy is not None and copy.serves_every_step:
+                holder.packed = None
 
     def _add_copies(self, attr: str, make: type[HalfCopy] | type[PackedCopy], want: str) -> None:
         """Give every weight holder a `make(weight, bias)` copy as `attr` (once), remember the
         wish across `.to()`, and drop the transposed head: the copies serve single rows better."""
         self.restore_dense_weights()
         for holder in self._weight_holders():
+            kernel = getattr(holder, "kernel", None)
+            if kernel is not None and kernel.serves_every_step:
+                continue  # its blocks serve every step: a copy would never be read
             if getattr(holder, attr, None) is None:
                 setattr(holder, attr, make(holder.weight, holder.bias))
         self._head_t = None
@@ -168,25 +176,25 @@ class WeightFormats(nn.Module):
 
     def release_dense_weights(self) -> int:
         """Drop the float32 weight of every matmul that no step reads any more, and return the
-        bytes freed: with quantized blocks (`use_quantized_weights`) for steps of up to
-        QUANT_MAX_ROWS rows and a oneDNN-packed copy (`pack_weights`) for larger ones, the
-        plain weight is only what the copies were made from. Its parameters stay, with their
-        names and shapes, on the meta device; the packed copy holds the same values
-        (`restore_dense_weights` reads them back bit for bit), and they come back by
-        themselves for `.to()`, `state_dict()`, `load_state_dict()` and the methods that add
-        copies. The token embedding (a tied LM head's weight too) is always kept. Outputs do
-        not change: every step runs on the same copies as before. Loaders call it for
-        dtype="quantized" (-40% resident memory for SmolLM2-135M); remembered across `.to()`.
-        """
+        bytes freed: quantized blocks (`use_quantized_weights`) serve steps of every size, so
+        the plain weight is only what they were made from. A weight is dropped only where it
+        can come back bit for bit: from a oneDNN-packed copy, or from blocks that dequantize to
+        exactly its values (a GGUF's own blocks; not Q8_0 made at load from float weights).
+        Its parameters stay, with their names and shapes, on the meta device, and come back by
+        themselves (`restore_dense_weights`) for `.to()`, `state_dict()`, `load_state_dict()`
+        and the methods that add copies. The token embedding (a tied LM head's weight too) is
+        always kept. Outputs do not change: every step runs on the same copies as before.
+        Loaders call it for dtype="quantized"; remembered across `.to()`."""
         self._wants["release_dense"] = True
         embedding = self.embedding_weight()
         freed = 0
         for holder, names in self._named_holders():
             weight = holder.weight
-            kernel, packed = getattr(holder, "kernel", None), getattr(holder, "packed", None)
-            if (any(h is holder for h in self._released) or packed is None or kernel is None
-                    or kernel.kind == "f32" or weight is embedding
-                    or weight.device.type != "cpu" or not self._owns(holder, names)):
+            kernel = getattr(holder, "kernel", None)
+            if (any(h is holder for h in self._released) or kernel is None
+                    or not kernel.serves_every_step or weight is embedding
+                    or weight.device.type != "cpu" or not self._owns(holder, names)
+                    or not self._restorable(holder)):
                 continue
             freed += weight.numel() * weight.element_size()
             self._set_dense(holder, names, torch.empty(weight.shape, dtype=weight.dtype,
@@ -194,20 +202,37 @@ class WeightFormats(nn.Module):
             self._released.append(holder)
         return freed
 
+    @staticmethod
+    def _restorable(holder: Holder) -> bool:
+        """Whether `_dense_copy(holder)` gives its weight back bit for bit."""
+        if getattr(holder, "packed", None) is not None:
+            return True
+        blocks = cast(KernelLinear, holder.kernel).weight
+        return isinstance(blocks, QuantBlocks) and torch.equal(blocks.dequantize(),
+                                                               holder.weight)
+
+    @staticmethod
+    def _dense_copy(holder: Holder) -> torch.Tensor:
+        """A released weight's values, out of its packed copy or its blocks."""
+        packed = getattr(holder, "packed", None)
+        if packed is not None:
+            return cast(PackedCopy, packed).weight.to_dense().contiguous()
+        return cast(QuantBlocks, cast(KernelLinear, holder.kernel).weight).dequantize()
+
     def restore_dense_weights(self) -> None:
         """Bring back the float32 weights `release_dense_weights` dropped, read out of their
-        packed copies (the same values bit for bit); they stay until released again."""
+        packed copies or blocks (the same values bit for bit); they stay until released
+        again."""
         if not self._released:
             return
         named = {id(holder): names for holder, names in self._named_holders()}
         for holder in self._released:
-            dense = cast(PackedCopy, holder.packed).weight.to_dense().contiguous()
-            self._set_dense(holder, named[id(holder)], dense)
+            self._set_dense(holder, named[id(holder)], self._dense_copy(holder))
         self._released = []
 
     @property
     def dense_released(self) -> bool:
-        """Whether some float32 matmul weights live in their packed copies only (on meta)."""
+        """Whether some float32 matmul weights live in their copies only (on meta)."""
         return bool(self._released)
 
     def _owns(self, holder: Holder, names: list[str]) -> bool:
@@ -294,8 +319,7 @@ class WeightFormats(nn.Module):
             half, packed = getattr(holder, "half_copy", None), getattr(holder, "packed", None)
             kernel = getattr(holder, "kernel", None)
             total += 0 if half is None else half.weight.numel() * half.weight.element_size()
-            # a released weight's packed copy is its only copy: counted as the weight
-            total += 0 if packed is None or holder in self._released else packed.nbytes
+            total += 0 if packed is None else packed.nbytes
             total += 0 if kernel is None else kernel.nbytes
         return total
 
@@ -311,10 +335,13 @@ class WeightFormats(nn.Module):
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(parameters, bytes), counting tied tensors once, and the copies kept for speed."""
+    """(parameters, bytes), counting tied tensors once, and the copies kept for speed; a
+    released weight (on meta: its values live in its blocks or packed copy, counted there)
+    counts as parameters, not bytes."""
     seen: dict[object, torch.Tensor] = {}
-    for p in model.parameters():  # a released weight (meta, no address) counts as itself: its
-        seen.setdefault(id(p) if p.device.type == "meta" else p.data_ptr(), p)  # packed copy
-    extra = model.derived_bytes() if isinstance(model, WeightFormats) else 0  # holds it
+    for p in model.parameters():
+        seen.setdefault(id(p) if p.device.type == "meta" else p.data_ptr(), p)
+    extra = model.derived_bytes() if isinstance(model, WeightFormats) else 0
     return (sum(p.numel() for p in seen.values()),
-            sum(p.numel() * p.element_size() for p in seen.values()) + extra)
+            sum(p.numel() * p.element_size() for p in seen.values() if p.device.type != "meta")
+            + extra)

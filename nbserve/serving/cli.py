@@ -68,9 +68,10 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
                         help="weights: float32 (CPU default; for a GGUF of Q4_0/Q4_1/Q8_0 "
                         "blocks, quantized, lossless there), bfloat16 (GPU default), float16, "
                         "mixed16 (CPU: float16 copies for one- and two-row steps, +50%% "
-                        "memory), or quantized (CPU: a GGUF's own 4/8-bit blocks, or Q8_0 made "
-                        "at load, for steps of up to 12 rows: about 2.5x float32's speed "
-                        "alone; nbserve's C kernels build with the system's compiler)")
+                        "memory), or quantized (CPU: every step over a GGUF's own 4/8-bit "
+                        "blocks, or Q8_0 made at load, in float32 arithmetic: the fastest and "
+                        "about the file's size in memory; nbserve's C kernels build with the "
+                        "system's compiler)")
     add_cli_options(parser)  # the server options: one flag per ServerOptions field
 
 

@@ -18,14 +18,19 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #define BLOCK 32
 #define TILE 4
+#define ROW_PATH_MAX 8  /* inputs of up to this many rows take the row kernels (measured
+                          faster there), more take the panels below */
 #define INLINE static inline __attribute__((always_inline))
 enum { Q4, Q8, F32 };  /* weight kinds */
+
+int nbq_row_path_max(void);  /* defined below, with the panels */
 
 int nbq_simd_width(void) {
 #if defined(__AVX512F__)
@@ -135,7 +140,6 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static inline __m256 u8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 static inline __m256 i8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
 /* one block: its 32 codes as floats (four registers of 8) times v, summed lane-wise */
@@ -149,24 +153,36 @@ INLINE __m256 block_dot(const __m256 *w, const float *v) {
 INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const float *d,
                    const float *m, const float *xs, float *out, int n_out) {
     int nb = k / BLOCK;
-    __m256 acc[TILE];
-    float macc[TILE] = {0};
-    for (int i = 0; i < TILE; i++) acc[i] = _mm256_setzero_ps();
-    const __m128i low = _mm_set1_epi8(0x0F);
+    __m256 acc[TILE], macc[TILE];
+    for (int i = 0; i < TILE; i++) acc[i] = macc[i] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi32(0x0F);
     for (int b = 0; b < nb; b++) {
-        __m128i packed = _mm_loadu_si128((const __m128i *)(qs + (size_t)b * 16));
-        __m128i lo = _mm_and_si128(packed, low);
-        __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
-        __m256 w[4] = {u8x8(lo), u8x8(_mm_srli_si128(lo, 8)), u8x8(hi),
-                       u8x8(_mm_srli_si128(hi, 8))};
+        /* bytes 0-7 and 8-15 widened to 32 bits straight from memory: each byte's low
+         * nibble is code j, its high nibble code j + 16 */
+        __m256i c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + (size_t)b * 16)));
+        __m256i c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + (size_t)b * 16 + 8)));
+        __m256 w[4] = {_mm256_cvtepi32_ps(_mm256_and_si256(c0, low)),
+                       _mm256_cvtepi32_ps(_mm256_and_si256(c1, low)),
+                       _mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4)),
+                       _mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4))};
         __m256 scale = _mm256_set1_ps(d[b]);
         for (int i = 0; i < rows; i++) {
             const float *v = x + (size_t)i * k + (size_t)b * BLOCK;
             acc[i] = _mm256_fmadd_ps(scale, block_dot(w, v), acc[i]);
-            macc[i] += m[b] * xs[i * nb + b];
         }
     }
-    for (int i = 0; i < rows; i++) out[(size_t)i * n_out] = hsum(acc[i]) + macc[i];
+    /* the m terms: sum over blocks of m[b] * (sum of the block's x), 8 blocks a vector */
+    int b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        __m256 mv = _mm256_loadu_ps(m + b);
+        for (int i = 0; i < rows; i++)
+            macc[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + i * nb + b), macc[i]);
+    }
+    for (int i = 0; i < rows; i++) {
+        float tail = 0.f;
+        for (int t = b; t < nb; t++) tail += m[t] * xs[i * nb + t];
+        out[(size_t)i * n_out] = hsum(acc[i]) + (hsum(macc[i]) + tail);
+    }
 }
 
 INLINE void q8_row(const float *x, int rows, int k, const int8_t *qs, const float *d,
@@ -266,8 +282,169 @@ static const float *prepare(const float *x, int rows, int k, const float *norm, 
     return out;
 }
 
+/* ---------------------------------------------------------------- steps of many rows
+ * Past ROW_PATH_MAX input rows: the input is laid out k-major once (xt, k x R rounded up to
+ * 8 lanes, zeros past R); then each thread takes the weights NW rows (outputs) at a time,
+ * dequantizes them into float32 exactly as GGUF's dequantization does (d * q, then + m), and
+ * runs a register-blocked kernel over them: NW outputs x 16 input rows of accumulators, per k
+ * one weight broadcast against two vectors of 8 input rows (the shape of BLAS micro-kernels).
+ * The weights are read and decoded once per step whatever the row count. Every output sums
+ * each chunk of KC k in order, one FMA each, then adds the chunk sums in order, in its own
+ * lane, so a row's result does not depend on the other rows of the step. Written with GCC vector types: one source serves the AVX2, AVX-512
+ * (as 8-lane code) and plain builds. */
+#define NW 6  /* the cases in weight_panel follow NW */
+#define PANEL 48  /* weight rows dequantized at a time (a multiple of NW) */
+#define LANES 8
+#define KC 128  /* k chunk: each output adds up sums of KC products (closer to float64 than
+                    one chain over all k, and as fast) */
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v8f_u __attribute__((vector_size(32), aligned(4)));  /* unaligned loads */
+
+INLINE v8f load8(const float *p) { return *(const v8f_u *)p; }
+INLINE void store8(float *p, v8f v) { *(v8f_u *)p = v; }
+
+INLINE v8f fma8(v8f a, v8f b, v8f c) {
+#if defined(__FMA__) && defined(__AVX__)
+    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
+/* Weight rows r0 .. r0 + nr - 1 of `kind` as float32 rows of k (buf, nr * k). */
+static void dequant_rows(int kind, const uint8_t *codes, const float *d, const float *m,
+                         int r0, int nr, int k, float *buf) {
+    int nb = k / BLOCK;
+    for (int r = 0; r < nr; r++) {
+        const float *rd = d + (size_t)(r0 + r) * nb, *rm = m ? m + (size_t)(r0 + r) * nb : NULL;
+        float *out = buf + (size_t)r * k;
+        if (kind == Q4) {
+            const uint8_t *q = codes + (size_t)(r0 + r) * (k / 2);
+            for (int b = 0; b < nb; b++, q += 16, out += BLOCK) {
+                float scale = rd[b], min = rm[b];
+#if defined(__AVX2__)
+                __m256 vs = _mm256_set1_ps(scale), vm = _mm256_set1_ps(min);
+                __m128i packed = _mm_loadu_si128((const __m128i *)q);
+                __m128i lo = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
+                __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
+                __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+                for (int h = 0; h < 4; h++) {  /* d * q, then + m: two roundings, as GGUF */
+                    __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[h]));
+                    _mm256_storeu_ps(out + 8 * h, _mm256_add_ps(_mm256_mul_ps(qf, vs), vm));
+                }
+                continue;
+#endif
+                for (int j = 0; j < 16; j++) {
+                    out[j] = scale * (float)(q[j] & 15) + min;
+                    out[j + 16] = scale * (float)(q[j] >> 4) + min;
+                }
+            }
+        } else {
+            const int8_t *q = (const int8_t *)codes + (size_t)(r0 + r) * k;
+            for (int b = 0; b < nb; b++, q += BLOCK, out += BLOCK) {
+                float scale = rd[b];
+#if defined(__AVX2__)
+                __m256 vs = _mm256_set1_ps(scale);
+                for (int h = 0; h < 4; h++) {
+                    __m128i part = _mm_loadl_epi64((const __m128i *)(q + 8 * h));
+                    __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part));
+                    _mm256_storeu_ps(out + 8 * h, _mm256_mul_ps(qf, vs));
+                }
+                continue;
+#endif
+                for (int j = 0; j < BLOCK; j++) out[j] = scale * (float)q[j];
+            }
+        }
+    }
+}
+
+/* y[i, c] (+)= the sum over j0 <= j < j1 of w[c, j] x[i, j], for nw weight rows w (nw, k) and
+ * input lanes i0 .. i0 + V * 8 - 1 of xt (k, lanes); `add`: onto y; rows past `rows` are not
+ * written. */
+INLINE void micro(const float *w, int nw, int k, int j0, int j1, const float *xt, int lanes,
+                  int i0, int V, int rows, float *y, int n, int add) {
+    v8f acc[NW][2];
+    for (int c = 0; c < nw; c++)
+        for (int h = 0; h < V; h++) acc[c][h] = (v8f){0};
+    for (int j = j0; j < j1; j++) {
+        const float *xj = xt + (size_t)j * lanes + i0;
+        v8f xv[2];
+        for (int h = 0; h < V; h++) xv[h] = load8(xj + LANES * h);
+        for (int c = 0; c < nw; c++) {
+            float wc = w[(size_t)c * k + j];
+            v8f b = {wc, wc, wc, wc, wc, wc, wc, wc};
+            for (int h = 0; h < V; h++) acc[c][h] = fma8(b, xv[h], acc[c][h]);
+        }
+    }
+    for (int h = 0; h < V; h++)
+        for (int l = 0; l < LANES; l++) {
+            int i = i0 + LANES * h + l;
+            if (i >= rows) break;
+            float *yi = y + (size_t)i * n;
+            for (int c = 0; c < nw; c++) yi[c] = add ? yi[c] + acc[c][h][l] : acc[c][h][l];
+        }
+}
+
+/* every input row times nw_all dequantized weight rows w (outputs c0 .. of y): for each tile
+ * of 16 input lanes (its xt columns stay in L1), each group of NW weight rows in turn */
+static void weight_panel(const float *w, int nw_all, int k, const float *xt, int lanes,
+                         int rows, float *y, int n) {
+    for (int i0 = 0; i0 < lanes; i0 += 2 * LANES) {
+        int V = lanes - i0 >= 2 * LANES ? 2 : 1;
+        for (int c0 = 0; c0 < nw_all; c0 += NW) {
+            int nw = nw_all - c0 < NW ? nw_all - c0 : NW;
+            const float *wc = w + (size_t)c0 * k;
+            float *yc = y + c0;
+            for (int j0 = 0; j0 < k; j0 += KC) {  /* k in chunks: sums of KC terms, added up */
+                int j1 = k - j0 < KC ? k : j0 + KC, add = j0 > 0;
+#define GROUP_CASE(NWC) if (V == 2) micro(wc, NWC, k, j0, j1, xt, lanes, i0, 2, rows, yc, n, add); \
+                        else micro(wc, NWC, k, j0, j1, xt, lanes, i0, 1, rows, yc, n, add)
+                switch (nw) {  /* constant sizes: the accumulators stay in registers */
+                case 1: GROUP_CASE(1); break;
+                case 2: GROUP_CASE(2); break;
+                case 3: GROUP_CASE(3); break;
+                case 4: GROUP_CASE(4); break;
+                case 5: GROUP_CASE(5); break;
+                default: GROUP_CASE(NW);
+                }
+#undef GROUP_CASE
+            }
+        }
+    }
+}
+
+/* the most input rows the row kernels take; more go to the panels */
+int nbq_row_path_max(void) { return ROW_PATH_MAX; }
+
+/* y (R, N) = x (R, K) @ w.T, PANEL outputs a work item; -1 when out of memory */
+static int panel_matmul(int kind, const float *x, int rows, int k, const void *codes,
+                        const float *d, const float *m, int n, float *y, int threads) {
+    int lanes = (rows + LANES - 1) / LANES * LANES, panels = (n + PANEL - 1) / PANEL, failed = 0;
+    float *xt = malloc(sizeof(float) * (size_t)k * lanes);
+    if (!xt) return -1;
+    for (int j = 0; j < k; j++)
+        for (int i = 0; i < lanes; i++) xt[(size_t)j * lanes + i] = i < rows ? x[(size_t)i * k + j] : 0.f;
+    #pragma omp parallel num_threads(threads) reduction(|:failed)
+    {
+        float *buf = kind == F32 ? NULL : malloc(sizeof(float) * (size_t)PANEL * k);
+        if (kind != F32 && !buf) failed = 1;
+        #pragma omp for schedule(static)
+        for (int p = 0; p < panels; p++) {
+            if (failed) continue;
+            int c0 = p * PANEL, nw = n - c0 < PANEL ? n - c0 : PANEL;
+            const float *w = kind == F32 ? (const float *)codes + (size_t)c0 * k : buf;
+            if (kind != F32) dequant_rows(kind, (const uint8_t *)codes, d, m, c0, nw, k, buf);
+            weight_panel(w, nw, k, xt, lanes, rows, y + c0, n);
+        }
+        free(buf);
+    }
+    free(xt);
+    return failed ? -1 : 0;
+}
+
 /* y (R, N) = prepare(x) (R, K) @ w.T for a weight of `kind`: Q4 codes (N, K/2) bytes with
  * d and m (N, K/32); Q8 codes (N, K) signed bytes with d (N, K/32); F32 (N, K) floats.
+ * Up to ROW_PATH_MAX rows, the row kernels above; more, the panels.
  * Returns 0, or -1 when out of memory (y is then not written). */
 static int matmul(int kind, const float *x, int rows, int k, const void *codes, const float *d,
                   const float *m, int n, float *y, int threads, const float *norm, float eps,
@@ -277,6 +454,11 @@ static int matmul(int kind, const float *x, int rows, int k, const void *codes, 
     float *buf, *xs = NULL;
     x = prepare(x, rows, k, norm, eps, gated, &buf);
     if (!x) return -1;
+    if (rows > ROW_PATH_MAX) {
+        int failed = panel_matmul(kind, x, rows, k, codes, d, m, n, y, threads);
+        free(buf);
+        return failed;
+    }
 #ifndef HAS_TABLE_PATH  /* the table path needs no block sums */
     if (kind == Q4) {
         xs = malloc(sizeof(float) * (size_t)rows * nb);
