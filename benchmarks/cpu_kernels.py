@@ -11,8 +11,9 @@ add of 70k floats in a fresh thread, with no pool in the main thread, with one, 
 `release_openmp_pool()` freed it.
 
 With `--crossover`: nbserve's C kernels (`nbserve/models/quant.py`) against oneDNN-packed
-float32, the 30 layers and the head at 1 to 16 rows in a fresh thread: where FLOAT_MAX_ROWS and
-QUANT_MAX_ROWS come from (float32 weights as they are; random Q4_1-style and Q8_0 blocks).
+float32, the 30 layers and the head at 1 to 128 rows in a fresh thread: where FLOAT_MAX_ROWS and
+the kernel's ROW_PATH_MAX (row kernels, then panels) come from (float32 weights as they are;
+random Q4_1-style and Q8_0 blocks).
 
     python benchmarks/cpu_kernels.py               # ~1 minute on 2 cores
     python benchmarks/cpu_kernels.py --crossover   # ~1 minute; needs a C compiler
@@ -88,7 +89,8 @@ def random_blocks(rows: int, k: int, kind: str, g: torch.Generator) -> QuantBloc
 
 
 def crossover(rows_list: list[int], n: int) -> None:
-    """C kernel (float32 weights, q4 blocks) against oneDNN-packed float32, by input rows."""
+    """C kernel (float32 weights, q4 blocks) against oneDNN-packed float32, by input rows
+    (the kernel's row paths up to nbq_row_path_max rows, its panels past that)."""
     g = torch.Generator().manual_seed(0)
     layers = [torch.randn(o, i, generator=g) for _ in range(30) for o, i in SHAPES]
     head = torch.randn(*HEAD, generator=g)
@@ -159,10 +161,10 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=10)
     ap.add_argument("--trap-only", action="store_true", help="only the OpenMP trap figures")
     ap.add_argument("--crossover", action="store_true",
-                    help="only the C kernels against oneDNN, 1 to 16 rows")
+                    help="only the C kernels against oneDNN, 1 to 128 rows")
     args = ap.parse_args()
     if args.crossover:
-        crossover([1, 2, 3, 4, 6, 8, 12, 16], args.n)
+        crossover([1, 2, 4, 8, 9, 12, 16, 32, 64, 128], args.n)
         return
     if args.trap_only:
         openmp_trap(args.n)

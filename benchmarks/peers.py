@@ -1,14 +1,18 @@
-"""Peer OpenAI servers for serve_bench.py: llama.cpp's own `llama-server`, `llama_cpp.server`
-and `transformers serve`.
+"""Servers that serve_bench.py starts as subprocesses: nbserve's own `python app.py` (so that
+its resident memory is measured as a user's server, apart from the benchmark's client), and
+the peers: llama.cpp's own `llama-server`, `llama_cpp.server` and `transformers serve`.
 
 Each peer runs as a subprocess on a free 127.0.0.1 port, with its output in a log file; it is
 ready when GET /v1/models answers 200, and is stopped with terminate, then kill. A peer that is
 not installed, cannot start or is not ready in time raises `PeerError` with the reason, which
 the benchmark reports as "skipped: <reason>".
 
+- `python app.py --model <source>`: nbserve as its users start it (defaults: a paged KV cache
+  of 0.25 of the RAM, committed as used, max_batch 64, the chat UI mounted).
 - `llama-server` (llama.cpp's own, built by llama_server.py) serves the .gguf file with
   continuous batching over `-np` parallel slots sharing one `-c` context, as llama.cpp users run
-  it: `-np 16 -c 32768 -t <threads> --jinja` (its chat template from the file).
+  it: `-np 16 -c 32768 -t <threads> --jinja` (its chat template from the file) for up to 16
+  concurrent streams, and `-np 64 -c 65536` for more (a second start).
 - `llama_cpp.server` (llama-cpp-python) serves the .gguf file itself. It answers one request at
   a time; `--interrupt_requests false` makes it queue the others instead of cutting the running
   stream short, so that every request gets its full answer, as on the other servers.
@@ -34,7 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PEER_NAMES = ("llama_server", "llama_cpp", "transformers")
+PEER_NAMES = ("nbserve_app", "llama_server", "llama_cpp", "transformers")
+REPO = Path(__file__).resolve().parents[1]
 
 # Peers must not reach the network: no hub look-ups, no update checks, no telemetry.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1",
@@ -77,6 +82,7 @@ class PeerSpec:
     install_hint: str = ""
     env: dict[str, str] = field(default_factory=dict)
     prepare: Callable[[], None] | None = None  # runs first (e.g. writes the directory served)
+    levels: tuple[int, int] = (1, 1 << 30)  # the concurrency levels (lowest, highest) it serves
 
 
 @dataclass
@@ -109,10 +115,18 @@ def model_files(source: str) -> tuple[Path | None, Path | None]:
     return None, None
 
 
+def nbserve_app_spec(source: str) -> PeerSpec:
+    """`python app.py --model <source>` with nbserve's defaults, as a user starts it."""
+    return PeerSpec("nbserve_app", [sys.executable, str(REPO / "app.py"), "--model", source,
+                                    "--port", "{port}"])
+
+
 def llama_server_spec(gguf: Path | None, binary: Path | None, parallel: int = 16,
-                      context: int = 32768, threads: int | None = None) -> PeerSpec:
+                      context: int = 32768, threads: int | None = None,
+                      levels: tuple[int, int] = (1, 1 << 30)) -> PeerSpec:
     """llama.cpp's `llama-server` on the .gguf file: `parallel` slots sharing `context` tokens,
-    `threads` for generation and batches (default: every core, as nbserve uses them)."""
+    `threads` for generation and batches (default: every core, as nbserve uses them), for the
+    concurrency `levels` (lowest, highest)."""
     if gguf is None:
         raise PeerError("llama-server needs a .gguf file (default model or --model x.gguf)")
     if binary is None:
@@ -122,7 +136,7 @@ def llama_server_spec(gguf: Path | None, binary: Path | None, parallel: int = 16
         "llama_server",
         [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}",
          "-np", str(parallel), "-c", str(context), "-t", n, "-tb", n, "--jinja", "--no-webui",
-         "-a", gguf.stem])
+         "-a", gguf.stem], levels=levels)
 
 
 def llama_cpp_spec(gguf: Path | None, context: int, python: str = sys.executable) -> PeerSpec:
@@ -154,28 +168,35 @@ def transformers_spec(gguf: Path | None, hf_dir: Path | None, workdir: Path,
 
 
 def peer_specs(names: list[str], source: str, workdir: Path, context: int,
-               timeout: float, llama_cpp_python: str = sys.executable
-               ) -> list[PeerSpec | PeerError]:
-    """A spec per peer name, or the PeerError saying why it cannot run."""
+               timeout: float, llama_cpp_python: str = sys.executable,
+               llama_server_flavour: str = "native") -> list[tuple[str, PeerSpec | PeerError]]:
+    """(name, spec) for each named peer (llama-server twice: `-np 16 -c 32768` for up to 16
+    streams, `-np 64 -c 65536` past that), or (name, the PeerError saying why it cannot run)."""
     try:
         gguf, hf_dir = model_files(source)
     except (RuntimeError, OSError, ImportError) as exc:  # e.g. default model not fetchable
-        return [PeerError(f"no model file for the peers: {exc}") for _ in names]
-    out: list[PeerSpec | PeerError] = []
+        return [(name, PeerError(f"no model file for the peers: {exc}")) for name in names]
+    out: list[tuple[str, PeerSpec | PeerError]] = []
     for name in names:
         try:
-            if name == "llama_server":
+            if name == "nbserve_app":
+                out.append((name, nbserve_app_spec(source)))
+            elif name == "llama_server":
                 from llama_server import find
 
-                out.append(llama_server_spec(gguf, find()))
+                binary = find(llama_server_flavour)
+                out.append((name, llama_server_spec(gguf, binary, 16, 32768, levels=(1, 16))))
+                out.append((name, llama_server_spec(gguf, binary, 64, 65536,
+                                                    levels=(17, 1 << 30))))
             elif name == "llama_cpp":
-                out.append(llama_cpp_spec(gguf, context, llama_cpp_python))
+                out.append((name, llama_cpp_spec(gguf, context, llama_cpp_python)))
             elif name == "transformers":
-                out.append(transformers_spec(gguf, hf_dir, workdir, timeout))
+                out.append((name, transformers_spec(gguf, hf_dir, workdir, timeout)))
             else:
-                out.append(PeerError(f"unknown peer {name!r} (known: {', '.join(PEER_NAMES)})"))
+                out.append((name, PeerError(f"unknown peer {name!r} (known: "
+                                            f"{', '.join(PEER_NAMES)})")))
         except PeerError as exc:
-            out.append(exc)
+            out.append((name, exc))
     return out
 
 
@@ -272,6 +293,46 @@ def wait_ready(peer: Peer, timeout: float, interval: float = 0.5) -> None:
         if time.perf_counter() > deadline:
             raise PeerError(f"not ready after {timeout:.0f} s: {log_tail(peer.log)}")
         time.sleep(interval)
+
+
+def resident_mib(pid: int) -> float | None:
+    """The process's resident memory (VmRSS) in MiB; None once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class MemoryWatch:
+    """The peak resident memory of a process while a `with` block runs, sampled every 0.2 s
+    (`peak`, MiB; None where /proc cannot tell)."""
+
+    def __init__(self, pid: int, interval: float = 0.2):
+        import threading
+
+        self.pid, self.interval, self.peak = pid, interval, resident_mib(pid)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.interval):
+            now = resident_mib(self.pid)
+            if now is not None and (self.peak is None or now > self.peak):
+                self.peak = now
+
+    def __enter__(self) -> MemoryWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        now = resident_mib(self.pid)
+        if now is not None and (self.peak is None or now > self.peak):
+            self.peak = now
 
 
 def stop_peer(peer: Peer, grace: float = 15.0) -> None:

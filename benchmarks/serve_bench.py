@@ -9,11 +9,16 @@ For each level it prints output tokens/s, TTFT and ITL p50/p95. With the in-proc
 also runs the same requests straight on the engine (`engine.generate`) and prints the ratio of
 HTTP throughput to engine throughput (the HTTP layer's cost; goal >= 0.9).
 
-Then, unless `--no-peers` (or `--url`), it load-tests the peers that are installed on the same
-model, one at a time, after nbserve has stopped: `llama_cpp.server` and `transformers serve
+Then, unless `--no-peers` (or `--url`), it load-tests, one at a time after the in-process
+server has stopped, nbserve's own `python app.py` (a subprocess, as users run it) and the peers
+that are installed, on the same model: llama.cpp's `llama-server` (`-np 16 -c 32768` up to 16
+streams, `-np 64 -c 65536` past that), `llama_cpp.server` and `transformers serve
 --continuous-batching` (see peers.py), with the same client, prompts and levels; a peer that is
-missing or fails is reported as "skipped: <reason>". It ends with a table of nbserve / peer
-ratios and a PNG plot (throughput and TTFT p50 vs concurrency; needs matplotlib).
+missing or fails is reported as "skipped: <reason>". For each server started as a subprocess it
+also prints the resident memory (VmRSS) once warmed up and idle, and its peak in each level.
+It ends with a table of nbserve / peer ratios (`python app.py` against each peer when it ran,
+else the in-process HTTP server) and a PNG plot (throughput and TTFT p50 vs concurrency; needs
+matplotlib).
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 DEFAULT_PLOT = Path(__file__).resolve().with_name("serve_bench.png")
 NBSERVE_ENGINE, NBSERVE_HTTP = "nbserve engine", "nbserve http"
+NBSERVE_APP = "nbserve_app"
 LABELS = {NBSERVE_ENGINE: "nbserve engine (in-process)", NBSERVE_HTTP: "nbserve HTTP",
+          NBSERVE_APP: "nbserve python app.py", "llama_server": "llama-server",
           "llama_cpp": "llama_cpp.server", "transformers": "transformers serve --cb",
           "http": "server at --url"}
 
@@ -65,6 +72,7 @@ class LevelResult:
     requests: int
     wall: float
     samples: list[Sample]
+    rss_mib: float | None = None  # the server process's peak resident memory in this level
 
     @property
     def tokens(self) -> int:
@@ -215,8 +223,8 @@ def report(r: LevelResult, ratio: float | None = None, width: int = 7) -> None:
     ttft, itl = r.ttfts, r.itls
     print(f"{r.concurrency:>5} {r.mode:>{width}} {r.requests:>5} {r.tokens:>7} {r.tok_s:>8.1f} "
           f"{ms(pct(ttft, 50)):>9} {ms(pct(ttft, 95)):>9} {ms(pct(itl, 50)):>8} "
-          f"{ms(pct(itl, 95)):>8}" + (f" {ratio:>7.2f}" if ratio is not None else ""),
-          flush=True)
+          f"{ms(pct(itl, 95)):>8}" + (f" {ratio:>7.2f}" if ratio is not None else "")
+          + (f"  peak RSS {r.rss_mib:.0f} MiB" if r.rss_mib is not None else ""), flush=True)
 
 
 def header(width: int = 7, ratio: bool = False) -> None:
@@ -357,11 +365,17 @@ async def measure_nbserve(args: argparse.Namespace, levels: list[int], width: in
 
 async def measure_peer(spec: Any, args: argparse.Namespace, levels: list[int],
                        stop_ids: list[int], workdir: Path, width: int) -> dict[int, LevelResult]:
-    """Start one peer, run the same HTTP load on it, stop it; {} (and a line) when skipped."""
+    """Start one peer, run the same HTTP load on it (the levels its spec serves), stop it; {}
+    (and a line) when skipped. Its resident memory is watched throughout."""
     import httpx
-    from peers import PeerError, log_tail, start_peer, stop_peer
+    from peers import MemoryWatch, PeerError, log_tail, resident_mib, start_peer, stop_peer
 
-    print(f"peer {spec.name}: starting (timeout {args.peer_timeout:.0f} s)", flush=True)
+    low, high = spec.levels
+    levels = [c for c in levels if low <= c <= high]
+    if not levels:
+        return {}
+    print(f"peer {spec.name}: starting {' '.join(spec.argv[1:])} (timeout "
+          f"{args.peer_timeout:.0f} s)", flush=True)
     try:
         peer = await asyncio.to_thread(start_peer, spec, args.peer_timeout, workdir)
     except PeerError as exc:
@@ -372,13 +386,18 @@ async def measure_peer(spec: Any, args: argparse.Namespace, levels: list[int],
         async with make_client(peer.base, levels, timeout=args.peer_timeout) as client:
             model = await served_model(client)
             bias = await warm_up(client, model, {str(t): -100.0 for t in stop_ids})
+            await asyncio.sleep(1.0)  # idle: what the first answers left resident
+            idle = resident_mib(peer.proc.pid)
             print(f"peer {spec.name}: ready in {peer.ready_s:.1f} s at {peer.base}, "
-                  f"model {model!r}", flush=True)
+                  f"model {model!r}; resident once warmed up, idle: "
+                  f"{'?' if idle is None else f'{idle:.0f}'} MiB", flush=True)
             for c in levels:
                 make = {spec.name: lambda tag: http_one(client, model, args.max_tokens, bias,
                                                         tag)}
-                level = await measure_level(c, requests_for(args, c), args.rounds, make)
+                with MemoryWatch(peer.proc.pid) as watch:
+                    level = await measure_level(c, requests_for(args, c), args.rounds, make)
                 results[c] = level[spec.name]
+                results[c].rss_mib = watch.peak
                 report(results[c], width=width)
     except (RuntimeError, OSError, ValueError, KeyError, httpx.HTTPError) as exc:
         # a peer that breaks mid-run: keep what it did
@@ -391,21 +410,23 @@ async def measure_peer(spec: Any, args: argparse.Namespace, levels: list[int],
 
 async def measure_peers(args: argparse.Namespace, levels: list[int], stop_ids: list[int],
                         width: int) -> Results:
-    """Each requested peer in turn; skipped ones print a line and are left out."""
+    """Each requested peer in turn (a peer of several specs, as llama-server, runs each);
+    skipped ones print a line and are left out."""
     from peers import PeerError, make_workdir, peer_specs
 
     workdir = make_workdir()
     results: Results = {}
     try:
         specs = peer_specs(args.peers, args.model, workdir, max(args.max_context, 2048),
-                           args.peer_timeout, args.llama_cpp_python)
-        for name, spec in zip(args.peers, specs):
+                           args.peer_timeout, args.llama_cpp_python,
+                           args.llama_server_flavour)
+        for name, spec in specs:
             if isinstance(spec, PeerError):
                 print(f"peer {name}: skipped: {spec}", flush=True)
                 continue
             res = await measure_peer(spec, args, levels, stop_ids, workdir, width)
             if res:
-                results[spec.name] = res
+                results.setdefault(spec.name, {}).update(res)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return results
@@ -422,22 +443,30 @@ class RatioRow:
     ttft_p50: float | None
     itl_p95: float | None
     ratio: float | None  # nbserve tok/s / this server's tok/s; None for nbserve itself
+    rss_mib: float | None = None  # peak resident memory in the level (subprocess servers)
+    rss_ratio: float | None = None  # nbserve's / this server's
 
 
-def ratio_rows(results: Results, ref: str = NBSERVE_HTTP) -> list[RatioRow]:
-    """Per level: the reference (nbserve HTTP) row, then a row per other server with the ratio.
+def ratio_rows(results: Results, ref: str | None = None) -> list[RatioRow]:
+    """Per level: the reference row (`python app.py` when it ran, else the in-process HTTP
+    server), then a row per other server with the ratios (throughput, resident memory).
 
-    The in-process engine is left out (it is no server); levels the reference lacks too.
+    The in-process engine is left out (it is no server), and the in-process HTTP server where
+    `python app.py` is the reference; levels the reference lacks too.
     """
+    ref = ref or (NBSERVE_APP if NBSERVE_APP in results else NBSERVE_HTTP)
     rows: list[RatioRow] = []
     servers = sorted(results, key=lambda name: name != ref)  # the reference first
     for c, base in sorted(results.get(ref, {}).items()):
         for server in servers:
             r = results[server].get(c)
-            if server == NBSERVE_ENGINE or r is None:
+            if server == NBSERVE_ENGINE or r is None or (server == NBSERVE_HTTP != ref):
                 continue
             ratio = None if server == ref else (base.tok_s / r.tok_s if r.tok_s else None)
-            rows.append(RatioRow(c, server, r.tok_s, pct(r.ttfts, 50), pct(r.itls, 95), ratio))
+            rss_ratio = None if server == ref or not (base.rss_mib and r.rss_mib) else \
+                base.rss_mib / r.rss_mib
+            rows.append(RatioRow(c, server, r.tok_s, pct(r.ttfts, 50), pct(r.itls, 95), ratio,
+                                 r.rss_mib, rss_ratio))
     return rows
 
 
@@ -445,12 +474,15 @@ def format_ratios(rows: list[RatioRow]) -> str:
     """The ratio table as text."""
     width = max([len("server"), *(len(r.server) for r in rows)])
     head = (f"{'conc':>5} {'server':<{width}} {'tok/s':>8} {'TTFT p50':>9} {'ITL p95':>8} "
-            f"{'nbserve/peer':>12}")
+            f"{'nbserve/peer':>12} {'RSS MiB':>8} {'RSS ratio':>9}")
     lines = [head]
     for r in rows:
         ratio = "" if r.ratio is None else f"{r.ratio:.2f}x"
+        rss = "" if r.rss_mib is None else f"{r.rss_mib:.0f}"
+        rss_ratio = "" if r.rss_ratio is None else f"{r.rss_ratio:.2f}x"
         lines.append(f"{r.concurrency:>5} {r.server:<{width}} {r.tok_s:>8.1f} "
-                     f"{ms(r.ttft_p50):>9} {ms(r.itl_p95):>8} {ratio:>12}")
+                     f"{ms(r.ttft_p50):>9} {ms(r.itl_p95):>8} {ratio:>12} {rss:>8} "
+                     f"{rss_ratio:>9}")
     return "\n".join(lines)
 
 
@@ -495,8 +527,10 @@ def write_plot(results: Results, path: Path, title: str = "") -> bool:
 def summarize(results: Results, args: argparse.Namespace) -> None:
     """The ratio table (when a peer ran) and the plot."""
     if any(server not in (NBSERVE_ENGINE, NBSERVE_HTTP, "http") for server in results):
+        ref = "python app.py" if NBSERVE_APP in results else "nbserve HTTP (in process)"
         print(f"\nnbserve / peers: same client, prompts, greedy, {args.max_tokens} new tokens; "
-              "ratio = nbserve HTTP tok/s / peer tok/s", flush=True)
+              f"ratio = {ref} tok/s / peer tok/s; RSS: peak resident memory in the level",
+              flush=True)
         print(format_ratios(ratio_rows(results)), flush=True)
     if args.plot is not None and results:
         title = f"{args.model if not args.url else args.url}, {args.max_tokens} new tokens"
@@ -560,7 +594,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--url", help="benchmark an external OpenAI-compatible server (…/v1)")
     p.add_argument("--served-model", help="model name to send (default: first of /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    p.add_argument("--concurrency", "--levels", dest="concurrency", default="1,4,16,32",
+    p.add_argument("--concurrency", "--levels", dest="concurrency", default="1,4,16,64",
                    help="comma-separated concurrency levels")
     p.add_argument("--requests-per-level", type=int, default=None,
                    help="requests per level (default: max(4, concurrency))")
@@ -579,6 +613,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-cpp-python", default=sys.executable,
                    help="Python interpreter that has llama-cpp-python[server] installed (default: "
                    "this one); a separate venv keeps its dependencies out of nbserve's")
+    p.add_argument("--llama-server-flavour", default="native", choices=["native", "avx2"],
+                   help="which llama_server.py build to run (avx2: AVX2-class figures on "
+                   "an AVX-512 machine; pair it with NBSERVE_KERNEL_ISA=avx2)")
     p.add_argument("--peer-timeout", type=float, default=600.0,
                    help="seconds a peer may take to get ready (model export and load)")
     p.add_argument("--plot", type=Path, default=DEFAULT_PLOT,

@@ -88,7 +88,8 @@ def test_plot_without_matplotlib_prints_how_to_install(
 
 def test_flags() -> None:
     args = sb.parse_args([])
-    assert args.peers == ["llama_server", "llama_cpp", "transformers"]
+    assert args.peers == ["nbserve_app", "llama_server", "llama_cpp", "transformers"]
+    assert args.concurrency == "1,4,16,64" and args.llama_server_flavour == "native"
     assert args.plot == sb.DEFAULT_PLOT and args.plot.name == "serve_bench.png"
     assert sb.parse_args(["--no-peers"]).peers == []
     assert sb.parse_args(["--peers", "transformers"]).peers == ["transformers"]
@@ -141,8 +142,10 @@ def test_peer_ready_then_stopped(tmp_path: Path) -> None:
 def test_peer_specs_say_why_a_peer_cannot_run(tmp_path: Path) -> None:
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
-    llama, tf, ghost = peers.peer_specs(["llama_cpp", "transformers", "ghost"], str(hf_dir),
-                                        tmp_path, 2048, 60)
+    specs = peers.peer_specs(["llama_cpp", "transformers", "ghost"], str(hf_dir), tmp_path, 2048,
+                             60)
+    assert [name for name, _ in specs] == ["llama_cpp", "transformers", "ghost"]
+    llama, tf, ghost = (spec for _, spec in specs)
     assert isinstance(llama, PeerError) and ".gguf" in str(llama)
     assert isinstance(tf, PeerSpec) and str(hf_dir) in tf.argv and tf.prepare is None
     assert "--continuous-batching" in tf.argv
@@ -157,16 +160,60 @@ def test_llama_server_runs_as_its_users_run_it(tmp_path: Path, monkeypatch) -> N
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     monkeypatch.setenv("NBSERVE_BENCH_CACHE", str(tmp_path / "cache"))
-    (missing,) = peers.peer_specs(["llama_server"], str(gguf), tmp_path, 2048, 60)
+    ((_, missing),) = peers.peer_specs(["llama_server"], str(gguf), tmp_path, 2048, 60)
     assert isinstance(missing, PeerError) and "llama_server.py --build" in str(missing)
     binary = llama_server.build_dir() / llama_server.BINARY
     binary.parent.mkdir(parents=True)
     binary.write_text("#!/bin/sh\n")
     binary.chmod(0o755)
-    (spec,) = peers.peer_specs(["llama_server"], str(gguf), tmp_path, 2048, 60)
+    (_, spec), (_, wide) = peers.peer_specs(["llama_server"], str(gguf), tmp_path, 2048, 60)
     assert isinstance(spec, PeerSpec) and spec.argv[0] == str(binary)
     argv = " ".join(spec.argv)
     assert f"-m {gguf}" in argv and "-np 16 -c 32768" in argv and "--jinja" in argv
+    assert spec.levels == (1, 16)  # up to 16 streams; past that 64 slots over 64k tokens
+    assert isinstance(wide, PeerSpec) and "-np 64 -c 65536" in " ".join(wide.argv)
+    assert wide.levels[0] == 17
+
+
+def test_nbserve_runs_as_python_app_py_beside_the_peers(tmp_path: Path) -> None:
+    ((name, spec),) = peers.peer_specs(["nbserve_app"], "smollm2", tmp_path, 2048, 60)
+    assert name == "nbserve_app" and isinstance(spec, PeerSpec)
+    assert spec.argv[0] == sys.executable and spec.argv[1].endswith("app.py")
+    assert Path(spec.argv[1]).is_file() and "{port}" in spec.argv
+
+
+def test_ratios_take_python_app_py_as_the_reference_with_memory() -> None:
+    results = synthetic()
+    results[sb.NBSERVE_APP] = {1: level("app", 1, 64, 2.0, 0.1, 0.05)}
+    results[sb.NBSERVE_APP][1].rss_mib = 600.0
+    results["llama_cpp"][1].rss_mib = 900.0
+    rows = sb.ratio_rows(results)
+    assert [(r.concurrency, r.server) for r in rows] == [(1, sb.NBSERVE_APP), (1, "llama_cpp")]
+    peer = rows[1]
+    assert peer.ratio == pytest.approx(4.0) and peer.rss_ratio == pytest.approx(600 / 900)
+    assert sb.format_ratios(rows).splitlines()[2].split()[-2:] == ["900", "0.67x"]
+
+
+def test_memory_watch_reads_a_process_peak_and_none_once_it_is_gone() -> None:
+    import os
+    import subprocess
+
+    with peers.MemoryWatch(os.getpid(), interval=0.01) as watch:
+        grown = bytearray(64 << 20)  # +64 MiB while watched
+        import time
+
+        time.sleep(0.1)
+    assert watch.peak is not None and watch.peak >= len(grown) / (1 << 20)
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    assert peers.resident_mib(int(done.stdout)) is None
+
+
+def test_a_peer_spec_only_runs_the_levels_it_serves(capsys: pytest.CaptureFixture) -> None:
+    wide = PeerSpec("llama_server", ["/no/such/server"], levels=(17, 1 << 30))
+    args = sb.parse_args(["--levels", "1,4", "--peer-timeout", "5"])
+    assert asyncio.run(sb.measure_peer(wide, args, [1, 4], [2], Path("/tmp"), 7)) == {}
+    assert "starting" not in capsys.readouterr().out  # not even started
 
 
 def test_the_benchmark_names_the_cpu_and_the_kernel_path() -> None:
@@ -179,7 +226,8 @@ def test_bench_reports_skipped_peers_and_continues(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     missing = PeerSpec("ghost", [str(tmp_path / "no-such-server")])
     monkeypatch.setattr(peers, "peer_specs",
-                        lambda names, *a: [missing, PeerError("unknown peer 'x'")])
+                        lambda names, *a: [("ghost", missing),
+                                           ("x", PeerError("unknown peer 'x'"))])
     args = sb.parse_args(["--peers", "ghost,x", "--levels", "1", "--peer-timeout", "5"])
     results = asyncio.run(sb.measure_peers(args, [1], [2], 7))
     out = capsys.readouterr().out

@@ -260,11 +260,12 @@ INLINE void f32_row(const float *x, int rows, int k, const float *w, float *out,
  * [a | b] (a SwiGLU MLP's gate and up). Returns x, or `*buf` (allocated, R * K floats; NULL
  * when out of memory). Folding these into the call saves the ops around each matmul. */
 static const float *prepare(const float *x, int rows, int k, const float *norm, float eps,
-                            int gated, float **buf) {
+                            int gated, float **buf, int threads) {
     *buf = NULL;
     if (!norm && !gated) return x;
     float *out = malloc(sizeof(float) * (size_t)rows * k);
     if (!out) return NULL;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (rows > ROW_PATH_MAX)
     for (int i = 0; i < rows; i++) {
         float *o = out + (size_t)i * k;
         if (gated) {
@@ -358,11 +359,10 @@ static void dequant_rows(int kind, const uint8_t *codes, const float *d, const f
     }
 }
 
-/* y[i, c] (+)= the sum over j0 <= j < j1 of w[c, j] x[i, j], for nw weight rows w (nw, k) and
- * input lanes i0 .. i0 + V * 8 - 1 of xt (k, lanes); `add`: onto y; rows past `rows` are not
- * written. */
+/* tile[c][l] (+)= the sum over j0 <= j < j1 of w[c, j] xt[j, i0 + l] for nw weight rows w
+ * (nw, k) and input lanes i0 .. i0 + V * 8 - 1 of xt (k, lanes); `add`: onto the tile. */
 INLINE void micro(const float *w, int nw, int k, int j0, int j1, const float *xt, int lanes,
-                  int i0, int V, int rows, float *y, int n, int add) {
+                  int i0, int V, float *tile, int add) {
     v8f acc[NW][2];
     for (int c = 0; c < nw; c++)
         for (int h = 0; h < V; h++) acc[c][h] = (v8f){0};
@@ -376,29 +376,28 @@ INLINE void micro(const float *w, int nw, int k, int j0, int j1, const float *xt
             for (int h = 0; h < V; h++) acc[c][h] = fma8(b, xv[h], acc[c][h]);
         }
     }
-    for (int h = 0; h < V; h++)
-        for (int l = 0; l < LANES; l++) {
-            int i = i0 + LANES * h + l;
-            if (i >= rows) break;
-            float *yi = y + (size_t)i * n;
-            for (int c = 0; c < nw; c++) yi[c] = add ? yi[c] + acc[c][h][l] : acc[c][h][l];
+    for (int c = 0; c < nw; c++)
+        for (int h = 0; h < V; h++) {
+            float *t = tile + (c * 2 + h) * LANES;
+            store8(t, add ? load8(t) + acc[c][h] : acc[c][h]);
         }
 }
 
 /* every input row times nw_all dequantized weight rows w (outputs c0 .. of y): for each tile
- * of 16 input lanes (its xt columns stay in L1), each group of NW weight rows in turn */
+ * of 16 input lanes (its xt columns stay in L1), each group of NW weight rows in turn, k in
+ * chunks of KC (each output adds up its chunk sums in order) */
 static void weight_panel(const float *w, int nw_all, int k, const float *xt, int lanes,
                          int rows, float *y, int n) {
+    float tile[NW * 2 * LANES];
     for (int i0 = 0; i0 < lanes; i0 += 2 * LANES) {
         int V = lanes - i0 >= 2 * LANES ? 2 : 1;
         for (int c0 = 0; c0 < nw_all; c0 += NW) {
             int nw = nw_all - c0 < NW ? nw_all - c0 : NW;
             const float *wc = w + (size_t)c0 * k;
-            float *yc = y + c0;
-            for (int j0 = 0; j0 < k; j0 += KC) {  /* k in chunks: sums of KC terms, added up */
+            for (int j0 = 0; j0 < k; j0 += KC) {
                 int j1 = k - j0 < KC ? k : j0 + KC, add = j0 > 0;
-#define GROUP_CASE(NWC) if (V == 2) micro(wc, NWC, k, j0, j1, xt, lanes, i0, 2, rows, yc, n, add); \
-                        else micro(wc, NWC, k, j0, j1, xt, lanes, i0, 1, rows, yc, n, add)
+#define GROUP_CASE(NWC) if (V == 2) micro(wc, NWC, k, j0, j1, xt, lanes, i0, 2, tile, add); \
+                        else micro(wc, NWC, k, j0, j1, xt, lanes, i0, 1, tile, add)
                 switch (nw) {  /* constant sizes: the accumulators stay in registers */
                 case 1: GROUP_CASE(1); break;
                 case 2: GROUP_CASE(2); break;
@@ -409,6 +408,9 @@ static void weight_panel(const float *w, int nw_all, int k, const float *xt, int
                 }
 #undef GROUP_CASE
             }
+            for (int l = 0; l < V * LANES && i0 + l < rows; l++)  /* the tile into y */
+                for (int c = 0; c < nw; c++)
+                    y[(size_t)(i0 + l) * n + c0 + c] = tile[(c * 2 + l / LANES) * LANES + l % LANES];
         }
     }
 }
@@ -422,10 +424,12 @@ static int panel_matmul(int kind, const float *x, int rows, int k, const void *c
     int lanes = (rows + LANES - 1) / LANES * LANES, panels = (n + PANEL - 1) / PANEL, failed = 0;
     float *xt = malloc(sizeof(float) * (size_t)k * lanes);
     if (!xt) return -1;
-    for (int j = 0; j < k; j++)
-        for (int i = 0; i < lanes; i++) xt[(size_t)j * lanes + i] = i < rows ? x[(size_t)i * k + j] : 0.f;
     #pragma omp parallel num_threads(threads) reduction(|:failed)
     {
+        #pragma omp for schedule(static)
+        for (int j = 0; j < k; j++)
+            for (int i = 0; i < lanes; i++)
+                xt[(size_t)j * lanes + i] = i < rows ? x[(size_t)i * k + j] : 0.f;
         float *buf = kind == F32 ? NULL : malloc(sizeof(float) * (size_t)PANEL * k);
         if (kind != F32 && !buf) failed = 1;
         #pragma omp for schedule(static)
@@ -452,7 +456,7 @@ static int matmul(int kind, const float *x, int rows, int k, const void *codes, 
     int nb = k / BLOCK;
     size_t row_bytes = kind == Q4 ? (size_t)k / 2 : kind == Q8 ? (size_t)k : (size_t)k * 4;
     float *buf, *xs = NULL;
-    x = prepare(x, rows, k, norm, eps, gated, &buf);
+    x = prepare(x, rows, k, norm, eps, gated, &buf, threads);
     if (!x) return -1;
     if (rows > ROW_PATH_MAX) {
         int failed = panel_matmul(kind, x, rows, k, codes, d, m, n, y, threads);
