@@ -193,3 +193,26 @@ def test_bad_arguments_are_refused_before_anything_is_read_or_written():
     assert torch.equal(keys, before[0]) and torch.equal(values, before[1])
     assert not paged_attention_serves(heads, keys.transpose(2, 3), values)  # strided
     assert not paged_attention_serves(heads.double(), keys, values)
+
+
+@pytest.mark.parametrize("d", [8, 20, 64, 80, 128])
+def test_every_head_dim_matches_torch(kernels, d, cache_dtype):
+    """Head dims of the models served (64 SmolLM2/Llama, 80 Phi, 128 Qwen3/Llama 3): whole
+    vectors (the output 64 dims at a time), a partial chunk (80), and one no vector fits (20)."""
+    block_size, hq, hkv, lengths = 16, 6, 2, [37, 16, 3, 100]
+    n_blocks = sum(-(-n // block_size) for n in lengths) + 2
+    g = torch.Generator().manual_seed(d)
+    shape = (n_blocks, hkv, block_size, d)
+    keys = torch.randn(shape, generator=g).to(cache_dtype)
+    values = torch.randn(shape, generator=g).to(cache_dtype)
+    tables = _tables(lengths, block_size, n_blocks, seed=d)
+    q = torch.randn(len(lengths), hq, d, generator=g) * 2  # sharper softmax than randn
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    out = paged_decode_attention(q, keys, values, block_size, tables, lens, kernels=kernels)
+    for b, n in enumerate(lengths):
+        blocks = keys[tables[b, :-(-n // block_size)].long()], \
+            values[tables[b, :-(-n // block_size)].long()]
+        k, v = (x.permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :n].double() for x in blocks)
+        qg = q[b].view(hkv, hq // hkv, d).double()
+        want = torch.softmax(qg @ k.transpose(1, 2) / d ** 0.5, -1) @ v
+        torch.testing.assert_close(out[b], want.reshape(hq * d).float(), rtol=1e-5, atol=1e-5)

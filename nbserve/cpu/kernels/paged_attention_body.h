@@ -48,6 +48,94 @@ static void KV_NAME(attend)(const float *q, int n, int d, int hkv, int kh, const
 }
 
 
+#if KV_VECTOR
+/* `attend` in 8-lane vectors, for d a multiple of 8: the scores four keys at a time (one
+ * horizontal sum for four dot products), exp in vectors (exp8), each query head's output
+ * accumulated in registers over the positions, 64 dims at a time. */
+static void KV_NAME(attend_vec)(const float *q, int n, int d, int hkv, int kh, const KV_T *keys,
+                                const KV_T *values, int block_size, const int32_t *table,
+                                int length, float *scores, size_t score_stride, float *out) {
+    const float scale = 1.0f / sqrtf((float)d);
+    const size_t head_stride = (size_t)block_size * d, block_stride = (size_t)hkv * head_stride;
+    for (int t0 = 0, blk = 0; t0 < length; t0 += block_size, blk++) {
+        const KV_T *kb = keys + (size_t)table[blk] * block_stride + (size_t)kh * head_stride;
+        int end = length - t0 < block_size ? length - t0 : block_size;
+        for (int g = 0; g < n; g++) {
+            const float *qh = q + (size_t)g * d;
+            float *s = scores + (size_t)g * score_stride + t0;
+            int i = 0;
+            for (; i + 4 <= end; i += 4) {
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                const KV_T *k = kb + (size_t)i * d;
+                for (int j = 0; j < d; j += 8) {
+                    __m256 qv = _mm256_loadu_ps(qh + j);
+                    a0 = _mm256_fmadd_ps(qv, KV_LOAD8(k + j), a0);
+                    a1 = _mm256_fmadd_ps(qv, KV_LOAD8(k + d + j), a1);
+                    a2 = _mm256_fmadd_ps(qv, KV_LOAD8(k + 2 * d + j), a2);
+                    a3 = _mm256_fmadd_ps(qv, KV_LOAD8(k + 3 * d + j), a3);
+                }
+                __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+                __m128 four = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+                _mm_storeu_ps(s + i, _mm_mul_ps(four, _mm_set1_ps(scale)));
+            }
+            for (; i < end; i++) {
+                __m256 a = _mm256_setzero_ps();
+                const KV_T *k = kb + (size_t)i * d;
+                for (int j = 0; j < d; j += 8)
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + j), KV_LOAD8(k + j), a);
+                __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+                h = _mm_hadd_ps(h, h);
+                h = _mm_hadd_ps(h, h);
+                s[i] = _mm_cvtss_f32(h) * scale;
+            }
+        }
+    }
+    for (int g = 0; g < n; g++) {
+        float *s = scores + (size_t)g * score_stride, top = -INFINITY;
+        for (int t = 0; t < length; t++) top = s[t] > top ? s[t] : top;
+        __m256 vtop = _mm256_set1_ps(top), vsum = _mm256_setzero_ps();
+        int t = 0;
+        for (; t + 8 <= length; t += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vtop));
+            _mm256_storeu_ps(s + t, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        float tail[8] = {0}, total = 0.f;
+        for (int r = 0; t + r < length; r++) tail[r] = s[t + r] - top;
+        __m256 e = exp8(_mm256_loadu_ps(tail));
+        _mm256_storeu_ps(tail, e);
+        for (int r = 0; t + r < length; r++) { s[t + r] = tail[r]; total += tail[r]; }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vsum);
+        for (int r = 0; r < 8; r++) total += lanes[r];
+        __m256 inv = _mm256_set1_ps(1.0f / total);
+        for (t = 0; t + 8 <= length; t += 8)
+            _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv));
+        for (; t < length; t++) s[t] = s[t] / total;
+    }
+    for (int g = 0; g < n; g++) {
+        const float *s = scores + (size_t)g * score_stride;
+        for (int c = 0; c < d; c += 64) {  /* up to 8 vectors of the output in registers */
+            int width = d - c < 64 ? (d - c) / 8 : 8;
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+            for (int t0 = 0, blk = 0; t0 < length; t0 += block_size, blk++) {
+                const KV_T *vb = values + (size_t)table[blk] * block_stride
+                                 + (size_t)kh * head_stride + c;
+                int end = length - t0 < block_size ? length - t0 : block_size;
+                for (int i = 0; i < end; i++) {
+                    __m256 p = _mm256_set1_ps(s[t0 + i]);
+                    const KV_T *v = vb + (size_t)i * d;
+                    for (int j = 0; j < width; j++)
+                        acc[j] = _mm256_fmadd_ps(p, KV_LOAD8(v + 8 * j), acc[j]);
+                }
+            }
+            for (int j = 0; j < width; j++) _mm256_storeu_ps(out + (size_t)g * d + c + 8 * j, acc[j]);
+        }
+    }
+}
+#endif
+
 int KV_NAME(nbq_paged_decode_attention)(const float *q, int batch, int hq, int hkv, int d,
                                const KV_T *keys, const KV_T *values, int block_size,
                                const int32_t *tables, int table_stride, const int32_t *lengths,
@@ -84,6 +172,14 @@ int KV_NAME(nbq_paged_decode_attention)(const float *q, int batch, int hq, int h
         int b = (int)(item / slices / hkv), first = kh * group + slice * per;
         int n = group - slice * per < per ? group - slice * per : per;
         size_t at = (size_t)b * hq + first;
+#if KV_VECTOR
+        if (d % 8 == 0) {
+            KV_NAME(attend_vec)(q + at * d, n, d, hkv, kh, keys, values, block_size,
+                                tables + (size_t)b * table_stride, lengths[b],
+                                scores + at * max_len, (size_t)max_len, out + at * d);
+            continue;
+        }
+#endif
         KV_NAME(attend)(q + at * d, n, d, hkv, kh, keys, values, block_size,
                tables + (size_t)b * table_stride, lengths[b], scores + at * max_len,
                (size_t)max_len, out + at * d);
