@@ -173,12 +173,22 @@ def test_a_gguf_is_multiplied_by_its_own_blocks(q4_gguf, monkeypatch):
 
 def test_a_gguf_of_q4_q8_blocks_keeps_them_by_default_on_cpu(q4_gguf, tiny_llama_dir, tmp_path,
                                                               monkeypatch):
+    from nbserve.models.linear import packing_available
+
     default = nbserve.load(str(q4_gguf), verbose=False).model  # dtype=None
     assert default.weight_format == "quantized"  # lossless for these types: the file's blocks
     assert {h.kernel.kind for h in default._weight_holders()} == {"q4", "q8"}
+    # built without the float32 model's copies (packed, transposed head): never made at all
+    assert default._head_t is None and not default._wants["packed"]
     f16 = _gguf(tiny_llama_dir, tmp_path, blk__1__attn_v__weight="F16")
-    assert nbserve.load(str(f16), verbose=False).model.weight_format == "float32"  # lossy: no
-    assert nbserve.load(str(tiny_llama_dir), verbose=False).model.weight_format == "float32"
+    lossy = nbserve.load(str(f16), verbose=False).model
+    assert lossy.weight_format == "float32"  # lossy: no blocks; the float32 copies, as built
+    as_built = nbserve.load(str(tiny_llama_dir), verbose=False).model
+    assert as_built.weight_format == "float32"
+    for model in (lossy, as_built):
+        packed = [h.packed is not None for h in model._weight_holders()]
+        assert all(packed) if packing_available(model.lm_head.weight) else \
+            model._head_t is not None
     monkeypatch.setenv("NBSERVE_KERNELS", "0")
     assert nbserve.load(str(q4_gguf), verbose=False).model.weight_format == "float32"
 

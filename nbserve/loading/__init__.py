@@ -13,7 +13,7 @@ import torch
 
 from ..cpu.threads import torch_threads
 from ..models.base import LoadedModel
-from ..models.dtypes import MIXED16, WEIGHT_FORMATS, resolve_dtype
+from ..models.dtypes import MIXED16, QUANTIZED, WEIGHT_FORMATS, resolve_dtype
 
 DEFAULT_NAMES = {"smollm2", "default", "smollm2-135m-instruct"}
 
@@ -38,14 +38,44 @@ def _add_weight_copies(loaded: LoadedModel, weight_format: str) -> None:
 def _use_lossless_blocks(loaded: LoadedModel) -> None:
     """CPU default for a GGUF whose matmul weights are all Q4_0, Q4_1 or Q8_0 blocks: keep
     them (dtype="quantized") when the C kernel is available. The blocks hold the float32
-    weights' exact values, so nothing changes but the speed."""
+    weights' exact values, so nothing changes but the speed. The model was built without the
+    float32 model's own copies (`_blocks_will_serve`); a file of other types gets them now."""
     use = getattr(loaded.model, "use_quantized_weights", None)
     if use is None or _gguf_file(str(loaded.source)) is None:
         return
     from ..cpu.kernels.build import kernels_available
 
-    if kernels_available():
-        use(_file_blocks(loaded), only_lossless=True)
+    if not (kernels_available() and use(_file_blocks(loaded), only_lossless=True)):
+        _add_float_copies(loaded.model)
+
+
+def _blocks_will_serve(source: Any, copies: str | None, dtype: Any, device: str) -> bool:
+    """Whether quantized blocks will serve every matmul of this load (dtype="quantized", or
+    the CPU default for a .gguf, where the kernel builds): then the float32 model is built
+    without packed copies or a transposed head, which would be dropped at once (for a large
+    model they would double the memory the load needs on its way)."""
+    if copies != QUANTIZED and not (copies is None and dtype is None):
+        return False
+    if torch.device(device).type != "cpu" or _gguf_file(str(source)) is None:
+        return copies == QUANTIZED and torch.device(device).type == "cpu"
+    from ..cpu.kernels.build import kernels_available
+
+    return kernels_available()
+
+
+def _add_float_copies(model: Any) -> None:
+    """What `build_llama` would have added to a CPU float32 model built without copies: the
+    oneDNN-packed copies where they are available and affordable, else a transposed head."""
+    from ..models.linear import packing_affordable, packing_available
+
+    if not hasattr(model, "pack_weights") or getattr(model, "dense_released", False):
+        return
+    holders = model._weight_holders()
+    if packing_available(model.lm_head.weight) and packing_affordable(
+            sum(h.weight.numel() * h.weight.element_size() for h in holders)):
+        model.pack_weights()
+    else:
+        model.use_transposed_head()
 
 
 def _file_blocks(loaded: LoadedModel) -> dict | None:
@@ -110,9 +140,11 @@ def load(source: Any, *, device: str | None = None, dtype: Any = None,
     device = device or default_device()
     torch_dtype = resolve_dtype("float32" if copies else dtype, device)
     t0 = time.perf_counter()
+    bare = _blocks_will_serve(source, copies, dtype, device)
     with torch_threads(1):  # loading is I/O-bound; no OpenMP pool in the caller's thread
         try:
-            loaded = _load_path(str(source), device, torch_dtype)
+            loaded = _load_path(str(source), device, torch_dtype,
+                                {"pack": False, "transposed_head": False} if bare else {})
             if copies:
                 _add_weight_copies(loaded, copies)
             elif dtype is None and torch_dtype == torch.float32:
@@ -154,12 +186,15 @@ def _return_freed_memory() -> None:
     trim(0)
 
 
-def _load_path(src: str, device: str, dtype: torch.dtype) -> LoadedModel:
+def _load_path(src: str, device: str, dtype: torch.dtype,
+               options: dict[str, Any] | None = None) -> LoadedModel:
+    """The model at `src`; `options`: for its family's `build` (pack, transposed_head...)."""
+    options = options or {}
     path = Path(src).expanduser()
     if src.lower() in DEFAULT_NAMES and not path.exists():
         from .default import load_default
 
-        return load_default(device=device, dtype=dtype)
+        return load_default(device=device, dtype=dtype, **options)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"{src}: expected a .gguf file or a HF checkpoint directory "
@@ -167,11 +202,11 @@ def _load_path(src: str, device: str, dtype: torch.dtype) -> LoadedModel:
                              f"got a {path.suffix or 'plain'} file")
         from .gguf import load_gguf
 
-        return load_gguf(path, device=device, dtype=dtype)
+        return load_gguf(path, device=device, dtype=dtype, **options)
     if path.is_dir():
         from .hf_dir import load_hf_dir
 
-        return load_hf_dir(path, device=device, dtype=dtype)
+        return load_hf_dir(path, device=device, dtype=dtype, **options)
     if _looks_like_hub_id(src):
         return _load_from_hub(src, device, dtype)
     raise FileNotFoundError(

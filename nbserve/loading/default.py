@@ -15,6 +15,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -55,11 +56,13 @@ def default_model_path() -> Path:
 
 
 def load_default(device: str | torch.device | None = None,
-                 dtype: str | torch.dtype | None = None) -> LoadedModel:
-    """Load SmolLM2-135M-Instruct, fetching it first if needed (about 93 MB, once)."""
+                 dtype: str | torch.dtype | None = None, **options: Any) -> LoadedModel:
+    """Load SmolLM2-135M-Instruct, fetching it first if needed (about 93 MB, once);
+    `options` go to the model's build (see `load_gguf`)."""
     from .gguf import load_gguf
 
-    loaded = load_gguf(default_model_path(), device=device, dtype=dtype, name=DEFAULT_NAME)
+    loaded = load_gguf(default_model_path(), device=device, dtype=dtype, name=DEFAULT_NAME,
+                       **options)
     loaded.source = DEFAULT_SOURCE
     return loaded
 

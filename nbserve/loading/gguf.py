@@ -193,9 +193,11 @@ def read_quant_blocks(path: str | Path) -> dict[str, QuantBlocks]:
 
 
 def load_gguf(path: str | Path, device: str | torch.device | None = None,
-              dtype: str | torch.dtype | None = None, name: str | None = None) -> LoadedModel:
+              dtype: str | torch.dtype | None = None, name: str | None = None,
+              **options: Any) -> LoadedModel:
     """Build a servable model from a .gguf file, weights dequantized to `dtype` (default float32
-    on CPU, bfloat16 on CUDA). It is named after the file unless `name` is given."""
+    on CPU, bfloat16 on CUDA). It is named after the file unless `name` is given; `options` go
+    to its family's `build` (pack, transposed_head...)."""
     from ..models.dtypes import resolve_dtype
     from ..text import ChatTemplate, Tokenizer
 
@@ -204,7 +206,7 @@ def load_gguf(path: str | Path, device: str | torch.device | None = None,
     ckpt = read_gguf(path, dtype=dtype)
     name = name or ckpt.path.stem
     family, config = registry.read_config(ckpt.hf_config, name)
-    model = family.build(config, ckpt.tensors, device=device, dtype=dtype)
+    model = family.build(config, ckpt.tensors, device=device, dtype=dtype, **options)
     tokenizer = Tokenizer(ckpt.tokenizer, bos_token_id=ckpt.bos_token_id,
                           eos_token_ids=ckpt.eos_token_ids, add_bos_token=ckpt.add_bos_token)
     template = (ChatTemplate(ckpt.chat_template, bos_token=ckpt.bos_token or "",

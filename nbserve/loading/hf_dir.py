@@ -11,6 +11,7 @@ import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,9 +29,10 @@ _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed by the model; old che
 
 
 def load_hf_dir(path: str | os.PathLike, device: str | torch.device | None = None,
-                dtype: str | torch.dtype | None = None) -> LoadedModel:
+                dtype: str | torch.dtype | None = None, **options: Any) -> LoadedModel:
     """Load the model directory at `path` on `device` (default cpu) in `dtype` (default float32
-    on CPU, bfloat16 on CUDA). The model is named after the directory."""
+    on CPU, bfloat16 on CUDA). The model is named after the directory; `options` go to its
+    family's `build` (pack, transposed_head...)."""
     root = _model_dir(path)
     name = model_name(path)
     family, config = registry.read_config(read_json(root / "config.json"), name)
@@ -42,7 +44,7 @@ def load_hf_dir(path: str | os.PathLike, device: str | torch.device | None = Non
                       f"embeds only {config.vocab_size}; higher ids cannot be used", stacklevel=2)
     dev = torch.device(device if device is not None else "cpu")
     model = family.build(config, iter_safetensors(weight_files, desc=f"Loading {name}"),
-                         device=dev, dtype=resolve_dtype(dtype, dev))
+                         device=dev, dtype=resolve_dtype(dtype, dev), **options)
     return LoadedModel(model=model, tokenizer=tokenizer, template=template, name=name,
                        stop_token_ids=list(tokenizer.eos_token_ids), source=str(root))
 
