@@ -132,21 +132,34 @@ WEIGHT_FORMATS = ("mixed16", "quantized")  # dtypes that add copies for single-s
 
 
 def format_figures(fmt: str, model: str, prompts: list[list[int]], reference: list[list[int]],
-                   max_tokens: int, quality_tokens: int) -> list[tuple[str, float]]:
+                   max_tokens: int, quality_tokens: int,
+                   hf_greedy: list[list[int]] | None = None) -> list[tuple[str, float]]:
     """dtype=`fmt` (mixed16, quantized): single-stream decode, and how many greedy answers
-    differ from float32 (each answered alone, so that its steps use the copies)."""
+    differ from float32 (each answered alone, so that its steps use the copies); with
+    `hf_greedy`, how many equal transformers', answered alone (one-row steps) and all together
+    (steps of 20 rows: for quantized, the panel kernel)."""
     loaded = nbserve.load(model, dtype=fmt, verbose=False)
-    with Engine(loaded, max_batch=4, max_context=512, quiet=True) as engine:
+    with Engine(loaded, max_batch=max(4, len(reference)), max_context=512, quiet=True) as engine:
         _, decode = steady_single_stream(engine, prompts[0], max_tokens)
         got = asyncio.run(answers(engine, prompts[:len(reference)], quality_tokens, False))
+        vs_hf = [asyncio.run(answers(engine, prompts[:len(hf_greedy)], quality_tokens, together,
+                                     ignore_eos=True)) for together in (False, True)] \
+            if hf_greedy else []
     changed = [i for i, (a, b) in enumerate(zip(got, reference)) if a != b]
     first = [next((j for j, (x, y) in enumerate(zip(got[i], reference[i])) if x != y),
                   min(len(got[i]), len(reference[i]))) for i in changed]
     print(f"{fmt}: {len(changed)} of {len(reference)} greedy answers ({quality_tokens} tokens) "
           f"differ from float32" + (f", first differing token at {first}" if first else ""))
-    return [(f"nbserve {fmt} single-stream decode", decode),
+    rows = [(f"nbserve {fmt} single-stream decode", decode),
             (f"{fmt} greedy answers equal to float32, of {len(reference)}",
              float(len(reference) - len(changed)))]
+    for how, got_hf in zip(("alone", "all together"), vs_hf):
+        same = sum(a == b for a, b in zip(got_hf, hf_greedy or []))
+        print(f"{fmt}, {how}: {same} of {len(got_hf)} greedy answers ({quality_tokens} tokens) "
+              "identical to transformers'")
+        rows.append((f"{fmt} ({how}) answers equal to transformers', of {len(got_hf)}",
+                     float(same)))
+    return rows
 
 
 def transformers_figures(max_tokens: int, batch: int, quality: int) -> None:
@@ -281,11 +294,8 @@ def main() -> None:
     reference = asyncio.run(answers(engine, prompts[:QUALITY_PROMPTS], quality_tokens, True)) \
         if formats else None
     engine.close()
-    for fmt in formats:
-        rows += format_figures(fmt, args.model, prompts, reference, args.max_tokens,
-                               quality_tokens)
-
     hf1 = hf16 = None
+    hf_greedy: list[list[int]] | None = None
     if not args.no_transformers:
         if args.model != "smollm2":
             print("transformers comparison only wired for the default model; skipping")
@@ -299,6 +309,10 @@ def main() -> None:
                   f"({quality_tokens} tokens) identical to transformers'")
             rows.append((f"float32 greedy answers equal to transformers', of {len(hf_greedy)}",
                          float(same)))
+    for fmt in formats:
+        rows += format_figures(fmt, args.model, prompts, reference, args.max_tokens,
+                               quality_tokens, hf_greedy)
+
     llama = llama_cpp_in_subprocess(args.llama_cpp_python, prompts[0], args.max_tokens) \
         if args.model == "smollm2" else None
     if llama:

@@ -1,0 +1,129 @@
+"""Where a decode step's time goes, in process, on the default model (or --model): at 1 and 16
+concurrent streams (--streams), the engine's decode steps split into matmuls, attention, the
+rest of the model (norms, rope, residuals, embedding, Python), sampling and bookkeeping.
+
+The engine serves `streams` requests of about 60 prompt tokens together (greedy, past
+end-of-text); the figures cover the window from when every stream has its first token to when
+the first one is done: decode steps only, no prefill. Matmuls are timed around every call of
+the model's matmul paths (nbserve's C kernel, oneDNN-packed copies), attention around its C
+kernels; the engine's own /stats split gives model / sampling / bookkeeping. Timing wrappers
+add a little to "rest of the model". Asserts nothing.
+
+    python benchmarks/step_split.py                  # ~1 minute on 2 cores
+    python benchmarks/step_split.py --streams 1,16,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SPENT: Counter[str] = Counter()  # seconds per part, while timing is on
+
+
+def timed(part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, adding the time of each call to SPENT[part]."""
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            SPENT[part] += time.perf_counter() - t0
+    return wrapper
+
+
+def instrument() -> None:
+    """Wrap the matmul and attention paths of nbserve's models with timers."""
+    from nbserve.models import linear, llama, quant
+
+    quant.KernelLinear.__call__ = timed("matmul", quant.KernelLinear.__call__)  # type: ignore
+    linear.PackedCopy.__call__ = timed("matmul", linear.PackedCopy.__call__)  # type: ignore
+    linear.HalfCopy.__call__ = timed("matmul", linear.HalfCopy.__call__)  # type: ignore
+    linear.split_linear = timed("matmul", linear.split_linear)
+    for name in ("paged_lone_attention", "paged_decode_attention"):
+        setattr(llama, name, timed("attention", getattr(llama, name)))
+    llama.Attention._decode_attention = timed(  # type: ignore[method-assign]
+        "attention", llama.Attention._decode_attention)
+
+
+def split_one(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+    """ms per decode step of each part, over the decode-only window of one concurrent run."""
+    from nbserve.types import Delta, Request, SamplingParams
+
+    counts = [0] * len(prompts)
+    marks: dict[str, tuple[float, dict, Counter[str]]] = {}
+
+    def mark(name: str) -> None:
+        if name not in marks:
+            marks[name] = (time.perf_counter(), engine.stats(), Counter(SPENT))
+
+    async def one(i: int, ids: list[int]) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        async for ev in engine.generate(Request(prompt_ids=ids, params=params)):
+            if isinstance(ev, Delta):
+                counts[i] += len(ev.token_ids)
+                if all(counts):
+                    mark("start")
+                if counts[i] >= max_tokens - 1:
+                    mark("end")
+
+    async def run() -> None:
+        await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+
+    asyncio.run(run())
+    (t0, s0, c0), (t1, s1, c1) = marks["start"], marks["end"]
+    steps = s1["steps"] - s0["steps"]
+    per = 1000.0 / max(steps, 1)
+    split = {key: (s1["step_time_s"][key] - s0["step_time_s"][key]) * per
+             for key in ("model", "sampling", "bookkeeping")}
+    matmul, attention = (c1[k] - c0[k] for k in ("matmul", "attention"))
+    return {"steps": steps, "step": (t1 - t0) * per, "matmul": matmul * per,
+            "attention": attention * per,
+            "rest of the model": split["model"] - (matmul + attention) * per,
+            "sampling": split["sampling"], "bookkeeping": split["bookkeeping"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default=None, help="nbserve's weights (default: the loader's)")
+    ap.add_argument("--streams", default="1,16", help="comma-separated concurrent streams")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args(argv)
+    from engine_bench import chat_prompts
+    from serve_bench import cpu_line, kernel_line
+
+    import nbserve
+    from nbserve.engine import Engine
+
+    print(cpu_line())
+    print(kernel_line())
+    instrument()
+    loaded = nbserve.load(args.model, dtype=args.dtype)
+    levels = [int(x) for x in args.streams.split(",") if x.strip()]
+    prompts = chat_prompts(loaded.tokenizer, loaded.template, max(levels))
+    with Engine(loaded, max_batch=max(levels), max_context=1024, quiet=True) as engine:
+        split_one(engine, prompts[:1], 16)  # warm-up: the thread tuner, the kernels' build
+        print(f"\n{'streams':>7} {'steps':>5} {'step ms':>8} {'matmul':>8} {'attention':>9} "
+              f"{'rest of model':>13} {'sampling':>8} {'bookkeeping':>11}  (ms per decode step)")
+        for n in levels:
+            r = split_one(engine, prompts[:n], args.max_tokens)
+            print(f"{n:>7} {r['steps']:>5.0f} {r['step']:>8.2f} {r['matmul']:>8.2f} "
+                  f"{r['attention']:>9.2f} {r['rest of the model']:>13.2f} "
+                  f"{r['sampling']:>8.2f} {r['bookkeeping']:>11.2f}", flush=True)
+            outside = r["step"] - r["matmul"]
+            print(f"{'':>7} outside the matmuls: {outside:.2f} ms "
+                  f"({outside / r['step']:.0%} of the step)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
