@@ -386,11 +386,13 @@ async def measure_peer(spec: Any, args: argparse.Namespace, levels: list[int],
         async with make_client(peer.base, levels, timeout=args.peer_timeout) as client:
             model = await served_model(client)
             bias = await warm_up(client, model, {str(t): -100.0 for t in stop_ids})
-            await asyncio.sleep(1.0)  # idle: what the first answers left resident
-            idle = resident_mib(peer.proc.pid)
-            print(f"peer {spec.name}: ready in {peer.ready_s:.1f} s at {peer.base}, "
-                  f"model {model!r}; resident once warmed up, idle: "
-                  f"{'?' if idle is None else f'{idle:.0f}'} MiB", flush=True)
+        await asyncio.sleep(1.0)  # idle: what the first answers left resident
+        idle = resident_mib(peer.proc.pid)
+        print(f"peer {spec.name}: ready in {peer.ready_s:.1f} s at {peer.base}, "
+              f"model {model!r}; resident once warmed up, idle: "
+              f"{'?' if idle is None else f'{idle:.0f}'} MiB", flush=True)
+        # a new client: a server may close connections left idle (llama-server does)
+        async with make_client(peer.base, levels, timeout=args.peer_timeout) as client:
             for c in levels:
                 make = {spec.name: lambda tag: http_one(client, model, args.max_tokens, bias,
                                                         tag)}

@@ -144,6 +144,42 @@ def test_lone_step_writes_through_the_table_and_attends(kernels, threads, block_
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("hq, hkv", HEADS)
+def test_decode_step_ropes_writes_and_attends_a_batch(kernels, threads, block_size, hq, hkv,
+                                                      cache_dtype):
+    """The batched decode step in one call: the same cache writes (bit for bit) and the same
+    outputs (the same attention kernel after them) as torch's rope and writes followed by
+    paged_decode_attention; each row with its own position and rope."""
+    from nbserve.models.paged_attention import paged_decode_step
+
+    positions = [2 * block_size + 3, 0, 3 * block_size - 1, block_size]  # mid, first, last
+    lengths = [p + 1 for p in positions]
+    n_blocks = sum(-(-n // block_size) for n in lengths) + 3
+    keys, values = _cache(n_blocks, hkv, block_size, seed=7, dtype=cache_dtype)
+    tables = _tables(lengths, block_size, n_blocks, seed=hkv)
+    heads = torch.randn(len(positions), hq + 2 * hkv, D)
+    angles = torch.rand(len(positions), D // 2) * torch.tensor(lengths)[:, None]
+    rope = (torch.cat([angles.cos()] * 2, dim=1), torch.cat([-angles.sin(), angles.sin()], 1))
+    want_k, want_v = keys.clone(), values.clone()
+    q = torch.empty(len(positions), hq, D)
+    for b, pos in enumerate(positions):
+        qk = apply_rope(heads[b, :hq + hkv], rope[0][b], rope[1][b])
+        block, offset = int(tables[b, pos // block_size]), pos % block_size
+        want_k[block, :, offset] = qk[hq:].to(cache_dtype)
+        want_v[block, :, offset] = heads[b, hq + hkv:].to(cache_dtype)
+        q[b] = qk[:hq]
+    out = paged_decode_step(heads, hq, hkv, rope, keys, values, block_size, tables,
+                            torch.tensor(positions, dtype=torch.int32), kernels=kernels)
+    assert torch.equal(keys, want_k) and torch.equal(values, want_v)  # nothing else touched
+    want = paged_decode_attention(q, keys, values, block_size, tables,
+                                  torch.tensor(lengths, dtype=torch.int32), kernels=kernels)
+    assert torch.equal(out, want)
+    with pytest.raises(ValueError, match="invalid arguments"):  # a position past its table
+        paged_decode_step(heads, hq, hkv, rope, keys, values, block_size, tables,
+                          torch.tensor([10**6, 0, 0, 0], dtype=torch.int32), kernels=kernels)
+
+
 def test_a_row_of_length_zero_gets_zeros_and_an_empty_batch_nothing():
     keys, values = _cache(4, 2, 16, seed=0)
     q = torch.randn(2, 6, D)

@@ -32,6 +32,7 @@ from .paged_attention import (
     paged_attention_serves,
     paged_cache_serves,
     paged_decode_attention,
+    paged_decode_step,
     paged_lone_attention,
 )
 from .weights import WeightFormats
@@ -84,6 +85,15 @@ class Attention(nn.Module):
         hq, hkv = self.hq, self.hkv
         if self.qkv is not None:  # one matmul; rope on q and k heads together
             heads = normed_linear(x, norm, self.qkv).view(b, t, hq + 2 * hkv, self.d)
+            if t == 1 and step.kernel:  # rope, cache write and attention in one kernel call
+                keys_all, values_all = cache.k[self.layer], cache.v[self.layer]
+                rows = (cos.view(b, self.d), sin_signed.view(b, self.d))
+                if paged_cache_serves(keys_all, values_all) and \
+                        paged_attention_serves(heads, *rows):
+                    out = paged_decode_step(heads.view(b, hq + 2 * hkv, self.d), hq, hkv, rows,
+                                            keys_all, values_all, cache.block_size,
+                                            step.tables_i32, step.positions_i32)
+                    return linear(out.view(b, 1, -1), self.o_proj)
             qk = apply_rope(heads[:, :, :hq + hkv], cos, sin_signed)
             q, k, v = qk[:, :, :hq], qk[:, :, hq:], heads[:, :, hq + hkv:]
         else:
@@ -224,7 +234,7 @@ class StepInputs:
     (block, offset), the block tables, the mask, the cache read length."""
 
     __slots__ = ("tables", "positions", "kv_len", "mask", "blocks", "offsets", "kernel",
-                 "tables_i32", "lengths_i32", "_bias")
+                 "tables_i32", "lengths_i32", "positions_i32", "_bias")
 
     def __init__(self, positions: torch.Tensor, tables: torch.Tensor, max_pos: int,
                  cache: PagedKVCache, kernel: bool):
@@ -242,7 +252,8 @@ class StepInputs:
         self.kernel = kernel and t == 1
         if self.kernel:
             self.tables_i32 = tables.to(torch.int32).contiguous()
-            self.lengths_i32 = (positions[:, 0] + 1).to(torch.int32)
+            self.positions_i32 = positions[:, 0].to(torch.int32).contiguous()
+            self.lengths_i32 = self.positions_i32 + 1
         if b == 1 and t == 1:
             self.mask = None  # one query at the last position: every cached key is visible
         else:  # key j is visible to the query at position p iff j <= p

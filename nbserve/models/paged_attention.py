@@ -5,9 +5,9 @@ A paged cache keeps every sequence's keys and values in fixed-size blocks of one
 cache need not be sized for the longest sequence in every slot, and sequences with a common
 prefix can share its blocks. Gathering a sequence's blocks into a contiguous tensor for torch's
 attention would copy the whole context every step; the kernels read the blocks in place.
-`paged_lone_attention` is the lone decode step (as `lone_attention` for a contiguous cache:
-rope, the cache write and the attention in one call); `paged_decode_attention` is a decode batch
-whose queries are roped and whose keys and values are written already.
+`paged_lone_attention` is the lone decode step (rope, the cache write and the attention in one
+call); `paged_decode_step` the same for a decode batch; `paged_decode_attention` is a decode
+batch whose queries are roped and whose keys and values are written already.
 """
 
 from __future__ import annotations
@@ -134,4 +134,39 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         tables.data_ptr(), tables.shape[1], lengths.data_ptr(), out.data_ptr(),
         torch.get_num_threads())
     _raise_for(failed, "paged decode attention")
+    return out
+
+
+def paged_decode_step(heads: torch.Tensor, hq: int, hkv: int,
+                      rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
+                      values: torch.Tensor, block_size: int, tables: torch.Tensor,
+                      positions: torch.Tensor, *, kernels: ctypes.CDLL | None = None
+                      ) -> torch.Tensor:
+    """A decode batch's attention from its q/k/v heads, in one call: each row's q and k heads
+    roped with its own rope rows, its k and v written into the paged cache at positions[b]
+    through tables[b], then the rows attend over positions 0..positions[b] (`paged_lone_attention`
+    for a batch). heads (B, hq + 2 hkv, d), rope: cos and sin_signed (B, d), tables (B, S)
+    int32, positions (B,) int32 -> out (B, hq * d). The table entries are trusted (the engine
+    made them); their signs and the positions are checked by the call."""
+    if heads.dim() != 3 or heads.shape[1] != hq + 2 * hkv or not paged_attention_serves(
+            heads, *rope):
+        raise ValueError(f"paged decode step: heads {tuple(heads.shape)} are not contiguous "
+                         f"float32 (batch, {hq + 2 * hkv}, d) on CPU, with rope tables alike")
+    batch, _, d = heads.shape
+    _check_cache(keys, values, hkv, block_size, d)
+    _check_index("the block tables", tables, 2)
+    _check_index("the positions", positions, 1)
+    cos, sin_signed = rope
+    if tables.shape[0] != batch or positions.shape[0] != batch or hq % hkv or \
+            tuple(cos.shape) != (batch, d) or tuple(sin_signed.shape) != (batch, d):
+        raise ValueError(f"paged decode step: heads {tuple(heads.shape)}, rope "
+                         f"{tuple(cos.shape)}, tables {tuple(tables.shape)} and positions "
+                         f"{tuple(positions.shape)} do not fit")
+    out = torch.empty(batch, hq * d, dtype=torch.float32)
+    lib = kernels if kernels is not None else quant_kernels()
+    failed = _kernel(lib, "nbq_paged_decode_step", keys)(
+        heads.data_ptr(), batch, hq, hkv, d, cos.data_ptr(), sin_signed.data_ptr(),
+        keys.data_ptr(), values.data_ptr(), block_size, tables.data_ptr(), tables.shape[1],
+        positions.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    _raise_for(failed, "paged decode step")
     return out

@@ -169,6 +169,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         lone.argtypes = [ptr, i32, i32, i32, ptr, ptr, ptr, ptr, i32, ptr, i32, ptr, i32]
         decode = getattr(lib, f"nbq_paged_decode_attention{suffix}")
         decode.argtypes = [ptr, i32, i32, i32, i32, ptr, ptr, i32, ptr, i32, ptr, ptr, i32]
-        lone.restype = decode.restype = i32
+        step = getattr(lib, f"nbq_paged_decode_step{suffix}")
+        step.argtypes = [ptr, i32, i32, i32, i32, ptr, ptr, ptr, ptr, i32, ptr, i32, ptr, ptr,
+                         i32]
+        lone.restype = decode.restype = step.restype = i32
     lib.nbq_simd_width.restype = lib.nbq_row_path_max.restype = i32
     return lib

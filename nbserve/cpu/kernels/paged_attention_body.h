@@ -188,15 +188,13 @@ int KV_NAME(nbq_paged_decode_attention)(const float *q, int batch, int hq, int h
     return 0;
 }
 
-int KV_NAME(nbq_paged_lone_attention)(const float *heads, int hq, int hkv, int d, const float *cos,
-                             const float *sin_signed, KV_T *keys, KV_T *values, int block_size,
-                             const int32_t *table, int pos, float *out, int threads) {
-    if (!shape_ok(hq, hkv, d, block_size) || pos < 0) return -2;
-    for (int blk = 0; blk <= pos / block_size; blk++)
-        if (table[blk] < 0) return -2;
-    float *q = malloc(sizeof(float) * (size_t)hq * d);
-    if (!q) return -1;
-    const int half = d / 2, length = pos + 1;
+/* Rope one token's q heads into q (hq, d) and its k heads into the cache, and write its v,
+ * at position pos of a sequence whose block table is `table`. heads (hq + 2 hkv, d). */
+static void KV_NAME(rope_and_write)(const float *heads, int hq, int hkv, int d,
+                                    const float *cos, const float *sin_signed, KV_T *keys,
+                                    KV_T *values, int block_size, const int32_t *table, int pos,
+                                    float *q) {
+    const int half = d / 2;
     const size_t head_stride = (size_t)block_size * d;
     const size_t slot = (size_t)table[pos / block_size] * hkv * head_stride
                         + (size_t)(pos % block_size) * d;
@@ -216,8 +214,60 @@ int KV_NAME(nbq_paged_lone_attention)(const float *heads, int hq, int hkv, int d
         KV_T *to = values + slot + (size_t)h * head_stride;
         for (int j = 0; j < d; j++) to[j] = (KV_T)x[j];
     }
+}
+
+int KV_NAME(nbq_paged_lone_attention)(const float *heads, int hq, int hkv, int d, const float *cos,
+                             const float *sin_signed, KV_T *keys, KV_T *values, int block_size,
+                             const int32_t *table, int pos, float *out, int threads) {
+    if (!shape_ok(hq, hkv, d, block_size) || pos < 0) return -2;
+    for (int blk = 0; blk <= pos / block_size; blk++)
+        if (table[blk] < 0) return -2;
+    float *q = malloc(sizeof(float) * (size_t)hq * d);
+    if (!q) return -1;
+    const int length = pos + 1;
+    KV_NAME(rope_and_write)(heads, hq, hkv, d, cos, sin_signed, keys, values, block_size, table,
+                            pos, q);
     int failed = KV_NAME(nbq_paged_decode_attention)(q, 1, hq, hkv, d, keys, values, block_size, table,
                                             pos / block_size + 1, &length, out, threads);
     free(q);
+    return failed;
+}
+
+/* A decode batch's whole attention: for each row b, its token's heads (hq + 2 hkv, d) at
+ * heads + b * (hq + 2 hkv) * d, roped with its own cos / sin_signed rows (b * d), its k and v
+ * written at positions[b] through its table row, then every row's attention over positions
+ * 0..positions[b] (the decode kernel). Rows are written before any row attends; two rows must
+ * not write one block's slot (the engine never gives two running sequences the same
+ * position in a shared block). */
+int KV_NAME(nbq_paged_decode_step)(const float *heads, int batch, int hq, int hkv, int d,
+                                   const float *cos, const float *sin_signed, KV_T *keys,
+                                   KV_T *values, int block_size, const int32_t *tables,
+                                   int table_stride, const int32_t *positions, float *out,
+                                   int threads) {
+    if (!shape_ok(hq, hkv, d, block_size) || batch < 0 || table_stride < 0) return -2;
+    for (int b = 0; b < batch; b++) {
+        int pos = positions[b];
+        if (pos < 0 || (long long)pos >= (long long)table_stride * block_size) return -2;
+        const int32_t *table = tables + (size_t)b * table_stride;
+        for (int blk = 0; blk <= pos / block_size; blk++)
+            if (table[blk] < 0) return -2;
+    }
+    if (batch == 0) return 0;
+    float *q = malloc(sizeof(float) * (size_t)batch * hq * d);
+    int32_t *lengths = malloc(sizeof(int32_t) * (size_t)batch);
+    if (!q || !lengths) { free(q); free(lengths); return -1; }
+    const size_t width = (size_t)(hq + 2 * hkv) * d;
+    for (int b = 0; b < batch; b++) {
+        lengths[b] = positions[b] + 1;
+        KV_NAME(rope_and_write)(heads + b * width, hq, hkv, d, cos + (size_t)b * d,
+                                sin_signed + (size_t)b * d, keys, values, block_size,
+                                tables + (size_t)b * table_stride, positions[b],
+                                q + (size_t)b * hq * d);
+    }
+    int failed = KV_NAME(nbq_paged_decode_attention)(q, batch, hq, hkv, d, keys, values,
+                                                     block_size, tables, table_stride, lengths,
+                                                     out, threads);
+    free(q);
+    free(lengths);
     return failed;
 }

@@ -5,15 +5,23 @@
  *   q4: w = d * q + m, q a 4-bit code (0..15), 16 bytes a block: byte j holds code j in its low
  *       nibble and code j + 16 in its high one (the GGUF Q4_0/Q4_1 order; Q4_0 is m = -8 d);
  *   q8: w = d * q, q a signed byte, 32 bytes a block (the GGUF Q8_0 order).
- * d and m are float32 arrays (N, K / 32). Everything else is float32 too. The AVX-512 path
- * rebuilds each weight exactly as GGUF's dequantization does (d * q, then + m) and multiplies
- * it as a float32 model would, so a product differs from one over the dequantized weights only
- * in summation order; the AVX2 and plain C paths add d * sum(x * q) + m * sum(x) per block.
+ * d and m are float32 arrays (N, K / 32). Everything else is float32 too: the inputs are not
+ * rounded to integers (see benchmarks/activation_rounding.py for why).
  *
- * Output rows are shared among `threads` OpenMP threads (the same OpenMP runtime as torch's,
- * so the same pool). x is read once per output row from L1; each weight block is decoded once
- * for up to TILE input rows. Built at first use with -march=native (nbserve/kernels/build.py): the
- * AVX-512 or AVX2 path where the CPU has it, plain C elsewhere.
+ * Two ways, by the number of input rows:
+ * - up to ROW_PATH_MAX rows (a lone stream, small batches), the row kernels: output rows shared
+ *   among `threads` OpenMP threads, x read once per output row from L1, each weight block
+ *   decoded once for up to TILE input rows. The AVX-512 path rebuilds each weight exactly as
+ *   GGUF's dequantization does (d * q, then + m) and multiplies it as a float32 model would;
+ *   the AVX2 and plain C paths add d * sum(x * q) + m * sum(x) per block.
+ * - more rows (batches, prefills), the panels below: weight rows dequantized exactly as GGUF
+ *   does, then a register-blocked float32 kernel.
+ * Either way a product differs from one over the dequantized weights only in summation order,
+ * and a row's result does not depend on the other rows of the call within one way.
+ *
+ * The threads are the same OpenMP runtime as torch's, so the same pool. Built at first use with
+ * -march=native (nbserve/cpu/kernels/build.py): the AVX-512 or AVX2 path where the CPU has it,
+ * plain C elsewhere.
  */
 #include <math.h>
 #include <stdint.h>
