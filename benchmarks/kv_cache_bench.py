@@ -31,7 +31,6 @@ import random
 import re
 import statistics
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,11 +45,14 @@ from peers import (  # noqa: E402
     Peer,
     PeerError,
     PeerSpec,
+    RssPeak,
+    idle_rss,
     llama_server_spec,
     log_tail,
     make_workdir,
     model_files,
     start_peer,
+    status_kib,
     stop_peer,
 )
 from serve_bench import QUESTIONS, cpu_line, kernel_line, pct  # noqa: E402
@@ -156,65 +158,6 @@ def model_facts(gguf: Path) -> ModelFacts:
     stops += [names.get(t) for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")]
     return ModelFacts(int(scalar(f"{arch}.block_count")), int(kv_heads), int(head_dim),
                       sorted({int(i) for i in stops if i is not None}))
-
-
-# ----------------------------------------------------------------------------- memory
-
-
-def status_kib(pid: int, key: str = "VmRSS") -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def rss_mib(pid: int) -> float | None:
-    kib = status_kib(pid)
-    return None if kib is None else kib / 1024
-
-
-def idle_rss(pid: int, samples: int = 5, interval: float = 0.2) -> float | None:
-    values = []
-    for _ in range(samples):
-        v = rss_mib(pid)
-        if v is not None:
-            values.append(v)
-        time.sleep(interval)
-    return statistics.median(values) if values else None
-
-
-class RssPeak:
-    """Samples a process's VmRSS every `interval` s in a thread while the block runs."""
-
-    def __init__(self, pid: int, interval: float = 0.2):
-        self.pid, self.interval = pid, interval
-        self.peak = 0.0
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _sample(self) -> None:
-        v = rss_mib(self.pid)
-        if v is not None:
-            self.peak = max(self.peak, v)
-            self.samples += 1
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> RssPeak:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
 
 
 # ----------------------------------------------------------------------------- requests

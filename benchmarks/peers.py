@@ -30,13 +30,16 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 PEER_NAMES = ("nbserve_app", "llama_server", "llama_cpp", "transformers")
 REPO = Path(__file__).resolve().parents[1]
@@ -295,44 +298,61 @@ def wait_ready(peer: Peer, timeout: float, interval: float = 0.5) -> None:
         time.sleep(interval)
 
 
-def resident_mib(pid: int) -> float | None:
-    """The process's resident memory (VmRSS) in MiB; None once it is gone."""
+def status_kib(pid: int, key: str = "VmRSS") -> int | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
     except (OSError, ValueError, IndexError):
-        pass
+        return None
     return None
 
 
-class MemoryWatch:
-    """The peak resident memory of a process while a `with` block runs, sampled every 0.2 s
-    (`peak`, MiB; None where /proc cannot tell)."""
+def rss_mib(pid: int) -> float | None:
+    kib = status_kib(pid)
+    return None if kib is None else kib / 1024
+
+
+def idle_rss(pid: int, samples: int = 5, interval: float = 0.2) -> float | None:
+    values = []
+    for _ in range(samples):
+        v = rss_mib(pid)
+        if v is not None:
+            values.append(v)
+        time.sleep(interval)
+    return statistics.median(values) if values else None
+
+
+class RssPeak:
+    """Samples a process's VmRSS every `interval` s in a thread while the block runs: `peak`
+    (MiB; 0.0 where /proc cannot tell) and how many `samples` were read."""
 
     def __init__(self, pid: int, interval: float = 0.2):
-        import threading
+        self.pid, self.interval = pid, interval
+        self.peak = 0.0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
 
-        self.pid, self.interval, self.peak = pid, interval, resident_mib(pid)
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
+    def _sample(self) -> None:
+        v = rss_mib(self.pid)
+        if v is not None:
+            self.peak = max(self.peak, v)
+            self.samples += 1
 
-    def _watch(self) -> None:
-        while not self._done.wait(self.interval):
-            now = resident_mib(self.pid)
-            if now is not None and (self.peak is None or now > self.peak):
-                self.peak = now
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval)
 
-    def __enter__(self) -> MemoryWatch:
+    def __enter__(self) -> RssPeak:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
         self._thread.join()
-        now = resident_mib(self.pid)
-        if now is not None and (self.peak is None or now > self.peak):
-            self.peak = now
+        self._sample()
 
 
 def stop_peer(peer: Peer, grace: float = 15.0) -> None:

@@ -368,7 +368,7 @@ async def measure_peer(spec: Any, args: argparse.Namespace, levels: list[int],
     """Start one peer, run the same HTTP load on it (the levels its spec serves), stop it; {}
     (and a line) when skipped. Its resident memory is watched throughout."""
     import httpx
-    from peers import MemoryWatch, PeerError, log_tail, resident_mib, start_peer, stop_peer
+    from peers import PeerError, RssPeak, log_tail, rss_mib, start_peer, stop_peer
 
     low, high = spec.levels
     levels = [c for c in levels if low <= c <= high]
@@ -387,7 +387,7 @@ async def measure_peer(spec: Any, args: argparse.Namespace, levels: list[int],
             model = await served_model(client)
             bias = await warm_up(client, model, {str(t): -100.0 for t in stop_ids})
         await asyncio.sleep(1.0)  # idle: what the first answers left resident
-        idle = resident_mib(peer.proc.pid)
+        idle = rss_mib(peer.proc.pid)
         print(f"peer {spec.name}: ready in {peer.ready_s:.1f} s at {peer.base}, "
               f"model {model!r}; resident once warmed up, idle: "
               f"{'?' if idle is None else f'{idle:.0f}'} MiB", flush=True)
@@ -396,10 +396,10 @@ async def measure_peer(spec: Any, args: argparse.Namespace, levels: list[int],
             for c in levels:
                 make = {spec.name: lambda tag: http_one(client, model, args.max_tokens, bias,
                                                         tag)}
-                with MemoryWatch(peer.proc.pid) as watch:
+                with RssPeak(peer.proc.pid) as watch:
                     level = await measure_level(c, requests_for(args, c), args.rounds, make)
                 results[c] = level[spec.name]
-                results[c].rss_mib = watch.peak
+                results[c].rss_mib = watch.peak or None
                 report(results[c], width=width)
     except (RuntimeError, OSError, ValueError, KeyError, httpx.HTTPError) as exc:
         # a peer that breaks mid-run: keep what it did

@@ -49,7 +49,7 @@ def instrument() -> None:
     linear.PackedCopy.__call__ = timed("matmul", linear.PackedCopy.__call__)  # type: ignore
     linear.HalfCopy.__call__ = timed("matmul", linear.HalfCopy.__call__)  # type: ignore
     linear.split_linear = timed("matmul", linear.split_linear)
-    for name in ("paged_lone_attention", "paged_decode_attention"):
+    for name in ("paged_lone_attention", "paged_decode_attention", "paged_decode_step"):
         setattr(llama, name, timed("attention", getattr(llama, name)))
     llama.Attention._decode_attention = timed(  # type: ignore[method-assign]
         "attention", llama.Attention._decode_attention)

@@ -391,19 +391,21 @@ INLINE void micro(const float *w, int nw, int k, int j0, int j1, const float *xt
         }
 }
 
-/* every input row times nw_all dequantized weight rows w (outputs c0 .. of y): for each tile
- * of 16 input lanes (its xt columns stay in L1), each group of NW weight rows in turn, k in
- * chunks of KC (each output adds up its chunk sums in order) */
+/* every input row times nw_all (<= PANEL) dequantized weight rows w (outputs c0 .. of y): for
+ * each tile of 16 input lanes, k in chunks of KC, each group of NW weight rows in turn, so that
+ * a chunk of the tile's xt columns stays in L1 for every group; each output adds up its chunk
+ * sums in order (in `tiles`, one per group) */
 static void weight_panel(const float *w, int nw_all, int k, const float *xt, int lanes,
                          int rows, float *y, int n) {
-    float tile[NW * 2 * LANES];
+    float tiles[PANEL / NW][NW * 2 * LANES];
     for (int i0 = 0; i0 < lanes; i0 += 2 * LANES) {
         int V = lanes - i0 >= 2 * LANES ? 2 : 1;
-        for (int c0 = 0; c0 < nw_all; c0 += NW) {
-            int nw = nw_all - c0 < NW ? nw_all - c0 : NW;
-            const float *wc = w + (size_t)c0 * k;
-            for (int j0 = 0; j0 < k; j0 += KC) {
-                int j1 = k - j0 < KC ? k : j0 + KC, add = j0 > 0;
+        for (int j0 = 0; j0 < k; j0 += KC) {
+            int j1 = k - j0 < KC ? k : j0 + KC, add = j0 > 0;
+            for (int c0 = 0; c0 < nw_all; c0 += NW) {
+                int nw = nw_all - c0 < NW ? nw_all - c0 : NW;
+                const float *wc = w + (size_t)c0 * k;
+                float *tile = tiles[c0 / NW];
 #define GROUP_CASE(NWC) if (V == 2) micro(wc, NWC, k, j0, j1, xt, lanes, i0, 2, tile, add); \
                         else micro(wc, NWC, k, j0, j1, xt, lanes, i0, 1, tile, add)
                 switch (nw) {  /* constant sizes: the accumulators stay in registers */
@@ -416,7 +418,11 @@ static void weight_panel(const float *w, int nw_all, int k, const float *xt, int
                 }
 #undef GROUP_CASE
             }
-            for (int l = 0; l < V * LANES && i0 + l < rows; l++)  /* the tile into y */
+        }
+        for (int c0 = 0; c0 < nw_all; c0 += NW) {  /* the tiles into y */
+            int nw = nw_all - c0 < NW ? nw_all - c0 : NW;
+            const float *tile = tiles[c0 / NW];
+            for (int l = 0; l < V * LANES && i0 + l < rows; l++)
                 for (int c = 0; c < nw; c++)
                     y[(size_t)(i0 + l) * n + c0 + c] = tile[(c * 2 + l / LANES) * LANES + l % LANES];
         }
