@@ -136,6 +136,17 @@ def http_one(client: Any, model: str, max_tokens: int, bias: dict[str, float], r
         body_base["logit_bias"] = bias
 
     async def one(i: int) -> Sample:
+        import httpx
+
+        for attempt in range(3):  # as the OpenAI SDK: retry a connection the server dropped
+            try:
+                return await attempt_one(i)
+            except httpx.RemoteProtocolError:  # closed before any answer (a stale keep-alive)
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def attempt_one(i: int) -> Sample:
         s = Sample()
         start = last = time.perf_counter()
         chunks = 0

@@ -248,3 +248,27 @@ def test_a_peer_from_another_interpreter_is_checked_there(tmp_path):
     assert spec.argv[0] == str(tmp_path / "no-python") and spec.python == spec.argv[0]
     with pytest.raises(peers.PeerError, match="llama_cpp is not installed"):
         peers.start_peer(spec, timeout=5, log_dir=tmp_path)
+
+
+def test_a_connection_the_server_dropped_is_retried() -> None:
+    """llama-server may drop a kept-alive connection as the next request goes out: the client
+    retries it (as the OpenAI SDK does) instead of giving up on the whole peer."""
+    import httpx
+
+    calls = []
+    sse = (b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n'
+           b'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\ndata: [DONE]\n\n')
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        if len(calls) == 1:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.Response(200, content=sse, headers={"content-type": "text/event-stream"})
+
+    async def run() -> sb.Sample:
+        async with httpx.AsyncClient(base_url="http://peer/v1",
+                                     transport=httpx.MockTransport(handler)) as client:
+            return await sb.http_one(client, "m", 4, {}, "r")(0)
+
+    sample = asyncio.run(run())
+    assert len(calls) == 2 and sample.tokens == 1 and sample.ttft is not None
