@@ -54,10 +54,11 @@ def _blocks_will_serve(source: Any, copies: str | None, dtype: Any, device: str)
     the CPU default for a .gguf, where the kernel builds): then the float32 model is built
     without packed copies or a transposed head, which would be dropped at once (for a large
     model they would double the memory the load needs on its way)."""
-    if copies != QUANTIZED and not (copies is None and dtype is None):
+    cpu = torch.device(device).type == "cpu"
+    if copies == QUANTIZED:
+        return cpu
+    if copies is not None or dtype is not None or not cpu or _gguf_file(str(source)) is None:
         return False
-    if torch.device(device).type != "cpu" or _gguf_file(str(source)) is None:
-        return copies == QUANTIZED and torch.device(device).type == "cpu"
     from ..cpu.kernels.build import kernels_available
 
     return kernels_available()
@@ -65,14 +66,10 @@ def _blocks_will_serve(source: Any, copies: str | None, dtype: Any, device: str)
 
 def _add_float_copies(model: Any) -> None:
     """What `build_llama` would have added to a CPU float32 model built without copies: the
-    oneDNN-packed copies where they are available and affordable, else a transposed head."""
-    from ..models.linear import packing_affordable, packing_available
-
-    if not hasattr(model, "pack_weights") or getattr(model, "dense_released", False):
+    oneDNN-packed copies where they pay (`WeightFormats.packing_pays`), else a transposed head."""
+    if not hasattr(model, "packing_pays") or getattr(model, "dense_released", False):
         return
-    holders = model._weight_holders()
-    if packing_available(model.lm_head.weight) and packing_affordable(
-            sum(h.weight.numel() * h.weight.element_size() for h in holders)):
+    if model.packing_pays():
         model.pack_weights()
     else:
         model.use_transposed_head()

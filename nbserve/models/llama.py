@@ -24,14 +24,11 @@ from .linear import (
     gated_linear,
     linear,
     normed_linear,
-    packing_affordable,
-    packing_available,
 )
 from .paged_attention import (
     CACHE_DTYPES,
     paged_attention_serves,
     paged_cache_serves,
-    paged_decode_attention,
     paged_decode_step,
     paged_lone_attention,
 )
@@ -102,13 +99,7 @@ class Attention(nn.Module):
             k = apply_rope(linear(x, self.k_proj).view(b, t, hkv, self.d), cos, sin_signed)
             v = linear(x, self.v_proj).view(b, t, hkv, self.d)
         cache.write(self.layer, step.blocks, step.offsets, k, v)
-        keys_all, values_all = cache.k[self.layer], cache.v[self.layer]
-        if t == 1 and step.kernel and paged_cache_serves(keys_all, values_all):
-            qc = q.reshape(b, hq, self.d).contiguous()  # q is a view into the q/k heads
-            out = paged_decode_attention(qc, keys_all, values_all, cache.block_size,
-                                         step.tables_i32, step.lengths_i32,
-                                         check=False).view(b, 1, -1)
-        elif t == 1:  # (B, 1, H*D) over gathered blocks
+        if t == 1:  # (B, 1, H*D) over gathered blocks
             keys, values = cache.gather(self.layer, step.tables, step.kv_len)
             bias = step.decode_bias(hkv, hq // hkv, q.dtype)
             out = self._decode_attention(q, keys.to(q.dtype), values.to(q.dtype), bias)
@@ -234,7 +225,7 @@ class StepInputs:
     (block, offset), the block tables, the mask, the cache read length."""
 
     __slots__ = ("tables", "positions", "kv_len", "mask", "blocks", "offsets", "kernel",
-                 "tables_i32", "lengths_i32", "positions_i32", "_bias")
+                 "tables_i32", "positions_i32", "_bias")
 
     def __init__(self, positions: torch.Tensor, tables: torch.Tensor, max_pos: int,
                  cache: PagedKVCache, kernel: bool):
@@ -253,7 +244,6 @@ class StepInputs:
         if self.kernel:
             self.tables_i32 = tables.to(torch.int32).contiguous()
             self.positions_i32 = positions[:, 0].to(torch.int32).contiguous()
-            self.lengths_i32 = self.positions_i32 + 1
         if b == 1 and t == 1:
             self.mask = None  # one query at the last position: every cached key is visible
         else:  # key j is visible to the query at position p iff j <= p
@@ -479,8 +469,7 @@ def build_llama(cfg: LlamaConfig, tensors: Iterable[tuple[str, torch.Tensor]],
     if fuse:
         model.fuse_projections()
     if pack is None:
-        pack = packing_available(model.lm_head.weight) and packing_affordable(
-            sum(h.weight.numel() * h.weight.element_size() for h in model._weight_holders()))
+        pack = model.packing_pays()
     if pack:
         model.pack_weights()
     if transposed_head is None:

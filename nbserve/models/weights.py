@@ -14,7 +14,13 @@ from typing import cast
 import torch
 from torch import nn
 
-from .linear import FusedProjection, HalfCopy, PackedCopy, packing_available
+from .linear import (
+    FusedProjection,
+    HalfCopy,
+    PackedCopy,
+    packing_affordable,
+    packing_available,
+)
 from .quant import KernelLinear, QuantBlocks, float_kernel_serves
 
 Holder = nn.Linear | FusedProjection
@@ -73,6 +79,12 @@ class WeightFormats(nn.Module):
         """
         self._head_t = self.lm_head.weight.t().contiguous() if enable else None
         self._wants["transposed_head"] = enable
+
+    def packing_pays(self) -> bool:
+        """Whether `pack_weights` is available here and its copies fit the RAM share loaders
+        allow (`packing_affordable`): what loaders decide a CPU float32 model's copies by."""
+        return packing_available(self.lm_head.weight) and packing_affordable(
+            sum(h.weight.numel() * h.weight.element_size() for h in self._weight_holders()))
 
     def pack_weights(self) -> None:
         """Add a oneDNN-packed copy of every matmul weight and of the LM head (`PackedCopy`):
