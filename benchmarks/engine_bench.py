@@ -137,9 +137,12 @@ def format_figures(fmt: str, model: str, prompts: list[list[int]], reference: li
     """dtype=`fmt` (mixed16, quantized): single-stream decode, and how many greedy answers
     differ from float32 (each answered alone, so that its steps use the copies); with
     `hf_greedy`, how many equal transformers', answered alone (one-row steps) and all together
-    (steps of 20 rows: for quantized, the panel kernel)."""
-    loaded = nbserve.load(model, dtype=fmt, verbose=False)
-    with Engine(loaded, max_batch=max(4, len(reference)), max_context=512, quiet=True) as engine:
+    (steps of 20 rows: for quantized, the panel kernel). `fmt` "quantized:float16": the same
+    with a float16 KV cache (`kv_dtype`)."""
+    weights, _, kv_dtype = fmt.partition(":")
+    loaded = nbserve.load(model, dtype=weights, verbose=False)
+    with Engine(loaded, max_batch=max(4, len(reference)), max_context=512, quiet=True,
+                kv_dtype=kv_dtype or None) as engine:
         _, decode = steady_single_stream(engine, prompts[0], max_tokens)
         got = asyncio.run(answers(engine, prompts[:len(reference)], quality_tokens, False))
         vs_hf = [asyncio.run(answers(engine, prompts[:len(hf_greedy)], quality_tokens, together,
@@ -247,7 +250,8 @@ def main() -> None:
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--formats", default=",".join(WEIGHT_FORMATS),
                     help="weight formats to time single-stream and check against float32's "
-                    "20 greedy answers (default: %(default)s; '' for none)")
+                    "20 greedy answers (default: %(default)s; '' for none; 'quantized:float16' "
+                    "for a float16 KV cache)")
     ap.add_argument("--threads", type=int, default=None,
                     help="engine threads (default: tuned per forward size by timing)")
     ap.add_argument("--llama-cpp-python", default=sys.executable,

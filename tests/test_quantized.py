@@ -18,6 +18,7 @@ import pytest
 import torch
 from gguf_util import hf_dir_to_gguf
 from kernel_paths import NEEDS_COMPILER, PATHS, X86
+from tiny_models import make_tiny_hf_dir
 
 import nbserve
 from nbserve.cpu.kernels import build
@@ -317,16 +318,14 @@ def test_quantized_keeps_no_float32_copy_of_a_matmul_weight(q4_gguf, monkeypatch
     model = nbserve.load(str(q4_gguf), verbose=False).model  # a lossless GGUF: quantized
     assert model.weight_format == "quantized" and model.dense_released
     assert gguf._reader.cache_info().currsize == 0  # no parsed file (fields, memory map) kept
-    embedding = model.embedding_weight()
-    for holder, names in model._named_holders():
+    for holder, names in model._named_holders():  # the tied head's too: the embedding
         assert holder.kernel.serves_every_step and holder.packed is None, names
-        if holder.weight is embedding:  # the tied head: the embedding, which lookups read
-            continue
         assert holder.weight.device.type == "meta", names
         assert all(model.get_parameter(n).device.type == "meta" for n in names), names
+    assert model.lm_head.weight is model.embedding_weight()  # still one tied parameter
     real = [n for n, p in model.named_parameters() if p.device.type != "meta"]
-    assert all(n == "model.embed_tokens.weight" or n.endswith(("norm.weight", ".bias"))
-               for n in real), real
+    assert all(n.endswith(("norm.weight", ".bias")) for n in real), real
+    assert model.device.type == "cpu" and model.dtype == torch.float32  # read off the norms
     blocks = sum(holder.kernel.nbytes for holder, _ in model._named_holders())
     assert model.derived_bytes() == blocks  # the blocks and nothing else
     monkeypatch.setattr("nbserve.loading._release_unread_weights", lambda loaded: None)
@@ -354,3 +353,40 @@ def test_quantized_keeps_no_float32_copy_of_a_matmul_weight(q4_gguf, monkeypatch
     model.restore_dense_weights()
     for (holder, _), (twin, _) in zip(model._named_holders(), kept._named_holders()):
         assert torch.equal(holder.weight, twin.weight)  # bit for bit, out of the blocks
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_the_embedding_is_looked_up_in_its_blocks(tmp_path, tie):
+    """A GGUF's own embedding blocks stand for the float32 embedding (dropped, on meta):
+    lookups dequantize the rows they need, the same values bit for bit; a tied head stays
+    tied to it; an untied embedding's blocks are counted as the model's bytes; the weight
+    comes back for state_dict and moves."""
+    hf = make_tiny_hf_dir(tmp_path / "hf", "llama", tie=tie)
+    path = _gguf(hf, tmp_path)
+    model = nbserve.load(str(path), verbose=False).model
+    with_weight = nbserve.load(str(path), verbose=False).model
+    with_weight.restore_dense_weights()  # the float32 embedding, as loaded from the file
+    assert model.embedding_weight().device.type == "meta" and model.dense_released
+    assert (model.lm_head.weight is model.embedding_weight()) == tie
+    ids = torch.tensor([[3, 17, 5], [9, 0, model.vocab_size - 1]])
+    want = torch.nn.functional.embedding(ids, with_weight.embedding_weight())
+    assert torch.equal(model.embed(ids), want) and model.embed(ids).shape == (2, 3, 64)
+    head = model.lm_head.kernel.weight
+    blocks = sum(h.kernel.nbytes for h, _ in model._named_holders())
+    extra = 0 if tie else model._embedding_blocks.nbytes
+    assert tie == (model._embedding_blocks is head) and model.derived_bytes() == blocks + extra
+    assert count_parameters(model)[1] < count_parameters(with_weight)[1]
+    from nbserve.loading import LoadedModel, summary_line
+
+    line = summary_line(LoadedModel(model=model, tokenizer=None, template=None, name="m"), 1.0)
+    total = count_parameters(model)[1]
+    assert f"{total / 2**20:.0f} MiB of weights, {model.derived_bytes() / 2**20:.0f} MiB of " \
+        "them quantized blocks" in line, line
+    for a, b in zip(_lone_steps(model, [3, 17, 5, 9]), _lone_steps(with_weight, [3, 17, 5, 9])):
+        assert torch.equal(a, b)
+    assert torch.equal(model.state_dict()["model.embed_tokens.weight"],
+                       with_weight.embedding_weight())
+    assert model.embedding_weight().device.type == "meta"  # released again after state_dict
+    model.restore_dense_weights()
+    assert torch.equal(model.embedding_weight(), with_weight.embedding_weight())
+    assert (model.lm_head.weight is model.embedding_weight()) == tie

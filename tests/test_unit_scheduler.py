@@ -931,3 +931,38 @@ def test_a_request_waits_for_a_running_prefill_of_its_prefix_and_then_shares_it(
     tags = [tag for tag, _ in prefilled]
     assert sum(n for tag, n in prefilled if tag == "other") == 3
     assert tags.index("other") < tags.index("second")  # with nothing to wait for: not held up
+
+
+def test_slot_counts_can_be_read_from_another_thread_while_rows_change() -> None:
+    """/stats reads the counts from the server's thread while the engine's admits and
+    releases rows: no 'set changed size during iteration'."""
+    import sys
+    import threading
+
+    space = SlotSpace(64, 16)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        try:
+            while not stop.is_set():
+                space.n_cached, space.n_free, space.n_used  # noqa: B018 - reads to race
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for i in range(3000):
+            held = [Sequence("h", 0, [i, j]) for j in range(8)]
+            for s in held:
+                space.admit(s, s.tokens, 1)
+            for s in held:
+                space.release(s, s.tokens, keep=True)
+    finally:
+        stop.set()
+        reader.join()
+        sys.setswitchinterval(switch)
+    assert not errors, errors[0]

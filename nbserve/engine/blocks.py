@@ -260,7 +260,9 @@ class SlotSpace:
 
     @property
     def n_cached(self) -> int:
-        return sum(1 for s in self._free if self._cached[s])
+        """Free rows that remember a prefix. Read from the /stats thread too: the set is
+        copied in one C call (atomic under the GIL) before it is counted."""
+        return sum(1 for s in tuple(self._free) if self._cached[s])
 
     n_keyed = n_cached
 

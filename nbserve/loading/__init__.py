@@ -243,10 +243,14 @@ def summary_line(loaded: LoadedModel, seconds: float) -> str:
     copies = getattr(loaded.model, "derived_bytes", lambda: 0)()
     dtype = getattr(loaded.model, "weight_format", None) or \
         str(getattr(loaded.model, "dtype", "?")).replace("torch.", "")
-    extra = f" + {copies / 2**20:.0f} MiB of copies for speed" if copies else ""
+    if getattr(loaded.model, "dense_released", False):  # the blocks stand for the weights
+        weights = f"{nbytes / 2**20:.0f} MiB of weights, {copies / 2**20:.0f} MiB of them " \
+            "quantized blocks"
+    else:
+        extra = f" + {copies / 2**20:.0f} MiB of copies for speed" if copies else ""
+        weights = f"{(nbytes - copies) / 2**20:.0f} MiB of weights{extra}"
     return (f"nbserve: loaded {loaded.name} ({n / 1e6:.1f}M parameters, {dtype}, "
-            f"{getattr(loaded.model, 'device', '?')}, {(nbytes - copies) / 2**20:.0f} MiB of "
-            f"weights{extra}) in {seconds:.1f} s")
+            f"{getattr(loaded.model, 'device', '?')}, {weights}) in {seconds:.1f} s")
 
 
 __all__ = ["LoadedModel", "load", "resolve_dtype", "default_device", "summary_line"]

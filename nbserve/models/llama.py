@@ -387,7 +387,7 @@ class LlamaModel(WeightFormats):
         step = StepInputs(positions, tables, max_pos, cache, kernel)
         cos_t, sin_signed_t = self._rope_table()
         rope = (cos_t[positions].unsqueeze(2), sin_signed_t[positions].unsqueeze(2))  # (B,T,1,D)
-        x = self.model.embed_tokens(ids)  # (B, T, H)
+        x = self.embed(ids)  # (B, T, H)
         for layer in self.model.decoder_layers:
             x = layer(x, rope, step, cache)
         if logit_index is not None:
@@ -418,7 +418,7 @@ class LlamaModel(WeightFormats):
         noticeable share of a one-token step (benchmarks/README.md)."""
         cos_t, sin_signed_t = self._rope_table()
         rope = (cos_t[pos], sin_signed_t[pos])  # (D,)
-        x = F.embedding(ids.view(1), self.model.embed_tokens.weight)  # (1, H)
+        x = self.embed(ids.view(1))  # (1, H)
         seq = LoneInputs(table, pos, cache.block_size)
         for layer in self.model.decoder_layers:
             x = layer.lone_step(x, rope, pos, seq, cache)

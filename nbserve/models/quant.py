@@ -94,6 +94,8 @@ class QuantBlocks:
         """The blocks of the weights stacked by output rows (a fused projection); None when the
         parts differ in kind or input size."""
         first = parts[0]
+        if len(parts) == 1:
+            return first  # nothing to stack: the same blocks, not a copy
         if any(p.kind != first.kind or p.shape[1] != first.shape[1] for p in parts):
             return None
         # one kind: all parts have mins (q4) or none has (q8)
@@ -101,6 +103,12 @@ class QuantBlocks:
             torch.cat([cast(torch.Tensor, p.mins) for p in parts])
         return cls(first.kind, torch.cat([p.codes for p in parts]),
                    torch.cat([p.scales for p in parts]), mins)
+
+    def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` (any shape) of the float32 weight, (*index.shape, K): an embedding
+        lookup from the blocks, the same values as `dequantize()[index]`."""
+        flat = index.reshape(-1)
+        return self.take_rows(flat).dequantize().view(*index.shape, self.shape[1])
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight (N, K) these blocks stand for."""

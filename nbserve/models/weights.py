@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .linear import (
@@ -43,6 +44,8 @@ class WeightFormats(nn.Module):
                        "quantized": False, "float_kernel": False, "release_dense": False}
         self._quant_copies: list[KernelLinear | None] = []  # per holder, kept across .to()
         self._released: list[Holder] = []  # holders whose float32 weight lives in copies only
+        self._embedding_source: QuantBlocks | None = None  # a checkpoint's own embedding blocks
+        self._embedding_blocks: QuantBlocks | None = None  # set while the embedding is released
 
     # ------------------------------------------------------------------ what a model provides
 
@@ -60,11 +63,27 @@ class WeightFormats(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embedding_weight().device
+        return self._resident_parameter().device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embedding_weight().dtype
+        return self._resident_parameter().dtype
+
+    def _resident_parameter(self) -> torch.Tensor:
+        """The embedding, or while it is released (its values in blocks, the parameter on
+        meta) the first parameter that is not: what the model's device and dtype are."""
+        weight = self.embedding_weight()
+        if weight.device.type != "meta":
+            return weight
+        return next((p for p in self.parameters() if p.device.type != "meta"), weight)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token embedding of `ids` (any shape), (*ids.shape, H): a lookup in the weight,
+        or in its quantized blocks while it is released (`release_dense_weights`): the same
+        values."""
+        if self._embedding_blocks is not None:
+            return self._embedding_blocks.dequantize_rows(ids)
+        return F.embedding(ids, self.embedding_weight())
 
     # ------------------------------------------------------------------ the copies
 
@@ -142,9 +161,10 @@ class WeightFormats(nn.Module):
                              "dtype='float32' on cpu (on a GPU use dtype='bfloat16')")
         self.restore_dense_weights()  # Q8_0 blocks are made from them
         by_name: dict[str, QuantBlocks | None] = dict(blocks or {})
+        self._embedding_source = by_name.get("model.embed_tokens.weight")
         if "lm_head.weight" not in by_name and \
                 self.lm_head.weight is self.embedding_weight():  # tied head
-            by_name["lm_head.weight"] = by_name.get("model.embed_tokens.weight")
+            by_name["lm_head.weight"] = self._embedding_source
         found: list[QuantBlocks | None] = []
         for holder, names in self._named_holders():
             parts = [by_name.get(name) for name in names]
@@ -194,9 +214,11 @@ class WeightFormats(nn.Module):
         exactly its values (a GGUF's own blocks; not Q8_0 made at load from float weights).
         Its parameters stay, with their names and shapes, on the meta device, and come back by
         themselves (`restore_dense_weights`) for `.to()`, `state_dict()`, `load_state_dict()`
-        and the methods that add copies. The token embedding (a tied LM head's weight too) is
-        always kept. Outputs do not change: every step runs on the same copies as before.
-        Loaders call it for dtype="quantized"; remembered across `.to()`."""
+        and the methods that add copies. The token embedding (a tied LM head's weight too) goes
+        the same way where the checkpoint's own blocks of it dequantize to exactly its values:
+        lookups then read those blocks (`embed`). Outputs do not change: every step runs on the
+        same copies as before. Loaders call it for dtype="quantized"; remembered across
+        `.to()`."""
         self._wants["release_dense"] = True
         embedding = self.embedding_weight()
         freed = 0
@@ -212,7 +234,32 @@ class WeightFormats(nn.Module):
             self._set_dense(holder, names, torch.empty(weight.shape, dtype=weight.dtype,
                                                        device="meta"))
             self._released.append(holder)
-        return freed
+        return freed + self._release_embedding()
+
+    def _release_embedding(self) -> int:
+        """Put the token embedding (and a head tied to it) on meta where the checkpoint's own
+        blocks of it give its values back bit for bit; return the bytes freed."""
+        weight, blocks = self.embedding_weight(), self._embedding_source
+        head_kernel = getattr(self.lm_head, "kernel", None)
+        tied = self.lm_head.weight is weight
+        if (self._embedding_blocks is not None or blocks is None or weight.device.type != "cpu"
+                or blocks.shape != tuple(weight.shape)
+                or (tied and (head_kernel is None or not head_kernel.serves_every_step))
+                or not torch.equal(blocks.dequantize(), weight)):
+            return 0
+        self._set_embedding(torch.empty(weight.shape, dtype=weight.dtype, device="meta"))
+        self._embedding_blocks = blocks
+        return weight.numel() * weight.element_size()
+
+    def _set_embedding(self, weight: torch.Tensor) -> None:
+        """Make `weight` the value of every parameter that is the token embedding (a tied
+        head's too, so they stay one parameter)."""
+        old = self.embedding_weight()
+        names = [name for name, p in self.named_parameters(remove_duplicate=False) if p is old]
+        param = nn.Parameter(weight, requires_grad=False)
+        for name in names:
+            owner_name, _, attr = name.rpartition(".")
+            setattr(self.get_submodule(owner_name), attr, param)
 
     @staticmethod
     def _restorable(holder: Holder) -> bool:
@@ -235,6 +282,9 @@ class WeightFormats(nn.Module):
         """Bring back the float32 weights `release_dense_weights` dropped, read out of their
         packed copies or blocks (the same values bit for bit); they stay until released
         again."""
+        if self._embedding_blocks is not None:
+            self._set_embedding(self._embedding_blocks.dequantize())
+            self._embedding_blocks = None
         if not self._released:
             return
         named = {id(holder): names for holder, names in self._named_holders()}
@@ -244,8 +294,9 @@ class WeightFormats(nn.Module):
 
     @property
     def dense_released(self) -> bool:
-        """Whether some float32 matmul weights live in their copies only (on meta)."""
-        return bool(self._released)
+        """Whether some float32 weights (matmuls, the embedding) live in their copies only (on
+        meta)."""
+        return bool(self._released) or self._embedding_blocks is not None
 
     def _owns(self, holder: Holder, names: list[str]) -> bool:
         """Whether `names` are the parameters `holder` multiplies by (so they can be swapped)."""
@@ -274,7 +325,7 @@ class WeightFormats(nn.Module):
     def state_dict(self, *args, **kwargs):  # noqa: ANN002, ANN003 -- nn.Module's signature
         """nn.Module's, with released float32 weights read back from their packed copies (the
         model keeps them released; the returned tensors are the caller's)."""
-        released = bool(self._released)
+        released = self.dense_released
         self.restore_dense_weights()
         try:
             return super().state_dict(*args, **kwargs)
@@ -333,6 +384,10 @@ class WeightFormats(nn.Module):
             total += 0 if half is None else half.weight.numel() * half.weight.element_size()
             total += 0 if packed is None else packed.nbytes
             total += 0 if kernel is None else kernel.nbytes
+        head = getattr(self.lm_head, "kernel", None)
+        if self._embedding_blocks is not None and (head is None
+                                                   or head.weight is not self._embedding_blocks):
+            total += self._embedding_blocks.nbytes  # an untied embedding's own blocks
         return total
 
     @property
