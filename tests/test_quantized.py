@@ -390,3 +390,20 @@ def test_the_embedding_is_looked_up_in_its_blocks(tmp_path, tie):
     model.restore_dense_weights()
     assert torch.equal(model.embedding_weight(), with_weight.embedding_weight())
     assert (model.lm_head.weight is model.embedding_weight()) == tie
+
+
+def test_loading_and_decoding_import_no_compiler_stack(q4_gguf):
+    """Building the model on meta must not run torch's random init there: its meta version
+    imports torch._dynamo, which costs seconds at load and tens of MB of resident memory for
+    the life of the process. A fresh process,
+    as anything imported before would hide it."""
+    code = ("import sys, torch, nbserve\n"
+            f"m = nbserve.load({str(q4_gguf)!r}, verbose=False).model\n"
+            "cache = m.make_cache(1, 16)\n"
+            "m.forward(torch.tensor([[3, 4, 5]]), torch.arange(3)[None], torch.tensor([0]), "
+            "cache)\n"
+            "print(sorted(n for n in sys.modules if n.startswith(('torch._dynamo', "
+            "'torch._inductor', 'torch.distributed.tensor'))))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=300)
+    assert out.stdout.strip() == "[]", out.stdout
