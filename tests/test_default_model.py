@@ -38,6 +38,31 @@ def test_rendered_prompt_and_tokens_equal_transformers(ours, reference):
     assert ours.tokenizer.encode(text) == tok(text, add_special_tokens=False)["input_ids"]
 
 
+def _greedy_reference(hf, ids: list[int]) -> list[int]:
+    """transformers' greedy loop with its own cache, 32 tokens, end-of-turn not special."""
+    out_ids = []
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), use_cache=True)
+        for _ in range(32):
+            nxt = int(out.logits[0, -1].argmax())
+            out_ids.append(nxt)
+            out = hf(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
+    return out_ids
+
+
+def _engine_greedy(loaded, ids: list[int]) -> tuple[list[int], torch.dtype]:
+    """32 greedy tokens through the engine, and its KV cache's dtype."""
+    from nbserve.engine import Engine
+    from nbserve.types import Request, SamplingParams
+
+    with Engine(loaded, max_batch=2, max_context=256, quiet=True) as eng:
+        got = []
+        for ev in eng.stream(Request(prompt_ids=ids, params=SamplingParams(
+                temperature=0, max_tokens=32, ignore_eos=True))):
+            got += getattr(ev, "token_ids", [])
+        return got, eng.cache.dtype
+
+
 def test_logits_match_and_32_greedy_tokens_identical(ours, reference):
     tok, hf = reference
     text = ours.template.render(MESSAGES, add_generation_prompt=True)
@@ -50,25 +75,24 @@ def test_logits_match_and_32_greedy_tokens_identical(ours, reference):
     logits = model.forward(x, torch.arange(len(ids))[None], torch.tensor([0]), cache)
     torch.testing.assert_close(logits, ref_logits, atol=1e-3, rtol=0)
 
-    ref_new = []  # transformers' greedy loop with its own cache, end-of-turn not special
-    with torch.no_grad():
-        out = hf(x, use_cache=True)
-        for _ in range(32):
-            nxt = int(out.logits[0, -1].argmax())
-            ref_new.append(nxt)
-            out = hf(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
-
-    from nbserve.engine import Engine
-    from nbserve.types import Request, SamplingParams
-
-    with Engine(ours, max_batch=2, max_context=256, quiet=True) as eng:
-        got = []
-        for ev in eng.stream(Request(prompt_ids=ids, params=SamplingParams(
-                temperature=0, max_tokens=32, ignore_eos=True))):
-            got += getattr(ev, "token_ids", [])
-    assert got == ref_new
+    got, kv_dtype = _engine_greedy(ours, ids)
+    assert got == _greedy_reference(hf, ids) and kv_dtype == torch.float32
     answer = ours.tokenizer.decode(got[:got.index(2)] if 2 in got else got)
     assert answer == "The capital of France is Paris."
+
+
+def test_the_default_load_caches_float16_and_keeps_transformers_answer(reference):
+    """`nbserve.load("smollm2")` serves from the GGUF's blocks (dtype "quantized"), and its
+    engine's KV cache is float16 by default (`default_kv_dtype`): the greedy tokens stay
+    transformers'."""
+    import nbserve
+
+    _, hf = reference
+    loaded = nbserve.load("smollm2", verbose=False)
+    ids = loaded.tokenizer.encode(loaded.template.render(MESSAGES, add_generation_prompt=True))
+    got, kv_dtype = _engine_greedy(loaded, ids)
+    assert loaded.model.weight_format == "quantized" and kv_dtype == torch.float16
+    assert got == _greedy_reference(hf, ids)
 
 
 def test_a_float16_kv_cache_keeps_the_greedy_answers(ours):

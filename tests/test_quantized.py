@@ -407,3 +407,27 @@ def test_loading_and_decoding_import_no_compiler_stack(q4_gguf):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=300)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_quantized_model_caches_float16_unless_told(q4_gguf, tiny_llama_dir):
+    """The engine's paged cache takes the model's `default_kv_dtype`: float16 for a quantized
+    CPU model (its attention runs in the C kernels), the model's dtype otherwise; `kv_dtype`
+    overrides it, and the budget is sized in the dtype chosen."""
+    from nbserve.engine import Engine
+
+    quantized = nbserve.load(str(q4_gguf), verbose=False)
+    plain = nbserve.load(str(tiny_llama_dir), verbose=False)
+    assert quantized.model.default_kv_dtype == torch.float16
+    assert plain.model.default_kv_dtype == torch.float32
+    budget = 8 * 32 * quantized.model.kv_bytes_per_token(torch.float32)  # 8 float32 blocks
+    blocks = {}
+    for loaded, kv_dtype, want in ((quantized, None, torch.float16),
+                                   (quantized, "float32", torch.float32),
+                                   (plain, None, torch.float32)):
+        with Engine(loaded, max_batch=4, max_context=512, kv_memory=budget, quiet=True,
+                    kv_dtype=kv_dtype) as engine:
+            assert engine.cache.dtype == want
+            blocks[loaded is plain, want] = engine.stats()["kv_blocks_total"]
+    assert quantized.model.kv_bytes_per_token() * 2 == plain.model.kv_bytes_per_token()
+    assert blocks[False, torch.float16] >= 2 * blocks[False, torch.float32] - 1  # twice the room
+    assert blocks[True, torch.float32] == blocks[False, torch.float32]

@@ -46,7 +46,8 @@ class EngineConfig:
     cache's budget, bytes (an int) or a fraction of the free memory (of the RAM available on
     CPU); None: 0.25 of the RAM on CPU, 0.9 of the free GPU memory on CUDA, and no more than
     max_batch sequences of max_context. kv_block_size: tokens per KV block. kv_dtype: the
-    cache's dtype ("float32", "bfloat16", "float16"; None: the model's). max_queue: requests
+    cache's dtype ("float32", "bfloat16", "float16"; None: the model's `default_kv_dtype`,
+    float16 for a quantized CPU model, else its dtype). max_queue: requests
     waiting for admission before new ones get BusyError. prefill_chunk: prompt tokens
     prefilled per step (long prompts are split). queue_timeout: seconds a request may wait
     for admission. max_backlog: events per choice a caller may leave unread before its
@@ -113,8 +114,9 @@ class EngineConfig:
             return self.max_batch
         return PAGED_MAX_BATCH if paged else ROW_MAX_BATCH
 
-    def resolved_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        return model_dtype if self.kv_dtype is None else getattr(torch, self.kv_dtype)
+    def resolved_kv_dtype(self, model_default: torch.dtype) -> torch.dtype:
+        """`kv_dtype`, or the model's default (its `default_kv_dtype`, else its dtype)."""
+        return model_default if self.kv_dtype is None else getattr(torch, self.kv_dtype)
 
     def context_for(self, model_context: int, paged: bool = False) -> int:
         """The context length to serve a model whose own limit is `model_context` (before

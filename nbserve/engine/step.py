@@ -62,7 +62,8 @@ class EngineStep:
         model_context = config.context_for(int(self.model.max_context), self.paged)
         self.budget: KVBudget | None = None
         if self.paged:
-            kv_dtype = config.resolved_kv_dtype(self.model.dtype)
+            kv_dtype = config.resolved_kv_dtype(
+                getattr(self.model, "default_kv_dtype", self.model.dtype))
             self.budget = plan_blocks(self.model.kv_bytes_per_token(kv_dtype),
                                       config.kv_block_size, torch.device(self.model.device),
                                       config.kv_memory, self.max_batch * model_context)

@@ -41,7 +41,8 @@ class StepModel(Protocol):
     - `make_paged_cache(n_blocks, block_size, dtype)`: a cache of `n_blocks` blocks of
       `block_size` positions plus one pad block (`cache.pad_block`), with `nbytes` and
       `copy_prefix(src_block, dst_block, length)` (the first `length` positions of a block);
-      `kv_bytes_per_token(dtype)` sizes it from the engine's memory budget.
+      `kv_bytes_per_token(dtype)` sizes it from the engine's memory budget; an optional
+      `default_kv_dtype` is the cache's dtype when the engine is given none (else `dtype`).
     - `forward` then takes block tables (B, S) int64 where `slots` were: position p of row b
       lives in block tables[b, p // block_size] at offset p % block_size; entries past a
       row's blocks are the pad block, and so are pad positions past a row's table. Blocks

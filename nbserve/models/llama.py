@@ -335,11 +335,23 @@ class LlamaModel(WeightFormats):
 
     def make_paged_cache(self, n_blocks: int, block_size: int,
                          dtype: torch.dtype | None = None) -> PagedKVCache:
-        """A paged cache of `n_blocks` blocks (`models.kv_cache`), in `dtype` (default: the
-        model's); forward then takes block tables (B, blocks) where slots were."""
+        """A paged cache of `n_blocks` blocks (`models.kv_cache`), in `dtype` (default:
+        `default_kv_dtype`); forward then takes block tables (B, blocks) where slots were."""
         c = self.config
         return PagedKVCache(c.num_hidden_layers, n_blocks, block_size, c.num_key_value_heads,
-                            c.head_dim, self.device, dtype or self.dtype)
+                            c.head_dim, self.device, dtype or self.default_kv_dtype)
+
+    @property
+    def default_kv_dtype(self) -> torch.dtype:
+        """The paged cache's dtype when the engine is not told one (`kv_dtype=None`):
+        float16 for a quantized CPU model (dtype="quantized", a GGUF's default), whose
+        attention runs in the C kernels, as fast over float16 as over float32, and which kept
+        every reference answer of the default model (benchmarks/README.md); half the memory
+        per token, as llama.cpp's default. Else the model's dtype, so float32 stays exact.
+        `kv_dtype="float32"` keeps a quantized model's cache in float32."""
+        if self.weight_format == "quantized" and self._paged_kernel:
+            return torch.float16
+        return self.dtype
 
     def make_cache(self, max_batch: int, max_context: int) -> PagedKVCache:
         """A paged cache laid out as `max_batch` rows of `max_context` positions, for callers
@@ -352,9 +364,10 @@ class LlamaModel(WeightFormats):
                             rows=max_batch)
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
-        """Bytes one cached token takes (keys and values of every layer)."""
+        """Bytes one cached token takes (keys and values of every layer), in `dtype`
+        (default: `default_kv_dtype`)."""
         c = self.config
-        item = torch.empty((), dtype=dtype or self.dtype).element_size()
+        item = torch.empty((), dtype=dtype or self.default_kv_dtype).element_size()
         return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * item
 
     def _rope_table(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -62,7 +62,8 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-block-size", type=int, default=None, help="tokens per KV block "
                         "(default 32; full blocks are shared between requests by prefix)")
     parser.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="the KV cache's dtype (default: the model's; float16 halves it)")
+                        help="the KV cache's dtype (default: float16 for a quantized CPU model, "
+                        "else the model's dtype; float16 halves it)")
     parser.add_argument("--dtype", default=None,
                         choices=["float32", "bfloat16", "float16", "mixed16", "quantized"],
                         help="weights: float32 (CPU default; for a GGUF of Q4_0/Q4_1/Q8_0 "
