@@ -134,3 +134,75 @@ def test_two_replicas_on_one_gpu_share_weights_and_split_memory(gpu16, cpu32):
         ids = cpu32.tokenizer.encode(PROMPTS[1])
         diff = (forward_all(cpu32, ids) - forward_all(pool.engines[0].loaded, ids)).abs().max()
         assert diff < 1e-3
+
+
+def test_bf16_logits_match_transformers_on_the_same_weights(gpu16, tiny_llama_dir):
+    """nbserve's bfloat16 forward on CUDA against transformers' bfloat16 forward of the same
+    checkpoint on the same GPU."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).to("cuda")
+    for text in PROMPTS:
+        ids = gpu16.tokenizer.encode(text)
+        with torch.no_grad():
+            ref = hf.eval()(torch.tensor([ids], device="cuda")).logits[0].float().cpu()
+        got = forward_all(gpu16, ids)
+        err, scale = (ref - got).abs().max().item(), ref.abs().max().item()
+        assert err <= 0.05 * scale, f"{text!r}: max |diff| {err:.4f} vs logit scale {scale:.3f}"
+        assert (ref.softmax(-1) - got.softmax(-1)).abs().max().item() < 0.02, text
+
+
+def _prefilled(model, prompts: list[list[int]], block_size: int = 16):
+    per = 256 // block_size
+    cache = model.make_paged_cache(per * len(prompts), block_size)
+    tables = torch.arange(per * len(prompts), device="cuda").view(len(prompts), per)
+    for i, ids in enumerate(prompts):
+        model.forward(torch.tensor([ids], device="cuda"),
+                      torch.arange(len(ids), device="cuda")[None], tables[i:i + 1], cache)
+    return cache, tables
+
+
+def test_cuda_graphs_replay_what_the_eager_static_step_computes(gpu16):
+    """The captured decode steps (every bucket at start-up) replay the eager bucketed step's
+    logits exactly, for a full and a padded batch and for one row."""
+    from nbserve.models.static_decode import StaticDecode
+
+    model = gpu16.model
+    prompts = [gpu16.tokenizer.encode(p) for p in PROMPTS[:5]]
+    for rows in (5, 1, 4):
+        sub = prompts[:rows]
+        eager_cache, tables = _prefilled(model, sub)
+        graph_cache, _ = _prefilled(model, sub)
+        eager = StaticDecode(model, eager_cache, max_batch=8, max_context=256, capture=False)
+        graphs = StaticDecode(model, graph_cache, max_batch=8, max_context=256, capture=True)
+        assert graphs.captured and graphs.capture_error is None and not eager.captured
+        ids = torch.tensor([[p[-1]] for p in sub], device="cuda")
+        positions = torch.tensor([[len(p)] for p in sub], device="cuda")
+        max_pos = int(positions.max())
+        width = max_pos // 16 + 1
+        a = eager(ids, positions, tables[:, :width], max_pos)
+        b = graphs(ids, positions, tables[:, :width], max_pos)
+        assert graphs.replays == 1 and torch.equal(a, b), rows
+        for layer in range(len(eager_cache.k)):  # and the same keys and values written
+            assert torch.equal(eager_cache.k[layer][:-1], graph_cache.k[layer][:-1])
+
+
+def test_the_engine_decodes_through_cuda_graphs_by_default(gpu16):
+    """On CUDA the engine captures its decode steps at start-up and replays them; the answers
+    are the eager engine's (or differ only at a bfloat16 near-tie)."""
+    results = {}
+    for static in (None, False):
+        with Engine(gpu16, max_batch=8, max_context=256, quiet=True,
+                    static_decode=static) as eng:
+            async def main():
+                return await asyncio.gather(*[collect(eng, Request(prompt=p, params=greedy()))
+                                              for p in PROMPTS])
+
+            results[static] = asyncio.run(main())
+            info = eng.static_decode
+            if static is None:
+                assert info is not None and info["graphs"] > 0 and info["replays"] > 0, info
+            else:
+                assert info is None
+    for p, a, t in zip(PROMPTS, results[False], results[None]):
+        assert_same_or_near_tie(a, t, p)

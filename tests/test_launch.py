@@ -425,3 +425,24 @@ def test_nbserve_launch_stays_callable_after_its_module_is_imported():
     importlib.import_module("nbserve.serving.launch")
     assert callable(nbserve.launch) and nbserve.launch is launch
     assert nbserve.serve is importlib.import_module("nbserve.serving.launch").serve
+
+
+def test_without_gradio_the_api_serves_and_the_ui_is_off(tiny_llama_dir):
+    """nbserve imports and serves where gradio is not installed (the bare GPU image of
+    benchmarks/gpu_check.sh, or a user who never wants the UI): asked for the UI, launch warns
+    and serves the API. A fresh process in which importing gradio fails."""
+
+    code = ("import sys\n"
+            "sys.modules['gradio'] = None  # as if not installed: its import raises\n"
+            "import httpx, nbserve\n"
+            f"srv = nbserve.launch({str(tiny_llama_dir)!r})\n"
+            "print('models', httpx.get(srv.api_base + '/models').status_code, 'ui', srv.ui)\n"
+            "srv.stop()\n"
+            f"srv = nbserve.launch({str(tiny_llama_dir)!r}, ui=False)\n"
+            "print('plain', httpx.get(srv.api_base + '/models').status_code)\n"
+            "srv.stop()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "models 200 ui False" in out.stdout and "plain 200" in out.stdout, out.stdout
+    assert "chat UI not mounted" in out.stdout

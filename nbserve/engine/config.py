@@ -54,7 +54,10 @@ class EngineConfig:
     request is cancelled. restart_on_failure: restart the engine thread if it dies.
     threads: torch intra-op threads of the engine thread (None: tuned per forward size on
     CPU). step_timeout: seconds one step may run before the engine counts as stuck. name:
-    the served model name (default: the model's). quiet: no start-up line.
+    the served model name (default: the model's). quiet: no start-up line. static_decode:
+    decode steps at bucketed shapes from static buffers, captured as CUDA graphs and replayed
+    (`models.static_decode`; None: on for a CUDA model with a paged cache, off on CPU, where
+    True runs the same bucketed steps eagerly, without the C kernels).
     """
 
     max_batch: int | None = None
@@ -71,6 +74,7 @@ class EngineConfig:
     step_timeout: float | None = 300.0
     name: str | None = None
     quiet: bool = False
+    static_decode: bool | None = None
 
     def __post_init__(self) -> None:
         for field in ("max_queue", "prefill_chunk", "kv_block_size"):
@@ -85,6 +89,9 @@ class EngineConfig:
         _int_at_least("threads", self.threads, 1, "tuned")
         _seconds_or_none("queue_timeout", self.queue_timeout)
         _seconds_or_none("step_timeout", self.step_timeout)
+        if self.static_decode is not None and not isinstance(self.static_decode, bool):
+            raise ValueError("static_decode must be True, False or None (on for a CUDA model), "
+                             f"got {self.static_decode!r}")
         if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
             raise ValueError(f"name must be a non-empty string (or None), got {self.name!r}")
 

@@ -200,6 +200,14 @@ class Engine(SyncHelpers):
             self._lock.notify()
         return len(groups)
 
+    @property
+    def static_decode(self) -> dict[str, Any] | None:
+        """How decode steps run at fixed shapes (`EngineConfig.static_decode`): the buckets,
+        the CUDA graphs captured (0: eager), a capture error, steps run and replayed; None
+        where they do not."""
+        static = self._step.static
+        return None if static is None else static.describe()
+
     def describe_cache(self) -> str:
         """The KV cache in one line: budget, blocks, the largest context one request gets."""
         budget = self._step.budget

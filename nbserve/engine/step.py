@@ -73,12 +73,26 @@ class EngineStep:
             min(model_context, self.budget.tokens)
         self.cache: Any = self._make_cache()
         self.scheduler = self._make_scheduler()
+        self.static = self._make_static_decode()
 
     def _make_cache(self) -> Any:
         if self.budget is None:
             return self.model.make_cache(self.max_batch, self.max_context)
         return self.model.make_paged_cache(self.budget.n_blocks, self.budget.block_size,
                                            self.kv_dtype)
+
+    def _make_static_decode(self) -> Any:
+        """The model's static decode steps (CUDA graphs on CUDA) where `static_decode` asks
+        (None: on for CUDA), for models that offer them over a paged cache; else None."""
+        make = getattr(self.model, "make_static_decode", None)
+        on_cuda = torch.device(self.model.device).type == "cuda"
+        want = on_cuda if self.config.static_decode is None else self.config.static_decode
+        if not want or make is None or self.budget is None:
+            if self.config.static_decode:
+                log.warning("static_decode: this model has no static decode steps (nbserve's "
+                            "own model families over a paged cache do); decoding as usual")
+            return None
+        return make(self.cache, self.max_batch, self.max_context, capture=on_cuda)
 
     def _make_scheduler(self) -> Scheduler:
         space: KVSpace = SlotSpace(self.max_batch, self.max_context) if self.budget is None \
@@ -164,8 +178,9 @@ class EngineStep:
     def renew(self) -> None:
         """After a crash of the engine thread: a fresh KV cache (the old one is freed first)
         and scheduler. The stats and the thread tuner's timings stay."""
-        self.cache = None
+        self.cache = self.static = None
         self.cache = self._make_cache()
+        self.static = self._make_static_decode()  # its buffers and graphs read the new cache
         self.forget_requests()
 
     # ------------------------------------------------------------------ one step
@@ -193,12 +208,18 @@ class EngineStep:
         ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=dev)
         positions = torch.tensor(pos_l, device=dev).unsqueeze(1)
         where, hints = self._where(seqs, max(pos_l))
+        static = self.static if self.static is not None and \
+            self.static.serves(len(seqs), max(pos_l), where.shape[-1]) else None
         t0 = time.perf_counter()
         try:
             with self._threads_for(len(seqs)):
-                logits = self.model.forward(ids, positions, where, self.cache,
-                                            logit_index=torch.zeros(len(seqs), dtype=torch.long,
-                                                                    device=dev), **hints)
+                if static is not None:
+                    logits = static(ids, positions, where, max(pos_l))
+                else:
+                    logits = self.model.forward(ids, positions, where, self.cache,
+                                                logit_index=torch.zeros(
+                                                    len(seqs), dtype=torch.long, device=dev),
+                                                **hints)
         except Exception as exc:
             self._fail_step(seqs, exc)
             return time.perf_counter() - t0, 0.0

@@ -32,6 +32,7 @@ from .paged_attention import (
     paged_decode_step,
     paged_lone_attention,
 )
+from .static_decode import StaticDecode
 from .weights import WeightFormats
 
 PAGED_BLOCK_SIZE = 32  # positions per block of a cache made by make_cache (the row convention)
@@ -231,7 +232,9 @@ class StepInputs:
                  "tables_i32", "positions_i32", "_bias")
 
     def __init__(self, positions: torch.Tensor, tables: torch.Tensor, max_pos: int,
-                 cache: PagedKVCache, kernel: bool):
+                 cache: PagedKVCache, kernel: bool, padded: bool = False):
+        """`padded`: the read length `max_pos` + 1 may pass every row's position (a length
+        rounded up), so even a lone row needs its mask."""
         self.positions = positions
         self.kv_len = max_pos + 1
         bs = cache.block_size
@@ -247,7 +250,7 @@ class StepInputs:
         if self.kernel:
             self.tables_i32 = tables.to(torch.int32).contiguous()
             self.positions_i32 = positions[:, 0].to(torch.int32).contiguous()
-        if b == 1 and t == 1:
+        if b == 1 and t == 1 and not padded:
             self.mask = None  # one query at the last position: every cached key is visible
         else:  # key j is visible to the query at position p iff j <= p
             keys = torch.arange(self.kv_len, device=positions.device)
@@ -400,7 +403,16 @@ class LlamaModel(WeightFormats):
         if ids.shape == (1, 1) and lone and self._lone_ready:
             return self._lone_step(ids, max_pos, tables[0], cache, logit_index is None)
         kernel = self._paged_kernel and cache.dtype in CACHE_DTYPES
-        step = StepInputs(positions, tables, max_pos, cache, kernel)
+        return self.batched_step(ids, positions, tables, cache, max_pos + 1, logit_index, kernel)
+
+    def batched_step(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                     cache: PagedKVCache, kv_len: int, logit_index: torch.Tensor | None = None,
+                     kernel: bool = False, padded: bool = False) -> torch.Tensor:
+        """`forward` for a batch (never the lone-step shortcut), attention reading the first
+        `kv_len` positions of every table row: the largest position + 1, or with `padded`
+        more, masked by position (`StaticDecode` rounds it up, to run at fixed shapes).
+        `kernel`: decode attention in the C kernels (CPU)."""
+        step = StepInputs(positions, tables, kv_len - 1, cache, kernel, padded)
         cos_t, sin_signed_t = self._rope_table()
         rope = (cos_t[positions].unsqueeze(2), sin_signed_t[positions].unsqueeze(2))  # (B,T,1,D)
         x = self.embed(ids)  # (B, T, H)
@@ -409,6 +421,12 @@ class LlamaModel(WeightFormats):
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # (B, H)
         return self._logits(x)
+
+    def make_static_decode(self, cache: PagedKVCache, max_batch: int, max_context: int,
+                           capture: bool) -> StaticDecode:
+        """Decode steps at bucketed shapes over `cache` (`models.static_decode`), captured as
+        CUDA graphs where `capture` (on a CUDA model), else run eagerly."""
+        return StaticDecode(self, cache, max_batch, max_context, capture)
 
     @property
     def _paged_kernel(self) -> bool:

@@ -441,7 +441,7 @@ def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.
             if share_url is None:
                 print(f"nbserve: WARNING: could not create a share link ({why}); the server is "
                       "only reachable locally", flush=True)
-        app = _make_app(ref, opts, access)
+        app, opts = _make_app(ref, opts, access)
         server = Server(app, ref, sock, host, owned=owned, options=opts,
                         share_url=share_url, model=model,
                         build_options={k: v for k, v in build.items() if v is not None},
@@ -474,15 +474,22 @@ def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.
     return server
 
 
-def _make_app(ref: SwappableBackend, options: ServerOptions, access: Access) -> Any:
+def _make_app(ref: SwappableBackend, options: ServerOptions,
+              access: Access) -> tuple[Any, ServerOptions]:
+    """The app, and the options it serves with: without gradio the UI is off (a warning) and
+    the API serves, as `create_app` does."""
     from .app import create_app
 
     app = create_app(ref, options=dataclasses.replace(options, ui=False))
     if options.ui:
-        from .ui import mount_ui
-
+        try:
+            from .ui import mount_ui
+        except ImportError as exc:
+            print(f"nbserve: WARNING: chat UI not mounted ({exc}); the API still works. "
+                  "Install gradio, or pass ui=False to silence this.", flush=True)
+            return app, dataclasses.replace(options, ui=False)
         mount_ui(app, ref, password=access.ui_password)  # the app's keys, limits, rate limit
-    return app
+    return app, options
 
 
 def running_servers() -> list[Server]:
