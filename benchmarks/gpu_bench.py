@@ -1,6 +1,7 @@
 """Engine decode throughput on a random-weight model, beside the GPU's memory-bandwidth bound.
 
-    python benchmarks/gpu_bench.py                      # Qwen2.5-1.5B shape, cuda, bf16, batch 1,64
+    python benchmarks/gpu_bench.py                      # Qwen2.5-1.5B shape, cuda, bf16,
+                                                        # batch 1,16,64,256
     python benchmarks/gpu_bench.py --config qwen2.5-0.5b --batch 1,16,64
     python benchmarks/gpu_bench.py --device cpu --tiny  # the same path on a tiny model
 
@@ -8,7 +9,9 @@ The model is built on the device with random weights (no download) in a shape nb
 prompts are random token ids, every request decodes `--new-tokens` tokens (EOS ignored). Decode
 tokens/s is measured while every request of the batch is decoding. The bound is what memory
 bandwidth allows: each decode step reads every weight once (plus the batch's KV cache), so
-bound = batch x bandwidth / (weight bytes + KV bytes read per step).
+bound = batch x bandwidth / (weight bytes + KV bytes read per step). Also: the time to first
+token of one `--ttft-prompt`-token prompt (default 2,000) on the idle engine, the KV budget
+the engine chose, and its step time split (model, sampling, bookkeeping).
 """
 
 from __future__ import annotations
@@ -137,20 +140,35 @@ async def run_batch(engine: Engine, batch: int, prompt_len: int, new_tokens: int
             "window_s": end - start, "steady": steady}
 
 
+async def time_to_first_token(engine: Engine, prompt_len: int, seed: int) -> float:
+    """Seconds from submitting one `prompt_len`-token prompt to its first token."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, min(engine.vocab_size, 600), (prompt_len,), generator=g).tolist()
+    t0 = time.perf_counter()
+    times = await _one(engine, ids, 1)
+    return times[0] - t0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--config", default="qwen2.5-1.5b", choices=sorted(CONFIGS))
     ap.add_argument("--tiny", action="store_true", help="tiny config, few tokens (a smoke run)")
-    ap.add_argument("--batch", default="1,64", help="comma-separated batch sizes")
+    ap.add_argument("--batch", default="1,16,64,256", help="comma-separated batch sizes")
+    ap.add_argument("--ttft-prompt", type=int, default=2000,
+                    help="prompt tokens of the time-to-first-token run (0: none)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth in GB/s")
     ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--static-decode", choices=["auto", "on", "off"], default="auto",
+                    help="decode steps at fixed shapes, CUDA graphs on CUDA (auto: the "
+                    "engine's default, on for CUDA)")
     args = ap.parse_args(argv)
     if args.tiny:
         args.config, args.new_tokens, args.prompt_len = "tiny", min(args.new_tokens, 48), 32
+        args.ttft_prompt = min(args.ttft_prompt, 256)
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         print(f"CUDA is not available to torch {torch.__version__}: run with --device cpu --tiny")
         return 2
@@ -161,16 +179,42 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     loaded = build_random_model(args.config, args.device, dtype)
     n_params, weight_bytes = count_parameters(loaded.model)
-    max_context = args.prompt_len + args.new_tokens + 8
-    engine = Engine(loaded, max_batch=max(batches), max_context=max_context, quiet=True)
-    kv_per_token = engine.cache.nbytes // (engine.max_batch * engine.max_context)
+    max_context = max(args.prompt_len + args.new_tokens, args.ttft_prompt + 1) + 8
+    static = {"auto": None, "on": True, "off": False}[args.static_decode]
+    t_engine = time.perf_counter()
+    engine = Engine(loaded, max_batch=max(batches), max_context=max_context, quiet=True,
+                    static_decode=static)
+    engine_s = time.perf_counter() - t_engine
+    kv_dtype = engine.cache.dtype
+    kv_per_token = loaded.model.kv_bytes_per_token(kv_dtype)
+    stats = engine.stats()
+    kv = {"budget_bytes": stats["kv_budget_bytes"], "blocks": stats["kv_blocks_total"],
+          "block_size": stats["kv_block_size"], "dtype": str(kv_dtype),
+          "bytes_per_token": kv_per_token,
+          "tokens": stats["kv_blocks_total"] * stats["kv_block_size"]}
     bw, bw_src = bandwidth_of(args.device, args.bandwidth)
     print(f"model {loaded.name}: {n_params / 1e6:.1f} M parameters, {weight_bytes / 2**30:.3f} GiB"
           f" of {str(dtype).replace('torch.', '')} weights on {args.device}, built in "
           f"{time.perf_counter() - t0:.1f} s; KV cache {engine.cache.nbytes / 2**30:.3f} GiB; "
           f"bandwidth {bw / 1e12 if bw else float('nan'):.2f} TB/s ({bw_src})", flush=True)
+    print(f"KV budget chosen: {kv['budget_bytes'] / 2**30:.2f} GiB = {kv['blocks']} blocks x "
+          f"{kv['block_size']} tokens = {kv['tokens']} tokens ({kv_per_token} B a token, "
+          f"{kv['dtype'].replace('torch.', '')})", flush=True)
+    graphs = engine.static_decode
+    print(f"engine ready in {engine_s:.1f} s; static decode: "
+          + ("off" if graphs is None else f"{graphs['graphs']} CUDA graphs captured, buckets "
+             f"{graphs['batch_buckets']} x {graphs['length_buckets']} tokens"
+             + (f", capture failed: {graphs['capture_error']}" if graphs["capture_error"]
+                else "")), flush=True)
     results = []
+    ttft = None
+    st: Any = None
     try:
+        if args.ttft_prompt:
+            asyncio.run(run_batch(engine, 1, args.ttft_prompt, 1, seed=7))  # warm-up
+            ttft = asyncio.run(time_to_first_token(engine, args.ttft_prompt, seed=8))
+            print(f"time to first token, {args.ttft_prompt}-token prompt: {ttft * 1e3:.1f} ms",
+                  flush=True)
         for b in batches:  # warm-up: kernels, allocator, the cuBLAS heuristics of each shape
             asyncio.run(run_batch(engine, b, args.prompt_len, 4, seed=99))
         print(f"{'batch':>5} {'decode tok/s':>13} {'bound tok/s':>12} {'of bound':>9} "
@@ -189,12 +233,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'' if r['steady'] else '  (whole run: no window where all decode)'}",
                   flush=True)
         st = engine.stats()["step_time_s"]
+        if bw and results and results[0]["batch"] == 1:
+            frac = results[0]["fraction_of_bound"]
+            print(f"goal: batch-1 decode at least 70% of the bandwidth bound: {frac:.1%} "
+                  f"({'met' if frac >= 0.7 else 'NOT met'})")
         print(f"engine step time split over the whole run: {st}")
         if torch.device(args.device).type == "cuda":
             print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     finally:
         engine.close()
     summary = {"model": loaded.name, "params": n_params, "weight_bytes": weight_bytes,
+               "kv": kv, "ttft_prompt": args.ttft_prompt, "ttft_s": ttft,
+               "engine_start_s": engine_s, "static_decode": engine.static_decode,
+               "step_time_s": st,
                "device": args.device, "gpu": torch.cuda.get_device_name() if
                torch.device(args.device).type == "cuda" else None,
                "dtype": str(dtype), "bandwidth": bw, "prompt_len": args.prompt_len,

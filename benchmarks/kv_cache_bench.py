@@ -8,8 +8,9 @@ the same GGUF, over HTTP, each server a subprocess started as its users start it
 1. Resident memory (VmRSS of the server process from /proc/<pid>/status): idle once ready,
    and the peak (sampled every 0.2 s) under 1 stream and under 16 concurrent streams of
    ~1,000-token prompts, for nbserve's defaults (`python app.py --port P`), for nbserve with
-   `--kv-memory` of the same token capacity as `llama-server -np 16 -c 32768` (float32 KV, and
-   `--kv-dtype float16` like llama-server's f16), and for that llama-server.
+   `--kv-memory` of the same token capacity as `llama-server -np 16 -c 32768` (`--kv-dtype
+   float32`, and float16, like llama-server's f16 and nbserve's default for a quantized GGUF),
+   and for that llama-server.
 2. A shared system prompt of ~1,500 tokens, 16 users with a short different question each,
    sent at once (OpenAI SDK, streaming, 16 new tokens, temperature 0) after one warm-up
    request with that prompt: TTFT p50/p95 and the prompt tokens each server computed
@@ -703,7 +704,7 @@ async def main_async(args: argparse.Namespace) -> None:
             prompts = make_prompts(await calibrate(server, args), args)
         finally:
             await stop(server)
-        bpt16 = facts.kv_bytes(2)
+        bpt16, bpt32 = facts.kv_bytes(2), facts.kv_bytes(4)  # the budgets' own dtypes
         # (a) nbserve as a user starts it: python app.py --port P
         if "defaults" in parts:
             a = await run_one(nbserve_spec("nbserve_defaults"), "nbserve",
@@ -714,9 +715,9 @@ async def main_async(args: argparse.Namespace) -> None:
         # (b) nbserve with llama-server's token capacity, float32 and float16 KV
         if "kv" in parts:
             results.append(await run_one(
-                nbserve_spec("nbserve_kv", int(cap * bpt)), "nbserve",
-                f"nbserve --kv-memory {int(cap * bpt)} ({cap} tokens)", args, workdir, prompts,
-                bias))
+                nbserve_spec("nbserve_kv", cap * bpt32, "float32"), "nbserve",
+                f"nbserve --kv-memory {cap * bpt32} --kv-dtype float32 ({cap} tokens)", args,
+                workdir, prompts, bias))
         if "kv16" in parts:
             results.append(await run_one(
                 nbserve_spec("nbserve_kv16", cap * bpt16, "float16"), "nbserve",
@@ -734,7 +735,7 @@ async def main_async(args: argparse.Namespace) -> None:
         # 3. 2 GiB of conversations: the idle RSS of nbserve as users run it (with its UI)
         ui_idles = [r.memory.idle for r in results if r is not no_ui and r.memory.idle]
         ref_idle = ui_idles[0] if ui_idles else no_ui.memory.idle or 0
-        plans = {"fit": (bpt, None), "fit16": (bpt16, "float16")}
+        plans = {"fit": (bpt32, "float32"), "fit16": (bpt16, "float16")}
         for name, (per_token, dtype) in plans.items():
             tokens, n = fit_count(limit, ref_idle, per_token, conv)
             fits[name] = {"bpt": per_token, "tokens": tokens, "n": n, "dtype": dtype}
@@ -772,7 +773,7 @@ async def main_async(args: argparse.Namespace) -> None:
     print_workloads(a, peer)
     print(f"\n== 3. 1k-token conversations ({conv} tokens each) in {args.limit_gib:g} GiB ==")
     for f in fits.values():
-        what = f"--kv-dtype {f['dtype']}" if f["dtype"] else "float32 KV (default)"
+        what = f"--kv-dtype {f['dtype']}"
         print(f"nbserve, {what}: ({args.limit_gib:g} GiB - idle {ref_idle:.0f} MiB) / "
               f"{f['bpt']:.0f} B per token = {f['tokens']} tokens = {f['n']} conversations "
               f"(--kv-memory {int(f['tokens'] * f['bpt'])})")

@@ -1,0 +1,147 @@
+"""The notebook lifecycle on a GPU: memory back after stop() and update(), launch again works.
+
+What vLLM users complain about most in notebooks: stopping a server leaves its GPU memory
+taken until the kernel restarts. This runs, in one process, on cuda when there is one (else on
+cpu, where the memory checks are skipped and the rest still runs):
+
+1. launch a model nbserve loads itself (a tiny HF checkpoint directory written here), chat once,
+   stop: `torch.cuda.memory_allocated()` is back at its value before the launch;
+2. launch a model object the caller holds, chat, `update()` to a second one (the first engine
+   retired: its KV cache freed), chat, stop: back to the caller's weights alone; once the caller
+   drops them, back to the start;
+3. launch, stop, launch again on the same port: the second server answers.
+
+    python benchmarks/gpu_lifecycle.py [--json out.json]
+
+Prints one line per check and a JSON summary; exits 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+
+import nbserve  # noqa: E402
+
+SERVE = {"ui": False, "max_batch": 4, "max_context": 256, "kv_memory": 64 << 20}
+
+
+def allocated() -> int | None:
+    if not torch.cuda.is_available():
+        return None
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def chat(srv: Any) -> str:
+    """One completion (the random models have no chat template); its text."""
+    r = httpx.post(f"{srv.api_base}/completions", timeout=120, json={
+        "model": srv.backend.model_name, "max_tokens": 8, "temperature": 0, "prompt": "hello"})
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"]
+
+
+class Checks:
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def memory(self, name: str, got: int | None, want: int | None) -> None:
+        if got is None or want is None:
+            self.rows.append({"check": name, "ok": None, "note": "no CUDA: not measured"})
+            print(f"  {name}: skipped (no CUDA)")
+            return
+        ok = got <= want
+        self.rows.append({"check": name, "ok": ok, "allocated": got, "baseline": want})
+        print(f"  {name}: {'ok' if ok else 'FAILED'} (allocated {got / 2**20:.1f} MiB, "
+              f"baseline {want / 2**20:.1f} MiB)")
+
+    def true(self, name: str, ok: bool, note: str = "") -> None:
+        self.rows.append({"check": name, "ok": ok, "note": note})
+        print(f"  {name}: {'ok' if ok else 'FAILED'} {note}")
+
+    @property
+    def failed(self) -> bool:
+        return any(row["ok"] is False for row in self.rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    from gpu_bench import build_random_model
+    from tiny_models import make_tiny_hf_dir
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    checks = Checks()
+    print(f"lifecycle on {device} (torch {torch.__version__})")
+    start = allocated()
+
+    with tempfile.TemporaryDirectory() as tmp:  # 1. a model nbserve loads and owns
+        path = make_tiny_hf_dir(Path(tmp) / "tiny", arch="llama")
+        srv = nbserve.launch(str(path), device=device, **SERVE)
+        checks.true("owned model answers", bool(chat(srv) is not None))
+        engine = weakref.ref(srv.backend)
+        srv.stop()
+        gc.collect()
+        checks.true("after stop(), nothing holds the engine (collected)", engine() is None)
+        checks.memory("after stop(), an owned model's memory is back", allocated(), start)
+
+    first = build_random_model("tiny", device, dtype)  # 2. models the caller holds
+    second = build_random_model("tiny", device, dtype, seed=1)
+    held = allocated()
+    srv = nbserve.launch(first, **SERVE)
+    chat(srv)
+    with_first = allocated()
+    old = srv.backend
+    srv.update(second)
+    chat(srv)
+    after_update = allocated()
+    checks.true("update() swapped the engine", srv.backend is not old and not old.health()
+                .get("ready", False))
+    old_ref = weakref.ref(old)
+    del old
+    gc.collect()
+    checks.true("after update(), nothing holds the old engine (collected)", old_ref() is None)
+    if with_first is not None and after_update is not None and held is not None:
+        # the first engine's KV cache went with it: one engine's worth over the weights
+        checks.memory("after update(), the old engine's memory is back", after_update,
+                      with_first)
+    srv.stop()
+    checks.memory("after stop(), only the caller's weights stay", allocated(), held)
+    del first, second, srv
+    checks.memory("after the caller drops its models, everything is back", allocated(), start)
+
+    port = None  # 3. launch, stop, launch again on the same port
+    again = build_random_model("tiny", device, dtype)
+    srv = nbserve.launch(again, **SERVE)
+    port = srv.port
+    srv.stop()
+    srv = nbserve.launch(again, port=port, **SERVE)
+    checks.true("launch, stop, launch again on the same port answers", bool(chat(srv) is not None),
+                f"port {port}")
+    srv.stop()
+
+    summary = {"device": device, "torch": torch.__version__, "checks": checks.rows,
+               "ok": not checks.failed}
+    print("JSON " + json.dumps(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return 1 if checks.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
