@@ -61,6 +61,11 @@ triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkz
 xarray xxhash yarl zipp
 """.split())
 
+# The versions KINDS.md gives for some of them (its pip list): the dry run installs none newer,
+# so that a later release's new requirements (huggingface-hub 2 needs httpx2) do not count.
+IMAGE_VERSIONS = {"accelerate": "1.15.0", "huggingface-hub": "1.33.0", "numpy": "2.5.2",
+                  "safetensors": "0.8.0", "tokenizers": "0.23.2", "transformers": "5.17.0"}
+
 LEFT_OUT = {"torch": "the image's own CUDA build is used, never replaced",
             "gradio": "the check serves without the UI (ui=False); --with-ui carries it"}
 # What the check itself imports beyond nbserve's requirements (tests/conftest.py, test_cuda.py,
@@ -143,6 +148,14 @@ def resolve(dest: Path, python_version: str, left_out: dict[str, str]
     return sorted(carried.values()), sorted(from_image)
 
 
+def remove_foreign(names: list[str]) -> None:
+    """Uninstall packages the image lacks from this environment (the dry run's: a newer
+    release of an image package may have pulled them in)."""
+    if names:
+        subprocess.run([sys.executable, "-m", "pip", "uninstall", "-q", "-y", *names],
+                       check=True)
+
+
 def foreign_packages() -> list[str]:
     """Installed distributions of this interpreter that the device image does not hold (the
     dry run's environment must have none: whatever it needs is then in the image or carried)."""
@@ -161,13 +174,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--foreign", action="store_true",
                     help="only list the packages of this environment the image lacks (exit 1 "
                     "if any): the dry run's check that its environment is the image's")
+    ap.add_argument("--remove", action="store_true",
+                    help="with --foreign: uninstall them (then list again)")
+    ap.add_argument("--constraints", type=Path, default=None,
+                    help="write pip constraints here: none newer than the image's versions")
     ap.add_argument("--with-ui", action="store_true",
                     help="carry gradio and its requirements too (measure whether they fit)")
     args = ap.parse_args(argv)
     if args.foreign:
         foreign = foreign_packages()
+        if foreign and args.remove:
+            print("removing what the image lacks:", " ".join(foreign))
+            remove_foreign(foreign)
+            foreign = foreign_packages()
         print("packages the image lacks:", " ".join(foreign) or "none")
         return 1 if foreign else 0
+    if args.constraints is not None:
+        # no newer than the image's (this machine's Python may not have that very release)
+        args.constraints.write_text("".join(f"{n}<={v}\n" for n, v in IMAGE_VERSIONS.items()))
     if not re.fullmatch(r"3\.\d+", args.python_version):
         ap.error("--python-version looks like 3.12")
     left_out = {k: v for k, v in LEFT_OUT.items() if not (args.with_ui and k == "gradio")}
