@@ -709,7 +709,7 @@ async def main_async(args: argparse.Namespace) -> None:
         if "defaults" in parts:
             a = await run_one(nbserve_spec("nbserve_defaults"), "nbserve",
                               "nbserve defaults (python app.py)", args, workdir, prompts, bias,
-                              workloads=True)
+                              workloads=not args.memory_only)
             results.append(a)
         results.append(no_ui)
         # (b) nbserve with llama-server's token capacity, float32 and float16 KV
@@ -727,7 +727,7 @@ async def main_async(args: argparse.Namespace) -> None:
             peer = await run_one(llama_spec("llama_server", gguf, llama_bin, args.llama_parallel,
                                             args.llama_context), "llama",
                                  f"llama-server -np {args.llama_parallel} -c {args.llama_context}",
-                                 args, workdir, prompts, bias, workloads=True)
+                                 args, workdir, prompts, bias, workloads=not args.memory_only)
             small = await run_one(llama_spec("llama_server_small", gguf, llama_bin, 1, 1024),
                                   "llama", "llama-server -np 1 -c 1024 (idle only)", args,
                                   workdir, prompts, bias, memory=False)
@@ -812,6 +812,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: short prompts, 4 users and streams, 1 round")
     p.add_argument("--skip-peer", action="store_true", help="nbserve only (no llama-server)")
+    p.add_argument("--memory-only", action="store_true",
+                   help="part 1 only: no shared-prompt workloads (part 2)")
     p.add_argument("--parts", default=",".join(PARTS),
                    help=f"what to run (default: all of {','.join(PARTS)}): defaults = nbserve "
                    "as started by `python app.py` (memory and the shared-prompt workload), kv / "

@@ -84,12 +84,18 @@ def test_q4_dequantize_follows_the_gguf_nibble_order():
     assert w[16:].tolist() == [2.0 * (15 - i) - 1 for i in range(16)]  # high: 16-31
 
 
+# Q8_0 codes are rounded with the float32 scale, which is then stored as float16 (llama.cpp's
+# way): half a step, plus up to 127 codes times the scale's float16 rounding (2^-11 of it)
+Q8_STEPS = 0.5 + 127 * 2 ** -11
+
+
 def test_q8_0_from_float_is_within_half_a_step():
     w = torch.randn(5, 96) * torch.logspace(-3, 1, 96)
     blocks = QuantBlocks.from_float(w)
-    assert blocks.kind == "q8" and blocks.shape == (5, 96)
-    step = blocks.scales.repeat_interleave(32, dim=1)
-    assert ((blocks.dequantize() - w).abs() <= step / 2 + 1e-7).all()
+    assert blocks.kind == "q8" and blocks.shape == (5, 96) and blocks.scales.dtype == \
+        torch.float16
+    step = blocks.scales.float().repeat_interleave(32, dim=1)
+    assert ((blocks.dequantize() - w).abs() <= step * Q8_STEPS + 1e-7).all()
     assert QuantBlocks.from_float(torch.randn(4, 48)) is None  # rows not made of whole blocks
     assert QuantBlocks.from_float(torch.zeros(2, 32)).dequantize().abs().sum() == 0
 
@@ -201,9 +207,9 @@ def test_a_fused_projection_with_other_types_gets_q8_0_made_at_load(tiny_llama_d
     assert names[2] == "model.layers.1.self_attn.v_proj.weight"
     blocks = holder.kernel.weight  # Q4_1 q/k and an F16 v: one Q8_0 made from the floats
     assert blocks.kind == "q8" and model._named_holders()[3][0].kernel.weight.kind == "q4"
-    step = blocks.scales.repeat_interleave(32, dim=1)
+    step = blocks.scales.float().repeat_interleave(32, dim=1)
     model.restore_dense_weights()  # quantized keeps them in the packed copies only
-    assert ((blocks.dequantize() - holder.weight).abs() <= step / 2 + 1e-7).all()
+    assert ((blocks.dequantize() - holder.weight).abs() <= step * Q8_STEPS + 1e-7).all()
 
 
 def test_a_float_checkpoint_gets_q8_0_copies(tiny_llama_dir):

@@ -33,12 +33,18 @@ class QuantBlocks:
     """A weight (N, K) as blocks of 32 along K, structure of arrays:
     kind "q4": w = scale * q + min, q in 0..15, `codes` uint8 (N, K/2), byte j of a block holding
     code j (low nibble) and code j + 16 (high nibble), GGUF's order; kind "q8": w = scale * q,
-    `codes` int8 (N, K). `scales` and `mins` are float32 (N, K/32)."""
+    `codes` int8 (N, K). `scales` and `mins` are float16 (N, K/32), as GGUF stores them (given
+    in another dtype, they are rounded to float16 here); the kernel reads them as float32."""
 
     kind: str
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
+
+    def __post_init__(self) -> None:
+        self.scales = self.scales.to(torch.float16).contiguous()
+        if self.mins is not None:
+            self.mins = self.mins.to(torch.float16).contiguous()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -64,7 +70,7 @@ class QuantBlocks:
             return cls("q8", torch.from_numpy(np.ascontiguousarray(codes)), scales, None)
         if type_name == "Q4_1":
             mins, start = _half_field(blocks, 2), 4
-        else:  # Q4_0: w = d (q - 8) = d q + (-8 d), exact in float32
+        else:  # Q4_0: w = d (q - 8) = d q + (-8 d), exact in float16 too (a power of two)
             mins, start = scales * -8.0, 2
         codes = np.ascontiguousarray(blocks[:, :, start:]).reshape(rows, -1)
         return cls("q4", torch.from_numpy(codes), scales, mins)
@@ -72,8 +78,8 @@ class QuantBlocks:
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> QuantBlocks | None:
         """Q8_0 blocks of a float weight (scale = max |w| / 127 per block, codes rounded to
-        nearest, as llama.cpp quantizes Q8_0; the scale kept in float32); None when its input
-        dimension is not a multiple of 32."""
+        nearest with it, the scale then stored as float16: as llama.cpp quantizes Q8_0); None
+        when its input dimension is not a multiple of 32."""
         rows, k = weight.shape
         if k % BLOCK:
             return None
@@ -81,7 +87,7 @@ class QuantBlocks:
         scales = w.abs().amax(-1) / 127.0
         inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
         codes = torch.round(w * inverse[..., None]).clamp_(-127, 127).to(torch.int8)
-        return cls("q8", codes.reshape(rows, k).contiguous(), scales.contiguous(), None)
+        return cls("q8", codes.reshape(rows, k).contiguous(), scales, None)
 
     def take_rows(self, index: torch.Tensor) -> QuantBlocks:
         """These blocks with their output rows reordered (`w[index]`)."""
@@ -113,19 +119,20 @@ class QuantBlocks:
     def dequantize(self) -> torch.Tensor:
         """The float32 weight (N, K) these blocks stand for."""
         rows, k = self.shape
+        scales = self.scales.float()[..., None]  # exact: float16 -> float32
         if self.kind == "q8":
             q = self.codes.float().view(rows, -1, BLOCK)
-            return (q * self.scales[..., None]).view(rows, k)
+            return (q * scales).view(rows, k)
         assert self.mins is not None  # q4 blocks carry mins
         packed = self.codes.view(rows, -1, BLOCK // 2)
         q = torch.cat([packed & 15, packed >> 4], dim=-1).float()
-        return (q * self.scales[..., None] + self.mins[..., None]).view(rows, k)
+        return (q * scales + self.mins.float()[..., None]).view(rows, k)
 
 
 def _half_field(blocks: np.ndarray, offset: int) -> torch.Tensor:
-    """A float16 field of every block (bytes offset..offset+1) as float32 (rows, blocks)."""
+    """A float16 field of every block (bytes offset..offset+1), (rows, blocks)."""
     field = np.ascontiguousarray(blocks[:, :, offset:offset + 2]).view(np.float16)[..., 0]
-    return torch.from_numpy(field.astype(np.float32))
+    return torch.from_numpy(np.ascontiguousarray(field))
 
 
 class NormWeights(Protocol):

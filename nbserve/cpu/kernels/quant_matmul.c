@@ -5,8 +5,9 @@
  *   q4: w = d * q + m, q a 4-bit code (0..15), 16 bytes a block: byte j holds code j in its low
  *       nibble and code j + 16 in its high one (the GGUF Q4_0/Q4_1 order; Q4_0 is m = -8 d);
  *   q8: w = d * q, q a signed byte, 32 bytes a block (the GGUF Q8_0 order).
- * d and m are float32 arrays (N, K / 32). Everything else is float32 too: the inputs are not
- * rounded to integers (see benchmarks/activation_rounding.py for why).
+ * d and m are float16 arrays (N, K / 32), as GGUF stores them, read as float32 (exactly).
+ * Everything else is float32: the inputs are not rounded to integers (see
+ * benchmarks/activation_rounding.py for why).
  *
  * Two ways, by the number of input rows:
  * - up to ROW_PATH_MAX rows (a lone stream, small batches), the row kernels: output rows shared
@@ -27,7 +28,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -37,6 +38,25 @@
                           faster there), more take the panels below */
 #define INLINE static inline __attribute__((always_inline))
 enum { Q4, Q8, F32 };  /* weight kinds */
+typedef uint16_t half_t;  /* an IEEE float16: the blocks' scales and minimums */
+
+/* A float16 as float32 (exact: every float16 is a float32). */
+INLINE float h2f(half_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    uint32_t bits;
+    if (exp == 0) {  /* zero or subnormal: man * 2^-24 */
+        float f = (float)man * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    bits = exp == 31 ? (sign | 0x7F800000u | (man << 13)) : (sign | ((exp + 112) << 23) | (man << 13));
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
 
 int nbq_row_path_max(void);  /* defined below, with the panels */
 
@@ -78,18 +98,18 @@ INLINE void fma_rows(__m512 w0, __m512 w1, const float *x, int rows, int k, __m5
 }
 
 /* the 32 weights of block b: kind Q4, Q8 (m unused) or F32 (qs: float32 weights, d, m unused) */
-INLINE void block_weights(int kind, const uint8_t *qs, int b, const float *d, const float *m,
+INLINE void block_weights(int kind, const uint8_t *qs, int b, const half_t *d, const half_t *m,
                           __m512 *w0, __m512 *w1) {
     if (kind == F32) {
         *w0 = _mm512_loadu_ps((const float *)qs + b * BLOCK);
         *w1 = _mm512_loadu_ps((const float *)qs + b * BLOCK + 16);
         return;
     }
-    __m512 scale = _mm512_set1_ps(d[b]);
+    __m512 scale = _mm512_set1_ps(h2f(d[b]));
     if (kind == Q4) {
         const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + b * 16)));
-        __m512 table = _mm512_add_ps(_mm512_mul_ps(iota, scale), _mm512_set1_ps(m[b]));
+        __m512 table = _mm512_add_ps(_mm512_mul_ps(iota, scale), _mm512_set1_ps(h2f(m[b])));
         *w0 = _mm512_permutexvar_ps(codes, table);  /* uses the low 4 bits: the low nibble */
         *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
     } else {
@@ -104,7 +124,7 @@ INLINE void block_weights(int kind, const uint8_t *qs, int b, const float *d, co
 /* Output row of weight blocks `qs` against `rows` input rows. Even and odd blocks sum into
  * separate accumulators: a single chain of FMAs would wait 4 cycles a block on the last one. */
 INLINE void dot_rows(int kind, const float *x, int rows, int k, const uint8_t *qs,
-                     const float *d, const float *m, float *out, int n_out) {
+                     const half_t *d, const half_t *m, float *out, int n_out) {
     int nb = k / BLOCK, b = 0;
     __m512 even[2 * TILE], odd[2 * TILE], w0, w1;
     for (int i = 0; i < 2 * TILE; i++) even[i] = odd[i] = _mm512_setzero_ps();
@@ -125,13 +145,13 @@ INLINE void dot_rows(int kind, const float *x, int rows, int k, const uint8_t *q
     }
 }
 
-INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const float *d,
-                   const float *m, const float *xs, float *out, int n_out) {
+INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const half_t *d,
+                   const half_t *m, const float *xs, float *out, int n_out) {
     (void)xs;
     dot_rows(Q4, x, rows, k, qs, d, m, out, n_out);
 }
 
-INLINE void q8_row(const float *x, int rows, int k, const int8_t *qs, const float *d,
+INLINE void q8_row(const float *x, int rows, int k, const int8_t *qs, const half_t *d,
                    float *out, int n_out) {
     dot_rows(Q8, x, rows, k, (const uint8_t *)qs, d, d, out, n_out);
 }
@@ -148,6 +168,16 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* 8 float16 values as float32 */
+INLINE __m256 half8(const half_t *p) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    return _mm256_setr_ps(h2f(p[0]), h2f(p[1]), h2f(p[2]), h2f(p[3]), h2f(p[4]), h2f(p[5]),
+                          h2f(p[6]), h2f(p[7]));
+#endif
+}
+
 static inline __m256 i8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
 /* one block: its 32 codes as floats (four registers of 8) times v, summed lane-wise */
@@ -158,8 +188,8 @@ INLINE __m256 block_dot(const __m256 *w, const float *v) {
     return _mm256_fmadd_ps(w[3], _mm256_loadu_ps(v + 24), t);
 }
 
-INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const float *d,
-                   const float *m, const float *xs, float *out, int n_out) {
+INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const half_t *d,
+                   const half_t *m, const float *xs, float *out, int n_out) {
     int nb = k / BLOCK;
     __m256 acc[TILE], macc[TILE];
     for (int i = 0; i < TILE; i++) acc[i] = macc[i] = _mm256_setzero_ps();
@@ -173,7 +203,7 @@ INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const flo
                        _mm256_cvtepi32_ps(_mm256_and_si256(c1, low)),
                        _mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4)),
                        _mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4))};
-        __m256 scale = _mm256_set1_ps(d[b]);
+        __m256 scale = _mm256_set1_ps(h2f(d[b]));
         for (int i = 0; i < rows; i++) {
             const float *v = x + (size_t)i * k + (size_t)b * BLOCK;
             acc[i] = _mm256_fmadd_ps(scale, block_dot(w, v), acc[i]);
@@ -182,18 +212,18 @@ INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const flo
     /* the m terms: sum over blocks of m[b] * (sum of the block's x), 8 blocks a vector */
     int b = 0;
     for (; b + 8 <= nb; b += 8) {
-        __m256 mv = _mm256_loadu_ps(m + b);
+        __m256 mv = half8(m + b);
         for (int i = 0; i < rows; i++)
             macc[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + i * nb + b), macc[i]);
     }
     for (int i = 0; i < rows; i++) {
         float tail = 0.f;
-        for (int t = b; t < nb; t++) tail += m[t] * xs[i * nb + t];
+        for (int t = b; t < nb; t++) tail += h2f(m[t]) * xs[i * nb + t];
         out[(size_t)i * n_out] = hsum(acc[i]) + (hsum(macc[i]) + tail);
     }
 }
 
-INLINE void q8_row(const float *x, int rows, int k, const int8_t *qs, const float *d,
+INLINE void q8_row(const float *x, int rows, int k, const int8_t *qs, const half_t *d,
                    float *out, int n_out) {
     int nb = k / BLOCK;
     __m256 acc[TILE];
@@ -202,7 +232,7 @@ INLINE void q8_row(const float *x, int rows, int k, const int8_t *qs, const floa
         const int8_t *q = qs + (size_t)b * BLOCK;
         __m256 w[4];
         for (int j = 0; j < 4; j++) w[j] = i8x8(_mm_loadl_epi64((const __m128i *)(q + 8 * j)));
-        __m256 scale = _mm256_set1_ps(d[b]);
+        __m256 scale = _mm256_set1_ps(h2f(d[b]));
         for (int i = 0; i < rows; i++) {
             const float *v = x + (size_t)i * k + (size_t)b * BLOCK;
             acc[i] = _mm256_fmadd_ps(scale, block_dot(w, v), acc[i]);
@@ -223,8 +253,8 @@ INLINE void f32_row(const float *x, int rows, int k, const float *w, float *out,
 }
 
 #else  /* plain C */
-INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const float *d,
-                   const float *m, const float *xs, float *out, int n_out) {
+INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const half_t *d,
+                   const half_t *m, const float *xs, float *out, int n_out) {
     int nb = k / BLOCK;
     for (int i = 0; i < rows; i++) {
         float acc = 0.f;
@@ -233,13 +263,13 @@ INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const flo
             const uint8_t *q = qs + (size_t)b * 16;
             float t = 0.f;
             for (int j = 0; j < 16; j++) t += (q[j] & 15) * v[j] + (q[j] >> 4) * v[j + 16];
-            acc += d[b] * t + m[b] * xs[i * nb + b];
+            acc += h2f(d[b]) * t + h2f(m[b]) * xs[i * nb + b];
         }
         out[(size_t)i * n_out] = acc;
     }
 }
 
-INLINE void q8_row(const float *x, int rows, int k, const int8_t *qs, const float *d,
+INLINE void q8_row(const float *x, int rows, int k, const int8_t *qs, const half_t *d,
                    float *out, int n_out) {
     int nb = k / BLOCK;
     for (int i = 0; i < rows; i++) {
@@ -249,7 +279,7 @@ INLINE void q8_row(const float *x, int rows, int k, const int8_t *qs, const floa
             const int8_t *q = qs + (size_t)b * BLOCK;
             float t = 0.f;
             for (int j = 0; j < BLOCK; j++) t += q[j] * v[j];
-            acc += d[b] * t;
+            acc += h2f(d[b]) * t;
         }
         out[(size_t)i * n_out] = acc;
     }
@@ -321,16 +351,16 @@ INLINE v8f fma8(v8f a, v8f b, v8f c) {
 }
 
 /* Weight rows r0 .. r0 + nr - 1 of `kind` as float32 rows of k (buf, nr * k). */
-static void dequant_rows(int kind, const uint8_t *codes, const float *d, const float *m,
+static void dequant_rows(int kind, const uint8_t *codes, const half_t *d, const half_t *m,
                          int r0, int nr, int k, float *buf) {
     int nb = k / BLOCK;
     for (int r = 0; r < nr; r++) {
-        const float *rd = d + (size_t)(r0 + r) * nb, *rm = m ? m + (size_t)(r0 + r) * nb : NULL;
+        const half_t *rd = d + (size_t)(r0 + r) * nb, *rm = m ? m + (size_t)(r0 + r) * nb : NULL;
         float *out = buf + (size_t)r * k;
         if (kind == Q4) {
             const uint8_t *q = codes + (size_t)(r0 + r) * (k / 2);
             for (int b = 0; b < nb; b++, q += 16, out += BLOCK) {
-                float scale = rd[b], min = rm[b];
+                float scale = h2f(rd[b]), min = h2f(rm[b]);
 #if defined(__AVX2__)
                 __m256 vs = _mm256_set1_ps(scale), vm = _mm256_set1_ps(min);
                 __m128i packed = _mm_loadu_si128((const __m128i *)q);
@@ -351,7 +381,7 @@ static void dequant_rows(int kind, const uint8_t *codes, const float *d, const f
         } else {
             const int8_t *q = (const int8_t *)codes + (size_t)(r0 + r) * k;
             for (int b = 0; b < nb; b++, q += BLOCK, out += BLOCK) {
-                float scale = rd[b];
+                float scale = h2f(rd[b]);
 #if defined(__AVX2__)
                 __m256 vs = _mm256_set1_ps(scale);
                 for (int h = 0; h < 4; h++) {
@@ -434,7 +464,7 @@ int nbq_row_path_max(void) { return ROW_PATH_MAX; }
 
 /* y (R, N) = x (R, K) @ w.T, PANEL outputs a work item; -1 when out of memory */
 static int panel_matmul(int kind, const float *x, int rows, int k, const void *codes,
-                        const float *d, const float *m, int n, float *y, int threads) {
+                        const half_t *d, const half_t *m, int n, float *y, int threads) {
     int lanes = (rows + LANES - 1) / LANES * LANES, panels = (n + PANEL - 1) / PANEL, failed = 0;
     float *xt = malloc(sizeof(float) * (size_t)k * lanes);
     if (!xt) return -1;
@@ -464,8 +494,8 @@ static int panel_matmul(int kind, const float *x, int rows, int k, const void *c
  * d and m (N, K/32); Q8 codes (N, K) signed bytes with d (N, K/32); F32 (N, K) floats.
  * Up to ROW_PATH_MAX rows, the row kernels above; more, the panels.
  * Returns 0, or -1 when out of memory (y is then not written). */
-static int matmul(int kind, const float *x, int rows, int k, const void *codes, const float *d,
-                  const float *m, int n, float *y, int threads, const float *norm, float eps,
+static int matmul(int kind, const float *x, int rows, int k, const void *codes, const half_t *d,
+                  const half_t *m, int n, float *y, int threads, const float *norm, float eps,
                   int gated) {
     int nb = k / BLOCK;
     size_t row_bytes = kind == Q4 ? (size_t)k / 2 : kind == Q8 ? (size_t)k : (size_t)k * 4;
@@ -487,7 +517,7 @@ static int matmul(int kind, const float *x, int rows, int k, const void *codes, 
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int r = 0; r < n; r++) {
         const uint8_t *wq = (const uint8_t *)codes + (size_t)r * row_bytes;
-        const float *wd = d ? d + (size_t)r * nb : NULL, *wm = m ? m + (size_t)r * nb : NULL;
+        const half_t *wd = d ? d + (size_t)r * nb : NULL, *wm = m ? m + (size_t)r * nb : NULL;
         for (int i0 = 0; i0 < rows; i0 += TILE) {
             const float *xi = x + (size_t)i0 * k, *si = xs ? xs + (size_t)i0 * nb : NULL;
             float *yi = y + (size_t)i0 * n + r;
@@ -510,13 +540,13 @@ static int matmul(int kind, const float *x, int rows, int k, const void *codes, 
     return 0;
 }
 
-int nbq_q4_matmul(const float *x, int rows, int k, const uint8_t *codes, const float *d,
-                  const float *m, int n, float *y, int threads, const float *norm, float eps,
+int nbq_q4_matmul(const float *x, int rows, int k, const uint8_t *codes, const half_t *d,
+                  const half_t *m, int n, float *y, int threads, const float *norm, float eps,
                   int gated) {
     return matmul(Q4, x, rows, k, codes, d, m, n, y, threads, norm, eps, gated);
 }
 
-int nbq_q8_matmul(const float *x, int rows, int k, const int8_t *codes, const float *d, int n,
+int nbq_q8_matmul(const float *x, int rows, int k, const int8_t *codes, const half_t *d, int n,
                   float *y, int threads, const float *norm, float eps, int gated) {
     return matmul(Q8, x, rows, k, codes, d, NULL, n, y, threads, norm, eps, gated);
 }
