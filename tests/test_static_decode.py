@@ -162,3 +162,17 @@ def test_a_model_without_static_steps_says_so_and_decodes(tiny, caplog) -> None:
 def test_static_decode_must_be_a_bool_or_none() -> None:
     with pytest.raises(ValueError, match="static_decode must be True, False or None"):
         EngineConfig(static_decode="yes")  # type: ignore[arg-type]
+
+
+def test_only_buckets_that_exist_and_are_captured_where_graphs_are_run_static(tiny) -> None:
+    """Past the largest buckets a step takes the dynamic path; where graphs are captured
+    (CUDA), a bucket without one (too large to capture, or every bucket after a failed
+    capture) does too, unpadded, instead of running padded eagerly."""
+    cache, _ = _prefilled(tiny.model, [[3, 4, 5]])
+    static = StaticDecode(tiny.model, cache, max_batch=4, max_context=40, capture=False)
+    assert static.serves(4, 39, 10) and not static.serves(5, 3, 1)
+    assert not static.serves(1, 40, 11)  # 41 positions: past the largest length bucket
+    static.capturing = True  # as on CUDA, with no graph captured (a failed capture)
+    assert not static.serves(1, 3, 1)
+    static.graphs[1, static.block_buckets[0]] = (None, torch.zeros(1))
+    assert static.serves(1, 3, 1) and not static.serves(2, 3, 1)

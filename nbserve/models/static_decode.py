@@ -7,10 +7,11 @@ here run at bucketed shapes: the batch rounded up to a power of two (padded rows
 write only the cache's pad block, which no real row reads), the attention length rounded up to
 a power-of-two number of blocks (the keys past a row's position are masked by position on the
 device, as in any decode step), the token ids, positions and block tables copied into static
-buffers per batch bucket. On CUDA every (batch, length) bucket is captured when the engine
-starts and replayed per step; a capture that fails turns graphs off (logged once) and the
-steps run eagerly at the same shapes. On CPU the same bucketed steps run eagerly: the tests
-compare them with the dynamic path there, and the device check compares captured and eager.
+buffers per batch bucket. On CUDA every (batch, length) bucket up to CAPTURE_MAX_TOKENS is
+captured when the engine starts and replayed per step; larger steps, and every step after a
+capture that failed (logged once), take the model's dynamic path, unpadded. On CPU the same
+bucketed steps run eagerly: the tests compare them with the dynamic path there, and the
+device check compares captured and eager.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("nbserve.static_decode")
 
 MIN_LENGTH_BLOCKS = 8  # the shortest attention length bucket, in blocks
+CAPTURE_MAX_TOKENS = 1 << 16  # rows x attention length of the largest bucket captured: past
+# it a step's gathered keys and values (and its graph's memory) are large and its launches a
+# small share of its time, so it runs dynamically, unpadded
 
 
 def powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
@@ -72,8 +76,9 @@ class StaticDecode:
                         for rows in self.batch_buckets}
         self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self.capture_error: str | None = None
+        self.capturing = capture and device.type == "cuda"  # else every bucket runs eagerly
         self.steps = self.replays = 0
-        if capture and device.type == "cuda":
+        if self.capturing:
             self._capture_all()
 
     @property
@@ -89,10 +94,14 @@ class StaticDecode:
 
     def serves(self, rows: int, max_pos: int, width: int) -> bool:
         """Whether a decode step of `rows` rows up to position `max_pos` over tables `width`
-        blocks wide fits the largest buckets."""
+        blocks wide runs here: its bucket exists and, where graphs are captured, has one (a
+        failed capture leaves none: every step then takes the model's dynamic path)."""
         bs = self.cache.block_size
-        return rows <= self.batch_buckets[-1] and \
-            max(-(-(max_pos + 1) // bs), width) <= self.block_buckets[-1]
+        blocks = max(-(-(max_pos + 1) // bs), width)
+        if rows > self.batch_buckets[-1] or blocks > self.block_buckets[-1]:
+            return False
+        key = (bucket(rows, self.batch_buckets), bucket(blocks, self.block_buckets))
+        return not self.capturing or key in self.graphs
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
                  tables: torch.Tensor, max_pos: int) -> torch.Tensor:
@@ -121,13 +130,14 @@ class StaticDecode:
     def _run(self, rows: int, blocks: int) -> torch.Tensor:
         """The model's batched step over the buffers of bucket (rows, blocks)."""
         buf = self.buffers[rows]
-        return self.model.batched_step(buf.ids, buf.positions, buf.tables[:, :blocks],
-                                       self.cache, blocks * self.cache.block_size,
-                                       buf.logit_index[:rows], padded=True)
+        with torch.inference_mode():
+            return self.model.batched_step(buf.ids, buf.positions, buf.tables[:, :blocks],
+                                           self.cache, blocks * self.cache.block_size,
+                                           buf.logit_index[:rows], padded=True)
 
     def _capture_all(self) -> None:
-        """Capture every bucket, the largest first (they share one memory pool); on any
-        error, none is kept and the steps run eagerly."""
+        """Capture every bucket of at most CAPTURE_MAX_TOKENS, the largest first (they share
+        one memory pool); on any error, none is kept and the steps run eagerly."""
         pool = torch.cuda.graph_pool_handle()
         try:
             stream = torch.cuda.Stream()
@@ -136,8 +146,11 @@ class StaticDecode:
                 for rows in self.batch_buckets:  # warm-up: kernels chosen, workspaces made
                     self._run(rows, self.block_buckets[0])
             torch.cuda.current_stream().wait_stream(stream)
+            bs = self.cache.block_size
             for rows in reversed(self.batch_buckets):
                 for blocks in reversed(self.block_buckets):
+                    if rows * blocks * bs > CAPTURE_MAX_TOKENS:
+                        continue  # served dynamically (`serves`)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
                         out = self._run(rows, blocks)
