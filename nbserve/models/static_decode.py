@@ -17,13 +17,23 @@ device check compares captured and eager.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from .kv_cache import PagedKVCache
-    from .llama import LlamaModel
+
+
+class BatchedStepModel(Protocol):
+    """What the static steps need of a model (`LlamaModel` has it)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def batched_step(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                     cache: PagedKVCache, kv_len: int, logit_index: torch.Tensor | None = None,
+                     kernel: bool = False, padded: bool = False) -> torch.Tensor: ...
 
 log = logging.getLogger("nbserve.static_decode")
 
@@ -64,7 +74,7 @@ class StaticDecode:
     """Decode steps of `model` over `cache` at bucketed shapes, replayed from CUDA graphs where
     `capture` and the model is on CUDA, else run eagerly (`__call__`)."""
 
-    def __init__(self, model: LlamaModel, cache: PagedKVCache, max_batch: int,
+    def __init__(self, model: BatchedStepModel, cache: PagedKVCache, max_batch: int,
                  max_context: int, capture: bool):
         self.model, self.cache = model, cache
         bs = cache.block_size
