@@ -21,7 +21,7 @@ ver="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
     --image-list "$work/image.txt" --constraints "$work/image-versions.txt"
 "$PY" -m venv "$work/venv"
 # shellcheck disable=SC2046 -- one package name a line
-"$work/venv/bin/python" -m pip install -q -c "$work/image-versions.txt" torch==2.13.0 \
+"$work/venv/bin/python" -m pip install -q --no-compile -c "$work/image-versions.txt" torch==2.13.0 \
     $(cat "$work/image.txt")
 # what the registry's releases of those pulled in beyond the image goes again
 "$work/venv/bin/python" benchmarks/device_wheels.py --foreign --remove
