@@ -207,14 +207,15 @@ class EngineStep:
         pos_l = [s.computed for s in seqs]
         ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=dev)
         positions = torch.tensor(pos_l, device=dev).unsqueeze(1)
-        where, hints = self._where(seqs, max(pos_l))
+        max_pos = max(pos_l)
+        where, hints = self._where(seqs, max_pos)
         static = self.static if self.static is not None and \
-            self.static.serves(len(seqs), max(pos_l), where.shape[-1]) else None
+            self.static.serves(len(seqs), max_pos, where.shape[-1]) else None
         t0 = time.perf_counter()
         try:
             with self._threads_for(len(seqs)):
                 if static is not None:
-                    logits = static(ids, positions, where, max(pos_l))
+                    logits = static(ids, positions, where, max_pos)
                 else:
                     logits = self.model.forward(ids, positions, where, self.cache,
                                                 logit_index=torch.zeros(

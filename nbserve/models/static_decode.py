@@ -106,20 +106,24 @@ class StaticDecode:
         """Whether a decode step of `rows` rows up to position `max_pos` over tables `width`
         blocks wide runs here: its bucket exists and, where graphs are captured, has one (a
         failed capture leaves none: every step then takes the model's dynamic path)."""
-        bs = self.cache.block_size
-        blocks = max(-(-(max_pos + 1) // bs), width)
+        key = self._key(rows, max_pos, width)
+        return key is not None and (not self.capturing or key in self.graphs)
+
+    def _key(self, rows: int, max_pos: int, width: int) -> tuple[int, int] | None:
+        """The (batch, blocks) bucket of a step, None past the largest ones."""
+        blocks = max(-(-(max_pos + 1) // self.cache.block_size), width)
         if rows > self.batch_buckets[-1] or blocks > self.block_buckets[-1]:
-            return False
-        key = (bucket(rows, self.batch_buckets), bucket(blocks, self.block_buckets))
-        return not self.capturing or key in self.graphs
+            return None
+        return bucket(rows, self.batch_buckets), bucket(blocks, self.block_buckets)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
                  tables: torch.Tensor, max_pos: int) -> torch.Tensor:
         """Logits (B, V) of one decode step: ids, positions (B, 1), block tables (B, S)."""
         rows = ids.shape[0]
-        bs = self.cache.block_size
-        width = max(-(-(max_pos + 1) // bs), tables.shape[1])
-        key = (bucket(rows, self.batch_buckets), bucket(width, self.block_buckets))
+        key = self._key(rows, max_pos, tables.shape[1])
+        if key is None:
+            raise ValueError(f"a decode step of {rows} rows up to position {max_pos} is past "
+                             "the largest buckets (see `serves`)")
         buf = self.buffers[key[0]]
         pad = self.cache.pad_block
         buf.ids[:rows].copy_(ids)
