@@ -77,6 +77,44 @@ class EngineError(NbserveError):
 
 MAX_TOP_LOGPROBS = 20
 
+ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
+CONSTRAINT_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a choice's output must match, enforced token by token (engine/constraints.py).
+
+    `kind` and `value`: "json_schema" and a JSON schema (a dict); "json_object" (any JSON object,
+    no value); "regex" and a pattern; "grammar" and a context-free grammar in Lark syntax (as
+    llguidance reads it); "choice" and a list of strings, one of which is the whole answer.
+    `strict`: False lets a JSON schema's keywords that cannot be enforced be ignored (a tool's
+    non-strict parameters), True refuses them. `param` names the request field it came from,
+    for the errors that point at it.
+    """
+
+    kind: ConstraintKind
+    value: Any = None
+    strict: bool = True
+    param: str = "response_format"
+
+    def check(self) -> None:
+        """Raise `InvalidRequestError` when the value does not fit the kind."""
+        ok = {"json_schema": isinstance(self.value, dict), "json_object": self.value is None,
+              "regex": isinstance(self.value, str) and bool(self.value),
+              "grammar": isinstance(self.value, str) and bool(self.value.strip()),
+              "choice": isinstance(self.value, list) and bool(self.value)
+              and all(isinstance(c, str) and c for c in self.value)}
+        if self.kind not in ok:
+            raise InvalidRequestError(f"{self.param}: unknown constraint kind {self.kind!r}; "
+                                      f"use one of {', '.join(CONSTRAINT_KINDS)}", self.param)
+        if not ok[self.kind]:
+            want = {"json_schema": "a JSON schema object", "json_object": "no value",
+                    "regex": "a non-empty pattern", "grammar": "a non-empty Lark grammar",
+                    "choice": "a non-empty list of non-empty strings"}[self.kind]
+            raise InvalidRequestError(f"{self.param}: a {self.kind} constraint takes {want}, "
+                                      f"got {self.value!r}", self.param)
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -106,6 +144,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:
@@ -168,6 +207,8 @@ class SamplingParams:
                 finite("logit_bias", bias)
                 if not -100 <= bias <= 100:
                     raise bad("logit_bias", f"values must be between -100 and 100, got {bias}")
+        if self.constraint is not None:
+            self.constraint.check()
         if vocab_size is not None:
             for tok in self.stop_token_ids:
                 if not 0 <= tok < vocab_size:
@@ -188,6 +229,10 @@ class Request:
 
     `messages` are OpenAI-style dicts (role, content, optional tool_calls / tool_call_id / name)
     rendered through the model's chat template; `prompt` is raw text encoded as it is.
+    With `tools`, the answer is text or calls written in the model's own tool-call format, and
+    the engine enforces them with a grammar: `tool_choice` "auto" (text or calls) or "required"
+    (one call or more), `tool_name` (exactly one call of that function), `parallel_tool_calls`
+    False (one call at most). A `params.constraint` then applies to the text answer.
     """
 
     messages: list[dict[str, Any]] | None = None
@@ -195,6 +240,9 @@ class Request:
     prompt_ids: list[int] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["auto", "required"] = "auto"
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     request_id: str = field(default_factory=new_request_id)
     # Set by whoever routes the request (pool affinity, logging); the engine ignores it.
@@ -238,6 +286,7 @@ class Started:
     prompt_tokens: int
     cached_tokens: int
     prompt_ids: list[int] = field(default_factory=list)
+    tool_format: str | None = None  # how this model writes tool calls (text/tool_calls.py)
     type: Literal["started"] = "started"
 
 

@@ -85,7 +85,7 @@ def _repair(case: Any) -> None:
         body.pop("tool_choice")
     for tool in body.get("tools") or []:
         if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
-            tool["function"].pop("strict", None)  # strict schemas are refused
+            tool["function"].pop("strict", None)  # random strict schemas are mostly refused
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = 8  # the default (up to the context) is in the positive cases
     if case.operation.path.endswith("/chat/completions"):

@@ -13,9 +13,14 @@ import pytest
 from server_util import app_running, engine_running
 from tiny_models import QWEN25_TEMPLATE
 
-from nbserve.api.tools import ToolCallStream, parse_tool_calls
 from nbserve.text import ChatTemplate
+from nbserve.text.tool_calls import HERMES
 from nbserve.types import Request
+
+
+def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str | None, list]:
+    return HERMES.parse(text, names)
+
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -51,7 +56,7 @@ def test_list_inside_one_block_and_string_arguments() -> None:
     "<tool_call>{not json}</tool_call>",
     '<tool_call>{"arguments": {}}</tool_call>',  # no name
     '<tool_call>{"name": "f", "arguments": [1, 2]}</tool_call>',  # arguments not an object
-    '<tool_call>{"name": "f", "arguments": {"x": 1}}',  # never closed (cut by max_tokens)
+    '<tool_call>{"name": "f", "argu',  # cut inside the call's header
     "plain answer with no call",
 ])
 def test_unparseable_output_is_kept_as_content(text: str) -> None:
@@ -65,20 +70,31 @@ def test_bad_block_stays_next_to_a_good_one() -> None:
     assert len(calls) == 1 and content == bad
 
 
+def test_a_call_cut_after_its_arguments_is_still_a_call() -> None:
+    """The arguments streamed whole before max_tokens cut the block: the call stands (its
+    deltas were already sent), and the answer's finish_reason says "length"."""
+    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1}}', {"f"})
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"x": 1}
+    _, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1', {"f"})
+    assert calls[0]["function"]["arguments"] == '{"x": 1'  # as OpenAI streams a cut call
+
+
 def test_llama_json_form_needs_a_known_tool_name() -> None:
+    from nbserve.text.tool_calls import LLAMA3_JSON
     text = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
-    content, calls = parse_tool_calls(text, {"get_weather"})
+    content, calls = LLAMA3_JSON.parse(text, {"get_weather"})
     assert content is None and calls[0]["function"]["name"] == "get_weather"
-    content, calls = parse_tool_calls(text, {"other_tool"})
+    content, calls = LLAMA3_JSON.parse(text, {"other_tool"})
     assert calls == [] and content == text
-    assert parse_tool_calls(text, None) == (text, [])
+    assert LLAMA3_JSON.parse(text, None) == (text, [])
 
 
-def _stream(parts: list[str], names: set[str] | None = None, parallel: bool = True):
-    s = ToolCallStream(names or {"get_weather"}, parallel)
-    shown = "".join(s.feed(p) for p in parts)
-    tail, calls = s.finish()
-    return shown, tail, calls
+def _stream(parts: list[str], names: set[str] | None = None, parallel: bool = True, fmt=HERMES):
+    p = fmt.parser(names or {"get_weather"}, parallel)
+    pieces = [x for part in parts for x in p.feed(part)]
+    shown = "".join(x.text for x in pieces if x.kind == "content")
+    tail = "".join(x.text for x in p.finish() if x.kind == "content")
+    return shown, tail, p.calls
 
 
 def test_stream_passes_text_and_holds_the_call() -> None:
@@ -107,7 +123,9 @@ def test_stream_parallel_false_keeps_the_first_call() -> None:
 
 
 def test_stream_llama_form() -> None:
-    shown, tail, calls = _stream(['  {"name": "get_weather", ', '"parameters": {"city": "X"}}'])
+    from nbserve.text.tool_calls import LLAMA3_JSON
+    shown, tail, calls = _stream(['  {"name": "get_weather", ', '"parameters": {"city": "X"}}'],
+                                 fmt=LLAMA3_JSON)
     assert shown == "" and tail == "" and calls[0]["function"]["name"] == "get_weather"
 
 

@@ -3,8 +3,8 @@ and logged once.
 
 The schemas keep what they do not define (`extra="allow"`) so that this module can find it
 after validation, wherever it sits (`messages[0].nmae`, `stream_options.include_usgae`).
-A vendor extension that would change the output and that nbserve does not implement (vLLM's
-constrained decoding) is refused even when unknown fields are accepted. See docs/api.md for
+A vendor extension that would change the output and that nbserve does not read (vLLM's
+older guided_* fields) is refused even when unknown fields are accepted. See docs/api.md for
 the fate of every field.
 """
 
@@ -22,13 +22,13 @@ from ..types import InvalidRequestError
 
 log = logging.getLogger("nbserve.server")
 
-_CONSTRAINED = ("constrained decoding (JSON schemas, regular expressions, grammars, choices) is "
-                "not implemented yet; ask for the format in the prompt instead")
-# Top-level vendor extensions that nbserve knows of and cannot honour: field -> why.
+_GUIDED = ("vLLM's older guided_* fields are not read; send structured_outputs with one of json, "
+           "regex, choice, grammar or json_object (docs/api.md)")
+# Top-level vendor extensions that nbserve knows of and does not read: field -> why.
 UNSERVED_EXTENSIONS: dict[str, str] = {
-    name: _CONSTRAINED for name in (
+    name: _GUIDED for name in (
         "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-        "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")}
+        "guided_decoding_backend", "guided_whitespace_pattern")}
 
 
 def unsupported(param: str, why: str) -> InvalidRequestError:

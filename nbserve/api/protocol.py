@@ -10,12 +10,13 @@ Numbers and booleans are strict: `"n": true` or `"temperature": "hot"` is a 400,
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..types import MAX_TOP_LOGPROBS, InvalidRequestError, Request, SamplingParams
+from ..types import MAX_TOP_LOGPROBS, Constraint, InvalidRequestError, Request, SamplingParams
 from .errors import validation_error
 from .fields import UnknownFields
 from .fields import unsupported as _refuse
@@ -143,9 +144,67 @@ class NamedToolChoice(_Schema):
     function: NamedToolChoiceFunction
 
 
+class JSONSchemaFormat(_Schema):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Schema):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JSONSchemaFormat | None = None
+
+    def constraint(self) -> Constraint | None:
+        """The Constraint this format asks for (None for text)."""
+        if self.type == "json_object":
+            return Constraint("json_object", param="response_format")
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise InvalidRequestError("response_format of type json_schema needs a "
+                                          "json_schema object with the schema",
+                                          param="response_format.json_schema")
+            schema = self.json_schema.schema_
+            return Constraint("json_schema", {} if schema is None else schema,
+                              strict=True, param="response_format.json_schema.schema")
+        return None
+
+
+class StructuredOutputs(_Schema):
+    """nbserve's (and vLLM's) extension: exactly one of these constrains the answer."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def constraint(self) -> Constraint:
+        given = {k: v for k, v in (("json", self.json_), ("regex", self.regex),
+                                   ("choice", self.choice), ("grammar", self.grammar),
+                                   ("json_object", self.json_object or None)) if v is not None}
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar, "
+                f"json_object; got {', '.join(given) or 'none'}", param="structured_outputs")
+        (key, value), = given.items()
+        param = f"structured_outputs.{key}"
+        if key == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as exc:
+                    raise InvalidRequestError(f"{param} is not valid JSON: {exc}",
+                                              param=param) from None
+            if not isinstance(value, dict):
+                raise InvalidRequestError(f"{param} must be a JSON schema object", param=param)
+            return Constraint("json_schema", value, param=param)
+        kind = {"json_object": "json_object", "regex": "regex", "choice": "choice",
+                "grammar": "grammar"}[key]
+        c = Constraint(kind, None if kind == "json_object" else value,  # type: ignore[arg-type]
+                       param=param)
+        c.check()
+        return c
 
 
 class StreamOptions(_Schema):
@@ -223,6 +282,7 @@ class _Sampling(_Schema):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -254,9 +314,20 @@ class _Sampling(_Schema):
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             n=self.n or 1,
+            constraint=self._constraint(),
         )
         params.validate()
         return params
+
+    def _constraint(self) -> Constraint | None:
+        fmt = getattr(self, "response_format", None)
+        c = fmt.constraint() if fmt is not None else None
+        if self.structured_outputs is not None:
+            if c is not None:
+                raise InvalidRequestError("send response_format or structured_outputs, not "
+                                          "both", param="structured_outputs")
+            c = self.structured_outputs.constraint()
+        return c
 
 
 # ----------------------------------------------------------------------------- chat
@@ -305,10 +376,6 @@ class ChatCompletionRequest(_Sampling):
             raise _refuse("audio", "it serves text-only models")
         if self.modalities and any(m != "text" for m in self.modalities):
             raise _refuse("modalities", "only [\"text\"] is served")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise _refuse("response_format", f"type {self.response_format.type!r} needs "
-                          "constrained decoding, which nbserve does not do yet; use \"text\" and "
-                          "ask for JSON in the prompt")
         if self.prediction is not None:
             raise _refuse("prediction", "predicted outputs are not implemented")
         if self.moderation is not None:
@@ -324,15 +391,26 @@ class ChatCompletionRequest(_Sampling):
             param = "functions" if self.functions is not None else "function_call"
             raise _refuse(param, "the deprecated functions API is not served; use tools and "
                           "tool_choice")
-        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
-            raise _refuse("tool_choice", "it cannot force a tool call; use \"auto\" or \"none\"")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise InvalidRequestError(f"tool_choice {self._choice_name()} needs tools",
+                                      param="tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
-        for i, tool in enumerate(self.tools or []):
-            if tool.function.strict:
-                raise _refuse(f"tools[{i}].function.strict", "strict schemas need constrained "
-                              "decoding, which nbserve does not do yet; omit strict or set it "
-                              "to false (calls are parsed from the output, not enforced)")
+        names = [t.function.name for t in self.tools or []]
+        if isinstance(self.tool_choice, NamedToolChoice) and \
+                self.tool_choice.function.name not in names:
+            raise InvalidRequestError(
+                f"tool_choice names the function {self.tool_choice.function.name!r}, which is "
+                f"not in tools ({', '.join(names)})", param="tool_choice")
+        for i, name in enumerate(names):
+            if not name or names.index(name) != i:
+                raise InvalidRequestError(f"tools[{i}].function.name must be a non-empty name "
+                                          "that no other tool has", param=f"tools[{i}].function"
+                                          ".name")
+
+    def _choice_name(self) -> str:
+        c = self.tool_choice
+        return repr(c) if isinstance(c, str) else f"naming {c.function.name!r}" if c else "none"
 
     def template_messages(self, limits: Limits) -> list[dict[str, Any]]:
         """Messages as plain dicts for the chat template, after the size limits."""
@@ -391,7 +469,12 @@ class ChatCompletionRequest(_Sampling):
                               param, bool(self.logprobs), self.top_logprobs or 0)
         tools = [t.model_dump(exclude_none=True) for t in self.tools or []] if self.use_tools \
             else None
-        req = Request(messages=messages, params=params, tools=tools)
+        req = Request(messages=messages, params=params, tools=tools,
+                      parallel_tool_calls=self.parallel_tool_calls is not False)
+        if isinstance(self.tool_choice, NamedToolChoice):
+            req.tool_name = self.tool_choice.function.name
+        elif self.tool_choice == "required":
+            req.tool_choice = "required"
         if request_id:
             req.request_id = request_id
         if self.user:

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..text.tool_calls import FORMATS, HERMES, Piece, ToolCallParser
 from ..types import Delta, ErrorEvent, Event, Finished, Started, TokenLogprob, Usage
-from .tools import ToolCallStream, tool_call_delta
 from .trace import Trace
 
 _LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinity)
@@ -79,7 +79,7 @@ async def chat_chunks(events: AsyncIterator[Event], first: Event, info: StreamIn
     base = {"id": info.id, "object": "chat.completion.chunk", "created": info.created,
             "model": info.model, "system_fingerprint": None}
     opened = [False] * n
-    parsers = [ToolCallStream(tools, parallel_tool_calls) for _ in range(n)] if tools else None
+    parsers: list[ToolCallParser] | None = None
     trace = info.trace
 
     def chunk(index: int, delta: dict[str, Any], logprobs: Any = None,
@@ -91,11 +91,30 @@ async def chat_chunks(events: AsyncIterator[Event], first: Event, info: StreamIn
         opened[index] = True
         return chunk(index, {"role": "assistant", "content": ""})
 
+    def pieces_out(index: int, pieces: list[Piece], lps: Any = None
+                   ) -> list[dict[str, Any]]:
+        text = "".join(p.text for p in pieces if p.kind == "content")
+        out = [chunk(index, {"content": text}, lps)] if text or lps else []
+        if text:
+            trace.text(index, text)
+        for p in pieces:
+            if p.kind == "start":
+                out.append(chunk(index, {"tool_calls": [{
+                    "index": p.index, "id": p.call_id, "type": "function",
+                    "function": {"name": p.name, "arguments": ""}}]}))
+            elif p.kind == "args":
+                out.append(chunk(index, {"tool_calls": [{
+                    "index": p.index, "function": {"arguments": p.text}}]}))
+        return out
+
     try:
         ev: Event | None = first
         while ev is not None:
             if isinstance(ev, Started):
                 trace.prompt_tokens = ev.prompt_tokens
+                if tools and parsers is None:
+                    fmt = FORMATS.get(ev.tool_format or "", HERMES)
+                    parsers = [fmt.parser(tools, parallel_tool_calls) for _ in range(n)]
                 for i in range(n):
                     if not opened[i]:
                         yield role(i)
@@ -104,24 +123,23 @@ async def chat_chunks(events: AsyncIterator[Event], first: Event, info: StreamIn
                 if not opened[i]:
                     yield role(i)
                 trace.token(i, len(ev.token_ids))
-                text = parsers[i].feed(ev.text) if parsers else ev.text
                 lps = {"content": chat_logprobs(info, ev.logprobs)} if ev.logprobs else None
-                if text or lps:
-                    trace.text(i, text)
-                    yield chunk(i, {"content": text}, lps)
+                if parsers:
+                    for c in pieces_out(i, parsers[i].feed(ev.text), lps):
+                        yield c
+                elif ev.text or lps:
+                    trace.text(i, ev.text)
+                    yield chunk(i, {"content": ev.text}, lps)
             elif isinstance(ev, Finished):
                 i = ev.index
                 if not opened[i]:
                     yield role(i)
                 reason = _FINISH.get(ev.reason, "stop")
                 if parsers:
-                    tail, calls = parsers[i].finish()
-                    if tail:
-                        trace.text(i, tail)
-                        yield chunk(i, {"content": tail})
-                    if calls:
+                    for c in pieces_out(i, parsers[i].finish()):
+                        yield c
+                    if parsers[i].calls and reason == "stop":
                         reason = "tool_calls"
-                        yield chunk(i, {"tool_calls": tool_call_delta(calls)})
                 trace.finish_reasons.append(reason)
                 info.record_usage(0, ev.usage)
                 yield chunk(i, {}, None, reason)
@@ -144,13 +162,18 @@ async def fold_chat(chunks: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
         if not c["choices"]:
             usage = c.get("usage")
         for ch in c["choices"]:
-            st = choices.setdefault(ch["index"], {"text": [], "calls": [], "lps": None,
+            st = choices.setdefault(ch["index"], {"text": [], "calls": {}, "lps": None,
                                                   "finish": None})
             d = ch["delta"]
             if d.get("content"):
                 st["text"].append(d["content"])
             for call in d.get("tool_calls") or ():
-                st["calls"].append({k: v for k, v in call.items() if k != "index"})
+                if call["index"] not in st["calls"]:
+                    st["calls"][call["index"]] = {"id": call["id"], "type": "function",
+                                                  "function": {"name": call["function"]["name"],
+                                                               "arguments": ""}}
+                st["calls"][call["index"]]["function"]["arguments"] += \
+                    call["function"].get("arguments", "")
             if ch.get("logprobs"):
                 st["lps"] = (st["lps"] or []) + ch["logprobs"]["content"]
             if ch.get("finish_reason"):
@@ -163,7 +186,7 @@ async def fold_chat(chunks: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
                                "content": content if content or not st["calls"] else None,
                                "refusal": None}
         if st["calls"]:
-            msg["tool_calls"] = st["calls"]
+            msg["tool_calls"] = [st["calls"][k] for k in sorted(st["calls"])]
         out_choices.append({"index": i, "message": msg,
                             "logprobs": None if st["lps"] is None else {"content": st["lps"]},
                             "finish_reason": st["finish"]})

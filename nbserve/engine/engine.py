@@ -27,6 +27,7 @@ from ..cpu.openmp_pool import release_after_each_cell, release_openmp_pool
 from ..cpu.threads import torch_threads
 from ..models.base import LoadedModel
 from ..text import IncrementalDetokenizer, StopStringMatcher
+from ..text.tool_calls import HERMES, ToolFormat
 from ..types import (
     BusyError,
     ContextLengthError,
@@ -37,6 +38,7 @@ from ..types import (
     Request,
 )
 from .config import EngineConfig
+from .constraints import Grammars, grammars_for
 from .requests import (
     ChoiceState,
     Mailbox,
@@ -357,13 +359,14 @@ class Engine(SyncHelpers):
             stop_ids.update(self.stop_token_ids)
         group = RequestGroup(request.request_id, params, ids, frozenset(stop_ids), sink,
                        remaining=params.n, submitted=time.perf_counter())
+        matcher = self._matcher(request, group)
         device = self.model.device
         for i in range(params.n):
             group.seqs.append(Sequence(group, i, ids))
-            group.choices.append(ChoiceState(
-                SeqSampler.create(params, ids, device, seed_offset=i, stop_ids=stop_ids),
-                IncrementalDetokenizer(self.tokenizer),
-                StopStringMatcher(params.stop)))
+            sampler = SeqSampler.create(params, ids, device, seed_offset=i, stop_ids=stop_ids)
+            sampler.matcher = None if matcher is None else matcher.deep_copy()
+            group.choices.append(ChoiceState(sampler, IncrementalDetokenizer(self.tokenizer),
+                                             StopStringMatcher(params.stop)))
         with self._lock:
             self._check_running()
             if request.request_id in self._groups:
@@ -378,6 +381,31 @@ class Engine(SyncHelpers):
             self._inbox.append((group, list(group.seqs)))
             self._lock.notify()
         return group
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How this model writes tool calls (its template's format; Hermes without one)."""
+        return self.template.tool_format if self.template is not None else HERMES
+
+    def grammars(self) -> Grammars:
+        """The tokenizer's grammar data (built on first use, then shared)."""
+        return grammars_for(self.tokenizer, self.vocab_size, self.stop_token_ids)
+
+    def _matcher(self, request: Request, group: RequestGroup) -> Any:
+        """The compiled grammar of a request with tools or a constraint (None without),
+        which each choice copies; the tool format goes on the group for the Started event."""
+        if request.tools:
+            group.tool_format = self.tool_format.name
+        if not request.tools and request.params.constraint is None:
+            return None
+        grammars = self.grammars()
+        grammar = grammars.for_request(request, self.tool_format)
+        if grammar is None:
+            return None
+        group.grammars = grammars
+        c = request.params.constraint
+        return grammars.matcher(grammar, "tools" if request.tools else
+                                c.param if c is not None else "response_format")
 
     def _check_running(self) -> None:
         if self._stopping:

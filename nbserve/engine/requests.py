@@ -12,7 +12,7 @@ import queue
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ..text import IncrementalDetokenizer, StopStringMatcher
 from ..types import ErrorEvent, Event, Finished, SamplingParams, Usage
@@ -52,6 +52,8 @@ class RequestGroup:
     first_token: float = 0.0
     admitted: bool = False
     done: bool = False
+    grammars: Any = None  # constraints.Grammars of a constrained request
+    tool_format: str | None = None  # the model's tool-call format, for a request with tools
 
     def usage(self) -> Usage:
         s = self.seqs[0]

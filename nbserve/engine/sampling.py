@@ -1,8 +1,9 @@
 """Batched sampling on a step's logits (B, V), each row by its own SamplingParams and generator.
 
-Per row: logit_bias, repetition, presence/frequency, the stop tokens held back until min_tokens;
-then argmax, or temperature, top-k, top-p, min-p and one draw. Logprobs: log_softmax of the raw
-logits (vLLM/OpenAI). Inputs stay unmodified.
+Per row: logit_bias, repetition, presence/frequency, the stop tokens held back until min_tokens,
+the grammar's token mask (constraints.py) for a constrained row; then argmax, or temperature,
+top-k, top-p, min-p and one draw. Logprobs: log_softmax of the raw logits (vLLM/OpenAI), not
+of the masked ones. Inputs stay unmodified.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import Any
 
 import torch
 
@@ -32,6 +34,7 @@ class SeqSampler:
     stop_ids: tuple[int, ...] = ()  # masked while fewer than params.min_tokens were generated
     generated: int = 0  # tokens observed
     seen_ids: set[int] = field(init=False, repr=False)  # prompt ∪ output ids, kept by observe()
+    matcher: Any = None  # an llguidance matcher when the output is constrained (constraints.py)
 
     def __post_init__(self) -> None:
         self.seen_ids = set(self.prompt_ids) | set(self.output_counts)
@@ -60,11 +63,15 @@ class SeqSampler:
         self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
         self.seen_ids.add(token_id)
         self.generated += 1
+        if self.matcher is not None:
+            self.matcher.consume_token(token_id)
 
     @property
     def holds_stops(self) -> bool:
-        """Whether the stop tokens are masked at this step (min_tokens not reached yet)."""
-        return bool(self.stop_ids) and self.generated < self.params.min_tokens
+        """Whether the stop tokens are masked at this step (min_tokens not reached yet). Not
+        for a constrained row: its grammar says when the answer may end."""
+        return bool(self.stop_ids) and self.generated < self.params.min_tokens and \
+            self.matcher is None
 
     @property
     def greedy(self) -> bool:
@@ -79,6 +86,7 @@ class SeqSampler:
             or (p.repetition_penalty != 1.0 and self.seen_ids)
             or ((p.presence_penalty or p.frequency_penalty) and self.output_counts)
             or self.holds_stops
+            or self.matcher is not None
         )
 
 
@@ -102,11 +110,16 @@ def _flat(per_row: list, device: torch.device) -> tuple[torch.Tensor, torch.Tens
     return _tensor(rows, torch.long, device), _tensor(ids, torch.long, device)
 
 
-def process_logits(logits: torch.Tensor, samplers: list[SeqSampler]) -> torch.Tensor:
+Masks = tuple[list[int], torch.Tensor]  # (constrained rows, their bitmasks (R, ceil(V / 32)))
+
+
+def process_logits(logits: torch.Tensor, samplers: list[SeqSampler],
+                   masks: Masks | None = None) -> torch.Tensor:
     """A float32 copy of `logits` (B, V) with, per row: logit_bias (added), repetition penalty
     (HF: positive / p, negative * p over prompt+output ids), then presence/frequency penalties
-    (OpenAI: -= presence * (count > 0) + frequency * count over output ids), and -inf on the
-    stop tokens of rows below their min_tokens (vLLM; after the bias, which cannot undo it)."""
+    (OpenAI: -= presence * (count > 0) + frequency * count over output ids), -inf on the
+    stop tokens of rows below their min_tokens (vLLM; after the bias, which cannot undo it), and
+    -inf on what a constrained row's grammar forbids (`masks`; last, so nothing undoes it)."""
     x = logits.to(torch.float32, copy=True)  # (B, V); the caller's tensor is never modified
     dev = x.device
     ps = [s.params for s in samplers]
@@ -136,6 +149,9 @@ def process_logits(logits: torch.Tensor, samplers: list[SeqSampler]) -> torch.Te
     if any(s.holds_stops for s in samplers):
         r, c = _flat([s.stop_ids if s.holds_stops else () for s in samplers], dev)  # (N,) each
         x[r, c] = -math.inf
+    if masks is not None and masks[0]:
+        from .constraints import apply_masks_
+        apply_masks_(x, masks[0], masks[1])
     return x
 
 
@@ -263,12 +279,17 @@ def _logprobs(
     return out
 
 
-def sample(logits: torch.Tensor, samplers: list[SeqSampler]) -> SampleOutput:
+def sample(logits: torch.Tensor, samplers: list[SeqSampler], masks: Masks | None = None
+           ) -> SampleOutput:
     """Pick one token per row of logits (B, V). Does not modify `logits`; advances the
-    generators of seeded sampled rows; does not call `observe` (the engine does)."""
+    generators of seeded sampled rows; does not call `observe` (the engine does). `masks`: the
+    grammar masks of the rows whose sampler has a matcher (all of them)."""
     B = logits.shape[0]
     if len(samplers) != B:
         raise ValueError(f"sample() got {B} rows of logits but {len(samplers)} samplers")
+    constrained = [i for i, s in enumerate(samplers) if s.matcher is not None]
+    if constrained and (masks is None or masks[0] != constrained):
+        raise ValueError("sample() needs the grammar masks of every constrained row")
     params = [s.params for s in samplers]
     lp_rows = [i for i, p in enumerate(params) if p.logprobs]
     greedy = [s.greedy for s in samplers]
@@ -276,7 +297,7 @@ def sample(logits: torch.Tensor, samplers: list[SeqSampler]) -> SampleOutput:
     if all(greedy) and not process and not lp_rows:  # fast path: one argmax, one transfer
         return SampleOutput(logits.argmax(-1).tolist(), [None] * B)
 
-    x = process_logits(logits, samplers) if process else logits  # (B, V), read only below
+    x = process_logits(logits, samplers, masks) if process else logits  # (B, V), read only below
     dev = x.device
     # Each row's path depends on its own params only, so seeded streams ignore the batch.
     kinds = [

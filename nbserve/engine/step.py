@@ -23,6 +23,7 @@ from ..models.base import LoadedModel
 from ..types import Delta, ErrorEvent, Finished, FinishReason, Started, TokenLogprob
 from .blocks import BlockSpace, KVSpace, SlotSpace
 from .config import EngineConfig
+from .constraints import MaskJob
 from .kv_budget import KVBudget, plan_blocks
 from .requests import RequestGroup, drop_event
 from .sampling import sample
@@ -139,7 +140,8 @@ class EngineStep:
             self._mark_admitted(g)
             self.stats.prefix_queries += len(seq.prompt_ids)
             self.stats.prefix_hits += seq.cached_prompt
-            g.sink(Started(g.request_id, len(g.prompt_ids), seq.cached_prompt, g.prompt_ids))
+            g.sink(Started(g.request_id, len(g.prompt_ids), seq.cached_prompt, g.prompt_ids,
+                           g.tool_format))
         model_time = sample_time = 0.0
         if plan.decode:
             m, s = self._run_decode(plan)
@@ -211,6 +213,7 @@ class EngineStep:
         where, hints = self._where(seqs, max_pos)
         static = self.static if self.static is not None and \
             self.static.serves(len(seqs), max_pos, where.shape[-1]) else None
+        masks = self._mask_job(seqs, background=True)  # computed while the model runs
         t0 = time.perf_counter()
         try:
             with self._threads_for(len(seqs)):
@@ -229,7 +232,7 @@ class EngineStep:
             s.computed += 1
             self.scheduler.computed(s)
         self.stats.decoded += len(seqs)
-        self._sample_and_emit(seqs, logits)
+        self._sample_and_emit(seqs, logits, masks)
         return t1 - t0, time.perf_counter() - t1
 
     def _run_prefills(self, works: list[PrefillWork]) -> tuple[float, float]:
@@ -310,9 +313,22 @@ class EngineStep:
             live = [seq] + forked
             self._sample_and_emit(live, logits.expand(len(live), -1))
 
-    def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+    def _mask_job(self, seqs: list[Sequence], background: bool) -> MaskJob | None:
+        """The grammar masks of the constrained rows among `seqs`, if any."""
+        rows = [(i, s) for i, s in enumerate(seqs)
+                if s.group.choices[s.index].sampler.matcher is not None]
+        if not rows:
+            return None
+        matchers = [s.group.choices[s.index].sampler.matcher for _, s in rows]
+        return MaskJob(rows[0][1].group.grammars, [i for i, _ in rows], matchers, background)
+
+    def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor,
+                         masks: MaskJob | None = None) -> None:
         groups = [s.group for s in seqs]
-        out = sample(logits, [g.choices[s.index].sampler for g, s in zip(groups, seqs)])
+        if masks is None:
+            masks = self._mask_job(seqs, background=False)
+        out = sample(logits, [g.choices[s.index].sampler for g, s in zip(groups, seqs)],
+                     None if masks is None else (masks.rows, masks.result()))
         now = time.perf_counter()
         for seq, group, tok, lp in zip(seqs, groups, out.token_ids, out.logprobs):
             self._emit_token(seq, group, tok, lp, now)
@@ -323,6 +339,11 @@ class EngineStep:
         params = group.params
         seq.output_ids.append(tok)
         choice.sampler.observe(tok)
+        matcher = choice.sampler.matcher
+        if matcher is not None and matcher.is_error():  # only a bug lets a masked row stray
+            self.fail(group, f"the output left its grammar: {matcher.get_error()}",
+                      "server_error")
+            return
         group.completion_tokens += 1
         if not group.first_token:
             group.first_token = now
@@ -342,6 +363,8 @@ class EngineStep:
             text, stop_string = choice.stopper.feed(choice.detok.add([tok]))
             if stop_string is not None:
                 reason, matched = "stop", stop_string
+        if reason is None and matcher is not None and matcher.is_stopped():
+            reason = "stop"  # the grammar is complete: nothing may follow
         if reason is None and params.max_tokens is not None and \
                 len(seq.output_ids) >= params.max_tokens:
             reason = "length"

@@ -18,6 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..types import InvalidRequestError
 from .files import token_str
+from .tool_calls import HERMES, ToolFormat, detect_tool_format
 from .tool_prompt import tools_in_prompt
 
 log = logging.getLogger("nbserve.text")
@@ -264,6 +265,14 @@ class ChatTemplate:
                     log.info("the chat template ignores tools: nbserve lists them in the system "
                              "prompt in the Hermes/Qwen format instead (docs/api.md)")
         return self._ignores_tools
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How the model writes tool calls: the format its template teaches, or Hermes when
+        the template ignores tools (nbserve's own tool prompt teaches that one)."""
+        if self.ignores_tools:
+            return HERMES
+        return detect_tool_format(self.tool_source or self.source)
 
     def _render(self, template: jinja2.Template, messages: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None, add_generation_prompt: bool,

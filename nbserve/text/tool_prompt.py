@@ -1,7 +1,8 @@
 """Tools for a chat template that ignores them, written into the conversation in the Hermes/Qwen
 format: the tool list in the system prompt, earlier calls as `<tool_call>` blocks, tool results
-in `<tool_response>` blocks. nbserve's tool-call parser (`api/tools.py`) reads the model's
-`<tool_call>` blocks back. The wording is Qwen2.5's, which many small models were tuned on.
+in `<tool_response>` blocks. nbserve's tool-call grammar and parser (`tool_calls.py`) make the
+model write `<tool_call>` blocks and read them back. The wording is Qwen2.5's, which many small
+models were tuned on.
 """
 
 from __future__ import annotations

@@ -1,0 +1,247 @@
+"""Grammar-constrained decoding with llguidance: a `Constraint` or a tool-call grammar becomes a
+matcher per choice, whose token mask is applied to that row's logits before sampling.
+
+`Grammars` (one per tokenizer, shared by an engine's replicas) holds the tokenizer's grammar
+data, which takes a while to build, and a small cache of compiled grammars: a request copies a
+compiled matcher instead of compiling again (n > 1, and the same schema request after request).
+`MaskJob` computes a batch's masks on a worker thread while the model runs; `apply_masks_`
+puts them on the logits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ..text.tool_calls import JSON_STYLE, ToolFormat, closed_schema
+from ..types import Constraint, InvalidRequestError, Request
+
+log = logging.getLogger("nbserve.engine")
+
+_CACHED_GRAMMARS = 64
+
+
+def _llg() -> Any:
+    try:
+        import llguidance
+    except ImportError as exc:  # a dependency; only a broken install lacks it
+        raise InvalidRequestError(
+            "constrained decoding (response_format, tool_choice, structured_outputs) needs the "
+            "llguidance package: pip install llguidance", "response_format") from exc
+    return llguidance
+
+
+def _with_style(schema: dict[str, Any], strict: bool) -> dict[str, Any]:
+    schema = closed_schema(schema)
+    return {**schema, "x-guidance": {**JSON_STYLE, **schema.get("x-guidance", {}),
+                                     "lenient": not strict}}
+
+
+def lark_expression(c: Constraint) -> str:
+    """The constraint as one Lark expression (for a tool grammar's text answer)."""
+    if c.kind == "json_schema":
+        return "%json " + json.dumps(_with_style(c.value, c.strict), ensure_ascii=False)
+    if c.kind == "json_object":
+        return "%json " + json.dumps(_with_style({"type": "object"}, True))
+    if c.kind == "regex":
+        return "/" + c.value.replace("/", "\\/") + "/"
+    if c.kind == "choice":
+        return "(" + " | ".join(json.dumps(x, ensure_ascii=False) for x in c.value) + ")"
+    raise InvalidRequestError(f"{c.param}: a {c.kind} constraint cannot be combined with tools; "
+                              "use a JSON schema, a regex or a choice", c.param)
+
+
+def grammar_text(c: Constraint) -> str:
+    """llguidance's grammar for a constraint."""
+    llg = _llg()
+    if c.kind == "json_schema":
+        return llg.LLMatcher.grammar_from_json_schema(_with_style(c.value, c.strict))
+    if c.kind == "json_object":
+        return llg.LLMatcher.grammar_from_json_schema(_with_style({"type": "object"}, True))
+    if c.kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(c.value)
+    if c.kind == "grammar":
+        return llg.LLMatcher.grammar_from_lark(c.value)
+    return llg.LLMatcher.grammar_from_lark(f"start: {lark_expression(c)}\n")
+
+
+class Grammars:
+    """The grammar data of one tokenizer and its compiled grammars. Thread-safe."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]):
+        llg = _llg()
+        self.vocab_size = vocab_size
+        backend = getattr(tokenizer, "_tok", None)
+        to_str = getattr(backend, "to_str", None)
+        eos = list(stop_ids) or list(getattr(tokenizer, "eos_token_ids", []))
+        if callable(to_str):
+            self.tokenizer = llg.LLTokenizer(to_str(), n_vocab=vocab_size, eos_token=eos)
+        else:  # a tokenizer without a tokenizer.json: its tokens' bytes
+            self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(_ByteTokens(tokenizer,
+                                                                               vocab_size, eos)))
+        self._specials = {getattr(tokenizer, "_added", {}).get(i): i
+                          for i in getattr(tokenizer, "special_ids", ())}
+        self._lock = threading.Lock()
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._executor: Any = None
+
+    def special_id(self, marker: str) -> int | None:
+        """The id of the special token spelled `marker`, if there is one."""
+        return self._specials.get(marker)
+
+    def matcher(self, grammar: str, param: str) -> Any:
+        """A fresh matcher for `grammar`, copied from the compiled one; InvalidRequestError
+        (naming `param`) when llguidance cannot compile it."""
+        with self._lock:
+            base = self._compiled.get(grammar)
+            if base is not None:
+                self._compiled.move_to_end(grammar)
+        if base is None:
+            llg = _llg()
+            base = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+            if base.is_error():
+                raise InvalidRequestError(f"{param}: nbserve cannot enforce this: "
+                                          f"{base.get_error()}", param)
+            with self._lock:
+                self._compiled[grammar] = base
+                while len(self._compiled) > _CACHED_GRAMMARS:
+                    self._compiled.popitem(last=False)
+        return base.deep_copy()
+
+    def for_request(self, request: Request, fmt: ToolFormat | None) -> str | None:
+        """The grammar of a request (its tools and its constraint), or None when it has
+        neither. Strict tools' parameter schemas are checked on their own first, so that a
+        keyword they cannot have enforced gets a 400 that names the tool."""
+        c = request.params.constraint
+        if request.tools:
+            fmt = fmt or _default_format()
+            names = {_fn(t).get("name") for t in request.tools}
+            if request.tool_name is not None and request.tool_name not in names:
+                raise InvalidRequestError(
+                    f"tool_choice names the function {request.tool_name!r}, which is not in "
+                    f"tools ({', '.join(sorted(str(n) for n in names))})", "tool_choice")
+            for i, tool in enumerate(request.tools):
+                fn = _fn(tool)
+                if fn.get("strict") and fn.get("parameters"):
+                    self.matcher(grammar_text(Constraint("json_schema", fn["parameters"])),
+                                 f"tools[{i}].function.parameters")
+            answer = None if c is None else lark_expression(c)
+            return fmt.grammar(request.tools, required=request.tool_choice == "required",
+                               name=request.tool_name, parallel=request.parallel_tool_calls,
+                               answer=answer, special=self.special_id)
+        return None if c is None else grammar_text(c)
+
+    @property
+    def executor(self) -> Any:
+        """llguidance's thread pool for a batch's masks (made on first use)."""
+        if self._executor is None:
+            self._executor = _llg().LLExecutor(num_threads=2)
+        return self._executor
+
+
+def _fn(tool: dict[str, Any]) -> dict[str, Any]:
+    return tool.get("function", tool)
+
+
+def _default_format() -> ToolFormat:
+    from ..text.tool_calls import HERMES
+    return HERMES
+
+
+class _ByteTokens:
+    """What llguidance's TokenizerWrapper reads of a tokenizer: each token's bytes."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos: list[int]):
+        self._tok = tokenizer
+        self.eos_token_id = eos[0] if eos else 0
+        self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
+        special = set(getattr(tokenizer, "special_ids", ()))
+        self.special_token_ids = sorted(special)
+        self.tokens = [b"\xff" + tokenizer.decode([i]).encode() if i in special
+                       else tokenizer.token_bytes(i) for i in range(vocab_size)]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        s = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+        return list(self._tok.encode(s))
+
+
+_GRAMMARS: weakref.WeakKeyDictionary[Any, Grammars] = weakref.WeakKeyDictionary()
+_GRAMMARS_LOCK = threading.Lock()
+
+
+def grammars_for(tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> Grammars:
+    """The `Grammars` of a tokenizer, built on first use and kept while the tokenizer lives."""
+    with _GRAMMARS_LOCK:
+        g = _GRAMMARS.get(tokenizer)
+        if g is None or g.vocab_size != vocab_size:
+            g = Grammars(tokenizer, vocab_size, stop_ids)
+            _GRAMMARS[tokenizer] = g
+        return g
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+def compute_masks(grammars: Grammars, matchers: Sequence[Any]) -> torch.Tensor:
+    """The next-token bitmasks (R, ceil(V / 32)) int32 of `matchers`, in parallel."""
+    words = (grammars.vocab_size + 31) // 32
+    masks = torch.empty(len(matchers), words, dtype=torch.int32)
+    grammars.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
+                                              masks.data_ptr(), words * 4, len(matchers))
+    return masks
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_masks_(logits: torch.Tensor, rows: Sequence[int], masks: torch.Tensor) -> None:
+    """-inf (in place) on the tokens that the bitmasks (R, W) forbid, in rows `rows` of
+    logits (B, V)."""
+    V = logits.shape[-1]
+    allowed = ((masks.unsqueeze(-1) >> _SHIFTS) & 1).flatten(1)[:, :V].bool()  # (R, V')
+    if allowed.shape[1] < V:  # logits past the tokenizer's vocabulary: never allowed
+        allowed = torch.cat([allowed, allowed.new_zeros(len(rows), V - allowed.shape[1])], 1)
+    idx = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
+    sub = logits.index_select(0, idx)
+    sub.masked_fill_(~allowed.to(logits.device, non_blocking=True), float("-inf"))
+    logits.index_copy_(0, idx, sub)
+
+
+class MaskJob:
+    """A batch's masks, computed on a worker thread (started before the model's forward, so
+    the two overlap); `result()` waits for them. llguidance drops the GIL while it works."""
+
+    _pool: ThreadPoolExecutor | None = None
+    _pool_lock = threading.Lock()
+
+    def __init__(self, grammars: Grammars, rows: list[int], matchers: Sequence[Any],
+                 background: bool = True):
+        self.rows = rows  # the batch rows the masks are for
+        self.matchers = list(matchers)
+        self._future: Future[torch.Tensor] | None = None
+        self._masks: torch.Tensor | None = None
+        if background:
+            self._future = self._worker().submit(compute_masks, grammars, self.matchers)
+        else:
+            self._masks = compute_masks(grammars, self.matchers)
+
+    @classmethod
+    def _worker(cls) -> ThreadPoolExecutor:
+        with cls._pool_lock:
+            if cls._pool is None:
+                cls._pool = ThreadPoolExecutor(1, thread_name_prefix="nbserve-masks")
+            return cls._pool
+
+    def result(self) -> torch.Tensor:
+        if self._masks is None:
+            assert self._future is not None
+            self._masks = self._future.result()
+        return self._masks
