@@ -243,4 +243,6 @@ def test_the_default_model_calls_a_tool_through_the_fallback() -> None:
                                                       max_tokens=60, stream=True))
             streamed = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls
                         or []]
-            assert [tc.function.name for tc in streamed] == ["get_weather"]
+            assert [tc.function.name for tc in streamed if tc.id] == ["get_weather"]
+            assert "".join(tc.function.arguments or "" for tc in streamed) == \
+                call.function.arguments

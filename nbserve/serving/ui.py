@@ -4,6 +4,11 @@
 (after its /v1 routes), and `stop_ui(app)` ends the UI's long-lived connections so that the
 server can shut down at once. The chat, and its gradio API ("Use via API"), obey the app's
 `Limits`, rate limit and API keys like /v1, and leave out old turns that no longer fit.
+
+Two settings ask for structured answers: "JSON answer" (any JSON object, or a JSON schema the
+answer must match) and "Tools" (OpenAI function tools the model may call). The engine enforces
+both with a grammar; tool calls are shown as collapsible "Tool call" messages holding their
+arguments, not as the model's raw call text.
 """
 
 from __future__ import annotations
@@ -12,12 +17,14 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import json
 import logging
 import math
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -28,8 +35,10 @@ from fastapi import FastAPI
 from ..api.auth import KeyAuth, RateLimiter
 from ..api.errors import APIError
 from ..api.limits import Limits
+from ..text.tool_calls import FORMATS, HERMES, Piece, ToolCallParser
 from ..types import (
     Backend,
+    Constraint,
     Delta,
     ErrorEvent,
     Finished,
@@ -37,6 +46,7 @@ from ..types import (
     NbserveError,
     Request,
     SamplingParams,
+    Started,
 )
 from .ui_context import NOTE_START, fit_conversation
 
@@ -46,6 +56,9 @@ ERROR_PREFIX = "⚠️ "
 DEFAULT_MAX_TOKENS = 512
 API_NAME = "chat"
 FAILED_LINE = "Last answer: failed (the reason is in the chat)"
+JSON_BOX = "JSON answer"  # the settings' labels, which errors about them name
+TOOLS_BOX = "Tools"
+TOOL_CALL_TITLE = "🔧 Tool call: "  # a tool-call message's title: this, then the function name
 
 
 # ----------------------------------------------------------------------------- messages
@@ -82,18 +95,59 @@ def _strip_error(text: str) -> str:
     return text if cut < 0 else text[:cut]
 
 
+def _title(turn: dict[str, Any]) -> str:
+    """The title of a Gradio message's metadata ("" when it has none)."""
+    metadata = turn.get("metadata")
+    title = metadata.get("title") if isinstance(metadata, dict) else getattr(metadata, "title",
+                                                                             None)
+    return title if isinstance(title, str) else ""
+
+
+def _unfence(text: str) -> str:
+    """The text inside a Markdown code block (the text itself when it is not one)."""
+    body = text.strip()
+    if body.startswith("```") and body.endswith("```") and len(body) >= 6:
+        body = body[3:-3]
+        first, _, rest = body.partition("\n")
+        body = rest if first.strip().isidentifier() or not first.strip() else body
+    return body.strip()
+
+
+def _called_text(name: str, arguments: str) -> str:
+    """How a shown tool call goes back to the model: a short note of the call, in one line."""
+    try:
+        arguments = json.dumps(json.loads(arguments), ensure_ascii=False)
+    except ValueError:
+        pass  # as the model wrote it (an answer cut short mid-call)
+    return f"(called {name} with {arguments})"
+
+
 def to_messages(message: Any, history: Sequence[dict[str, Any]],
                 system_prompt: str | None = None) -> list[dict[str, str]]:
-    """OpenAI-style messages for the model: system prompt, past turns, then the new message."""
+    """OpenAI-style messages for the model: system prompt, past turns, then the new message.
+
+    A tool-call message of the chat (titled `TOOL_CALL_TITLE` and the name) goes back as the
+    assistant's text "(called NAME with ARGUMENTS)", not as its display text, and not as a real
+    `tool_calls` message: the chat runs no tools, so no tool result could follow it, which some
+    chat templates refuse. An answer's text and its calls (separate chat messages) become one
+    assistant message, as the model wrote them.
+    """
     messages: list[dict[str, str]] = []
     if system_prompt and system_prompt.strip():
         messages.append({"role": "system", "content": system_prompt.strip()})
     for turn in history:
         role = turn.get("role")
         text = _text(turn.get("content"))
-        if role == "assistant":
+        title = _title(turn)
+        if role == "assistant" and title.startswith(TOOL_CALL_TITLE):
+            text = _called_text(title[len(TOOL_CALL_TITLE):].strip(), _unfence(text))
+        elif role == "assistant":
             text = _strip_error(_strip_note(text))
-        if role in ("user", "assistant") and text:
+        if role not in ("user", "assistant") or not text:
+            continue
+        if role == "assistant" and messages and messages[-1]["role"] == "assistant":
+            messages[-1]["content"] += "\n\n" + text
+        else:
             messages.append({"role": role, "content": text})
     messages.append({"role": "user", "content": _text(message)})
     return messages
@@ -154,15 +208,187 @@ def _number(name: str, value: Any) -> float:
     return number
 
 
-def chat_params(limits: Limits, temperature: Any, top_p: Any, max_tokens: Any) -> SamplingParams:
+def chat_params(limits: Limits, temperature: Any, top_p: Any, max_tokens: Any,
+                constraint: Constraint | None = None) -> SamplingParams:
     """The sampling settings of one chat turn, checked against the same `limits` as /v1."""
     params = SamplingParams(temperature=_number("temperature", temperature),
                             top_p=_number("top_p", top_p),
-                            max_tokens=int(_number("max_tokens", max_tokens)))
+                            max_tokens=int(_number("max_tokens", max_tokens)),
+                            constraint=constraint)
     limits.check_sampling(temperature=params.temperature, top_k=None, n=None,
                           max_tokens=params.max_tokens)
     params.validate()
     return params
+
+
+# ----------------------------------------------------------------------------- structured answers
+
+
+def _box_json(box: str, text: str, limits: Limits, want: str) -> Any:
+    """The JSON value a settings box holds; a readable error naming the box when it is none."""
+    limits.check_text(box, len(text), limits.max_conversation_chars, f"The {box} box")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"{box}: not valid JSON ({exc.msg} at line {exc.lineno}, "
+                                  f"column {exc.colno}); {want}", param=box) from None
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a value's type, for errors."""
+    names = {dict: "an object", list: "a list", str: "a string", bool: "true/false",
+             int: "a number", float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def answer_constraint(text: Any, limits: Limits | None = None) -> Constraint | None:
+    """What the "JSON answer" box asks for: empty, free text (None); `json` or `{}`, any JSON
+    object; otherwise the JSON schema it holds, which the answer must match."""
+    raw = text.strip() if isinstance(text, str) else ""
+    if not raw:
+        return None
+    if raw.lower() == "json":
+        return Constraint("json_object", param=JSON_BOX)
+    want = "leave it empty for free text, write json for any JSON object, or give a JSON schema"
+    schema = _box_json(JSON_BOX, raw, limits or Limits(), want)
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(f"{JSON_BOX}: a JSON schema is a JSON object ({{...}}), got "
+                                  f"{_json_type(schema)}; {want}", param=JSON_BOX)
+    if not schema:
+        return Constraint("json_object", param=JSON_BOX)
+    return Constraint("json_schema", schema, param=JSON_BOX)
+
+
+_TOOL_KEYS = ("name", "description", "parameters", "strict")
+
+
+def _tool(i: int, item: Any, names: set[str]) -> dict[str, Any]:
+    """Tool `i` of the "Tools" box as an OpenAI function tool (a bare function is wrapped)."""
+    where = f"{TOOLS_BOX}: tool {i + 1}"
+    if not isinstance(item, dict):
+        raise InvalidRequestError(f"{where} is {_json_type(item)}, not an object", TOOLS_BOX)
+    fn = item
+    if "type" in item or "function" in item:
+        if item.get("type") != "function" or not isinstance(item.get("function"), dict):
+            raise InvalidRequestError(f'{where} must be {{"type": "function", "function": '
+                                      '{...}} or a bare function {"name", "description", '
+                                      '"parameters"}', TOOLS_BOX)
+        fn = item["function"]
+    unknown = sorted(set(fn) - set(_TOOL_KEYS))
+    if unknown:
+        raise InvalidRequestError(f"{where} has unknown keys ({', '.join(unknown)}); a function "
+                                  f"has {', '.join(_TOOL_KEYS)}", TOOLS_BOX)
+    name = fn.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidRequestError(f'{where} needs a "name" (a non-empty string)', TOOLS_BOX)
+    if name in names:
+        raise InvalidRequestError(f"{where}: another tool is named {name!r} too", TOOLS_BOX)
+    names.add(name)
+    for key, kind, what in (("description", str, "a string"), ("parameters", dict,
+                                                                "a JSON schema object"),
+                            ("strict", bool, "true or false")):
+        if fn.get(key) is not None and not isinstance(fn[key], kind):
+            raise InvalidRequestError(f"{where} ({name}): {key} must be {what}, got "
+                                      f"{_json_type(fn[key])}", TOOLS_BOX)
+    return {"type": "function", "function": {k: fn[k] for k in _TOOL_KEYS
+                                             if fn.get(k) is not None}}
+
+
+def chat_tools(text: Any, limits: Limits | None = None) -> list[dict[str, Any]] | None:
+    """The tools of the "Tools" box, as OpenAI function tools: None when empty; else a JSON
+    list of tools (or one tool), each `{"type": "function", "function": {...}}` or the bare
+    function `{"name", "description", "parameters"}`."""
+    raw = text.strip() if isinstance(text, str) else ""
+    if not raw:
+        return None
+    want = ('give a list of functions such as [{"name": "get_weather", "description": "...", '
+            '"parameters": {"type": "object", "properties": {...}}}], or leave it empty')
+    value = _box_json(TOOLS_BOX, raw, limits or Limits(), want)
+    items = [value] if isinstance(value, dict) else value
+    if not isinstance(items, list) or not items:
+        raise InvalidRequestError(f"{TOOLS_BOX}: got {_json_type(value)}"
+                                  f"{' with no tools' if value == [] else ''}; {want}",
+                                  param=TOOLS_BOX)
+    names: set[str] = set()
+    return [_tool(i, item, names) for i, item in enumerate(items)]
+
+
+def _pretty_arguments(arguments: str) -> str:
+    """A call's arguments for the chat: indented JSON in a code block (as written while they
+    are still incomplete)."""
+    try:
+        arguments = json.dumps(json.loads(arguments), indent=2, ensure_ascii=False)
+    except ValueError:
+        pass
+    return f"```json\n{arguments}\n```"
+
+
+def tool_call_message(name: str, arguments: str) -> dict[str, Any]:
+    """A tool call as a chat message: a collapsible block titled with the function's name that
+    holds its arguments. It has no "pending" status while it streams: a spinner would stay on
+    after Stop, which ends the answer without a last update."""
+    return {"role": "assistant", "content": _pretty_arguments(arguments),
+            "metadata": {"title": TOOL_CALL_TITLE + name}}
+
+
+@dataclass
+class _Answer:
+    """What the chat shows of one answer: the note on left-out turns (`lead`), its text, and,
+    when the turn has tools, the calls a parser reads out of the model's text."""
+
+    lead: str = ""
+    tools: set[str] | None = None
+    parallel: bool = True
+    text: str = ""
+    calls: list[tuple[str, str]] = field(default_factory=list)  # (name, arguments so far)
+    parser: ToolCallParser | None = None
+
+    def started(self, tool_format: str | None) -> None:
+        """Read calls in the format the backend says the model writes (Hermes if unsaid)."""
+        if self.tools and self.parser is None:
+            self.parser = FORMATS.get(tool_format or "", HERMES).parser(self.tools,
+                                                                        self.parallel)
+
+    def add(self, delta: str) -> bool:
+        """Take new model text; True when what the chat shows changed."""
+        if not self.tools:
+            self.text += delta
+            return bool(delta)
+        self.started(None)
+        assert self.parser is not None
+        return self._apply(self.parser.feed(delta))
+
+    def finish(self) -> None:
+        """The answer ended: what the parser held back is content or calls now."""
+        if self.parser is not None:
+            self._apply(self.parser.finish())
+
+    def _apply(self, pieces: list[Piece]) -> bool:
+        for p in pieces:
+            if p.kind == "content":
+                self.text += p.text
+            elif p.kind == "start":
+                self.calls.append((p.name, ""))
+            elif p.kind == "args" and p.index < len(self.calls):
+                name, args = self.calls[p.index]
+                self.calls[p.index] = (name, args + p.text)
+        return bool(pieces)
+
+    def shown(self, error: str | None = None) -> str | list[dict[str, Any]]:
+        """The chat's value for the answer: its text (with `error` after it) while it has no
+        calls, as ever; else a list of messages: the text, one per call, then the error."""
+        if not self.calls:
+            if error is None:
+                return self.lead + self.text
+            return _error_text(self.lead + self.text if self.text else "", error)
+        out: list[dict[str, Any]] = []
+        text = self.text.strip()  # the space between text and calls is no part of either
+        if self.lead or text:
+            out.append({"role": "assistant", "content": self.lead + text})
+        out += [tool_call_message(name, args) for name, args in self.calls]
+        if error is not None:
+            out.append({"role": "assistant", "content": ERROR_PREFIX + error})
+        return out
 
 
 class UILogin:
@@ -212,12 +438,14 @@ def rate_limit_client(request: Any, login: UILogin | None) -> str:
     return getattr(client, "host", None) or "unknown"
 
 
-def _token_counter(backend: Backend, params: SamplingParams):
-    """Counts a conversation's prompt tokens through the backend, or None if it cannot."""
+def _token_counter(backend: Backend, params: SamplingParams,
+                   tools: list[dict[str, Any]] | None = None):
+    """Counts a conversation's prompt tokens through the backend (with the tools, which the
+    prompt describes), or None if it cannot."""
     count = getattr(backend, "count_prompt_tokens", None)
     if not callable(count):
         return None
-    return lambda messages: count(Request(messages=messages, params=params))
+    return lambda messages: count(Request(messages=messages, params=params, tools=tools))
 
 
 def _max_context(backend: Backend) -> int | None:
@@ -230,61 +458,79 @@ def _max_context(backend: Backend) -> int | None:
     return int(limit) if limit else None
 
 
+def _calls_note(answer: _Answer) -> str:
+    """The speed line's note on the calls of an answer ("" without any)."""
+    n = len(answer.calls)
+    return "" if not n else f", {n} tool call{'s' if n > 1 else ''}"
+
+
 def make_chat_fn(backend: Backend, *, limits: Limits | None = None,
-                 rate_limiter: RateLimiter | None = None, login: UILogin | None = None):
+                 rate_limiter: RateLimiter | None = None, login: UILogin | None = None,
+                 tool_choice: Literal["auto", "required"] = "auto"):
     """The async generator Gradio calls: yields (cumulative answer, stats line).
 
     Each turn takes one request from `rate_limiter` (the app's, shared with /v1), is checked
     against `limits` (default `Limits()`), and leaves out the oldest turns that do not fit;
-    a refusal is shown in the chat.
+    a refusal is shown in the chat. The answer is the text so far, or, once the model calls
+    tools (given in the "Tools" box; `tool_choice` "required" makes it call one at least), a
+    list of chat messages: the text, then one per call (see `tool_call_message`).
     """
     limits = limits or Limits()
 
     async def chat(message: Any, history: list[dict[str, Any]], system_prompt: str = "",
                    temperature: float = 0.7, top_p: float = 0.95,
-                   max_tokens: float = DEFAULT_MAX_TOKENS,
-                   request: gr.Request | None = None) -> AsyncIterator[tuple[str, Any]]:
-        text, tokens, first, reason, lead = "", 0, None, "", ""
+                   max_tokens: float = DEFAULT_MAX_TOKENS, json_answer: str = "",
+                   tools_json: str = "", request: gr.Request | None = None
+                   ) -> AsyncIterator[tuple[str | list[dict[str, Any]], Any]]:
+        answer = _Answer()
+        tokens, first, reason = 0, None, ""
         start = time.perf_counter()
         shown = 0.0  # when the speed line last showed progress
         try:
             if rate_limiter is not None:
                 rate_limiter.check(rate_limit_client(request, login))
-            params = chat_params(limits, temperature, top_p, max_tokens)
+            params = chat_params(limits, temperature, top_p, max_tokens,
+                                 answer_constraint(json_answer, limits))
+            tools = chat_tools(tools_json, limits)
             fitted = fit_conversation(to_messages(message, history, system_prompt),
                                       limits=limits, max_tokens=params.max_tokens or 1,
-                                      count_tokens=_token_counter(backend, params),
+                                      count_tokens=_token_counter(backend, params, tools),
                                       max_context=_max_context(backend))
-            lead = fitted.note + "\n\n" if fitted.note else ""
-            generation = Request(messages=fitted.messages, params=params,
+            answer.lead = fitted.note + "\n\n" if fitted.note else ""
+            answer.tools = {t["function"]["name"] for t in tools} if tools else None
+            generation = Request(messages=fitted.messages, params=params, tools=tools,
+                                 tool_choice=tool_choice if tools else "auto",
                                  metadata={"source": "ui"})
             async with _closing(backend.generate(generation)) as stream:
                 async for ev in stream:
-                    if isinstance(ev, Delta) and ev.index == 0:
+                    if isinstance(ev, Started):
+                        answer.started(ev.tool_format)
+                    elif isinstance(ev, Delta) and ev.index == 0:
                         tokens += len(ev.token_ids)
                         first = first or time.perf_counter()
                         now = time.perf_counter()
-                        text += ev.text
+                        changed = answer.add(ev.text)
                         if now - shown >= PROGRESS_EVERY:
                             shown = now
-                            yield lead + text, _progress_line(tokens, start, now)
-                        elif ev.text:
-                            yield lead + text, gr.skip()
+                            yield answer.shown(), _progress_line(tokens, start, now)
+                        elif changed:
+                            yield answer.shown(), gr.skip()
                     elif isinstance(ev, Finished) and ev.index == 0:
                         reason = ev.reason
                         tokens = ev.usage.completion_tokens or tokens
+                        answer.finish()
                     elif isinstance(ev, ErrorEvent):
-                        yield _error_text(lead + text if text else "", ev.message), FAILED_LINE
+                        yield answer.shown(ev.message), FAILED_LINE
                         return
         except (NbserveError, APIError) as exc:  # refused: too long, busy, bad settings, limits
-            yield _error_text(lead + text if text else "", str(exc)), FAILED_LINE
+            yield answer.shown(str(exc)), FAILED_LINE
             return
         except Exception as exc:  # a bug, not the user's fault: log it, show one line
             log.exception("chat UI request failed")
-            yield _error_text(lead + text if text else "",
-                              f"internal error ({type(exc).__name__}: {exc})"), FAILED_LINE
+            yield answer.shown(f"internal error ({type(exc).__name__}: {exc})"), FAILED_LINE
             return
-        yield lead + text, _speed_line(tokens, start, first, time.perf_counter(), reason)
+        line = _speed_line(tokens, start, first, time.perf_counter(), reason)
+        yield answer.shown(), line + _calls_note(answer)
 
     return chat
 
@@ -307,8 +553,8 @@ def _header(backend: Backend, title: str | None) -> str:
 def build_chat_ui(backend: Backend, *, title: str | None = None, limits: Limits | None = None,
                   rate_limiter: RateLimiter | None = None,
                   login: UILogin | None = None) -> gr.Blocks:
-    """A chat window for `backend`: streaming, multi-turn, with sampling settings and Stop;
-    its turns obey `limits` and `rate_limiter` (see `make_chat_fn`)."""
+    """A chat window for `backend`: streaming, multi-turn, with sampling settings, a JSON answer
+    and tools, and Stop; its turns obey `limits` and `rate_limiter` (see `make_chat_fn`)."""
     limits = limits or Limits()
     top, default = _max_tokens_range(backend, limits)
     page_title = title or f"nbserve · {backend.model_name}"
@@ -324,6 +570,12 @@ def build_chat_ui(backend: Backend, *, title: str | None = None, limits: Limits 
                       step=0.05, label="Temperature", render=False),
             gr.Slider(0.05, 1.0, value=0.95, step=0.05, label="Top p", render=False),
             gr.Slider(1, top, value=default, step=1, label="Max tokens", render=False),
+            gr.Textbox("", label=JSON_BOX, lines=2, max_lines=12, render=False,
+                       placeholder="Empty: free text. json: any JSON object. Or a JSON schema "
+                       "that the answer must match"),
+            gr.Textbox("", label=TOOLS_BOX, lines=2, max_lines=12, render=False,
+                       placeholder='Empty: none. Or a JSON list of functions the model may '
+                       'call: [{"name": ..., "description": ..., "parameters": {...}}]'),
         ]
         chat = gr.ChatInterface(
             make_chat_fn(backend, limits=limits, rate_limiter=rate_limiter, login=login),
