@@ -109,12 +109,13 @@ def test_the_mask_allows_only_tokens_the_matcher_accepts(grammars: Grammars) -> 
         assert probe.consume_tokens(grammars.tokenizer.tokenize_str(prefix)) or not prefix
         logits = torch.zeros(3, grammars.vocab_size)
         apply_masks_(logits, [1], compute_masks(grammars, [probe]))
-        allowed = set(torch.isfinite(logits[1]).nonzero().flatten().tolist())
+        allowed = set((logits[1] == 0).nonzero().flatten().tolist())
+        assert (logits[1][logits[1] != 0] <= -3e38).all()  # the rest: no probability at all
         accepted = {t for t in range(grammars.vocab_size)
                     if probe.deep_copy().try_consume_tokens([t]) == 1}
         assert allowed and allowed <= accepted, prefix
         assert len(allowed) < (grammars.vocab_size if prefix else 4)
-        assert torch.isfinite(logits[[0, 2]]).all()  # the other rows are untouched
+        assert (logits[[0, 2]] == 0).all()  # the other rows are untouched
 
 
 # ----------------------------------------------------------------------------- answers
@@ -283,3 +284,33 @@ def test_the_tiny_model_is_made_to_call_the_named_tool(engine: Any) -> None:
         args = json.loads(calls[0]["function"]["arguments"])
         jsonschema.validate(args, TOOLS[1]["function"]["parameters"])
         assert set(args) == {"zone"}  # no invented properties
+
+
+def test_a_tokenizer_without_a_tokenizer_json_gets_grammar_data_from_its_token_bytes() -> None:
+    """A duck-typed tokenizer (encode/decode only, as a custom model may bring): llguidance
+    gets each token's bytes instead of a tokenizer.json."""
+    from tiny_models import make_tiny_tokenizer
+
+    from nbserve.text.tokenizer import Tokenizer, _DuckBackend
+
+    raw = make_tiny_tokenizer()
+
+    class Duck:
+        vocab_size = raw.get_vocab_size()
+
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return raw.encode(text, add_special_tokens=add_special_tokens).ids
+
+        def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+            return raw.decode(ids, skip_special_tokens=skip_special_tokens)
+
+        def convert_ids_to_tokens(self, i: int) -> str | None:
+            return raw.id_to_token(i)
+
+    tok = Tokenizer(_DuckBackend(Duck()), eos_token_ids=[2])
+    g = Grammars(tok, tok.vocab_size, [2])
+    m = g.matcher(grammar_text(Constraint("json_schema", PERSON)), "x")
+    ids = tok.encode('{"name": "Al", "age": 3, "role": "user", "tags": [], "boss": null}')
+    assert m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+    assert not g.matcher(grammar_text(Constraint("json_schema", PERSON)), "x") \
+        .try_consume_tokens(tok.encode('{"nom"')) == len(tok.encode('{"nom"'))

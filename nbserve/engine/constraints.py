@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..text.tool_calls import JSON_STYLE, ToolFormat, closed_schema
@@ -199,39 +200,41 @@ def compute_masks(grammars: Grammars, matchers: Sequence[Any]) -> torch.Tensor:
     return masks
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+FORBIDDEN = float(torch.finfo(torch.float32).min)  # added to a forbidden token's logit
 
 
 def apply_masks_(logits: torch.Tensor, rows: Sequence[int], masks: torch.Tensor) -> None:
-    """-inf (in place) on the tokens that the bitmasks (R, W) forbid, in rows `rows` of
-    logits (B, V)."""
+    """Forbid (in place) the tokens that the bitmasks (R, W) do not allow, in rows `rows` of
+    float32 logits (B, V): their logits drop by float32's largest magnitude, to -inf or to
+    about -3.4e38, which sampling gives exactly zero probability. An addition, not a
+    masked_fill, which is several times slower on CPU; the bits are unpacked by numpy."""
     V = logits.shape[-1]
-    allowed = ((masks.unsqueeze(-1) >> _SHIFTS) & 1).flatten(1)[:, :V].bool()  # (R, V')
+    bits = np.unpackbits(masks.numpy().view(np.uint8), axis=1, bitorder="little")  # (R, 32W)
+    allowed = torch.from_numpy(bits[:, :V])
     if allowed.shape[1] < V:  # logits past the tokenizer's vocabulary: never allowed
         allowed = torch.cat([allowed, allowed.new_zeros(len(rows), V - allowed.shape[1])], 1)
+    penalty = allowed.to(logits.device, torch.float32, non_blocking=True).sub_(1.0) \
+        .mul_(-FORBIDDEN)  # 0 where allowed, FORBIDDEN where not
+    if len(rows) == logits.shape[0] and list(rows) == list(range(len(rows))):
+        logits.add_(penalty)
+        return
     idx = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
-    sub = logits.index_select(0, idx)
-    sub.masked_fill_(~allowed.to(logits.device, non_blocking=True), float("-inf"))
-    logits.index_copy_(0, idx, sub)
+    logits.index_add_(0, idx, penalty)
 
 
 class MaskJob:
-    """A batch's masks, computed on a worker thread (started before the model's forward, so
-    the two overlap); `result()` waits for them. llguidance drops the GIL while it works."""
+    """A batch's masks, computed on one worker thread for the process (so that llguidance's
+    pool is never entered from two threads at once, whatever the number of engines), started
+    before the model's forward so that the two overlap; `result()` waits for them. llguidance
+    drops the GIL while it works."""
 
     _pool: ThreadPoolExecutor | None = None
     _pool_lock = threading.Lock()
 
-    def __init__(self, grammars: Grammars, rows: list[int], matchers: Sequence[Any],
-                 background: bool = True):
+    def __init__(self, grammars: Grammars, rows: list[int], matchers: Sequence[Any]):
         self.rows = rows  # the batch rows the masks are for
-        self.matchers = list(matchers)
-        self._future: Future[torch.Tensor] | None = None
-        self._masks: torch.Tensor | None = None
-        if background:
-            self._future = self._worker().submit(compute_masks, grammars, self.matchers)
-        else:
-            self._masks = compute_masks(grammars, self.matchers)
+        self._future: Future[torch.Tensor] = self._worker().submit(compute_masks, grammars,
+                                                                   list(matchers))
 
     @classmethod
     def _worker(cls) -> ThreadPoolExecutor:
@@ -241,7 +244,4 @@ class MaskJob:
             return cls._pool
 
     def result(self) -> torch.Tensor:
-        if self._masks is None:
-            assert self._future is not None
-            self._masks = self._future.result()
-        return self._masks
+        return self._future.result()

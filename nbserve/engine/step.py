@@ -213,7 +213,7 @@ class EngineStep:
         where, hints = self._where(seqs, max_pos)
         static = self.static if self.static is not None and \
             self.static.serves(len(seqs), max_pos, where.shape[-1]) else None
-        masks = self._mask_job(seqs, background=True)  # computed while the model runs
+        masks = self._mask_job(seqs)  # computed while the model runs
         t0 = time.perf_counter()
         try:
             with self._threads_for(len(seqs)):
@@ -313,20 +313,20 @@ class EngineStep:
             live = [seq] + forked
             self._sample_and_emit(live, logits.expand(len(live), -1))
 
-    def _mask_job(self, seqs: list[Sequence], background: bool) -> MaskJob | None:
+    def _mask_job(self, seqs: list[Sequence]) -> MaskJob | None:
         """The grammar masks of the constrained rows among `seqs`, if any."""
         rows = [(i, s) for i, s in enumerate(seqs)
                 if s.group.choices[s.index].sampler.matcher is not None]
         if not rows:
             return None
         matchers = [s.group.choices[s.index].sampler.matcher for _, s in rows]
-        return MaskJob(rows[0][1].group.grammars, [i for i, _ in rows], matchers, background)
+        return MaskJob(rows[0][1].group.grammars, [i for i, _ in rows], matchers)
 
     def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor,
                          masks: MaskJob | None = None) -> None:
         groups = [s.group for s in seqs]
         if masks is None:
-            masks = self._mask_job(seqs, background=False)
+            masks = self._mask_job(seqs)
         out = sample(logits, [g.choices[s.index].sampler for g, s in zip(groups, seqs)],
                      None if masks is None else (masks.rows, masks.result()))
         now = time.perf_counter()
