@@ -237,8 +237,8 @@ def _call_text(fmt_name: str, calls: list[dict[str, Any]]) -> str:
     objs = [json.dumps({"name": c["name"], fmt.args_key: c["{args}"]}) for c in calls]
     if fmt_name == "hermes":
         return "\n".join(f"<tool_call>\n{o}\n</tool_call>" for o in objs)
-    if fmt_name == "mistral":
-        return "[TOOL_CALLS][" + ", ".join(objs) + "]"
+    if fmt_name in ("mistral", "phi4_mini"):
+        return fmt.open + "[" + ", ".join(objs) + "]"
     return "; ".join(objs)
 
 
@@ -270,6 +270,41 @@ def test_tool_grammars_allow_what_tool_choice_allows(grammars: Grammars, fmt_nam
                          '{"type": "boolean"}}, "required": ["ok"]}', special=grammars.special_id)
     assert _accepts(grammars, answer, '{"ok": true}') and _accepts(grammars, answer, one)
     assert not _accepts(grammars, answer, "It is sunny.")
+
+
+@pytest.mark.parametrize("source,name", [
+    ("{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}", "hermes"),
+    ("{%- if tools %}<tool_call>{{ tools | tojson }}</tool_call>{% endif %}", "hermes"),
+    ("{{ '<|python_tag|>' }}{% for m in messages %}{{ m.content }}<|eot_id|>{% endfor %}",
+     "llama3_json"),
+    ("{% if tools %}[AVAILABLE_TOOLS]{{ tools }}{% endif %}[TOOL_CALLS]", "mistral"),
+    ("{% if m.tools %}<|tool|>{{ m.tools }}<|/tool|>{% endif %}", "phi4_mini"),
+])
+def test_the_tool_format_is_read_off_the_template(source: str, name: str) -> None:
+    from nbserve.text.tool_calls import detect_tool_format
+
+    assert detect_tool_format(source).name == name
+
+
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+def test_each_format_streams_what_it_parses(fmt_name: str) -> None:
+    """Character by character, the pieces give the same content and calls as a whole parse;
+    arguments arrive in fragments that concatenate to the whole call's."""
+    fmt = FORMATS[fmt_name]
+    text = _call_text(fmt_name, [W, T])
+    _, whole = fmt.parse(text, {"get_weather", "get_time"})
+    p = fmt.parser({"get_weather", "get_time"})
+    pieces = [x for ch in text for x in p.feed(ch)] + p.finish()
+    starts = [(x.index, x.name) for x in pieces if x.kind == "start"]
+    args: dict[int, str] = {}
+    for x in pieces:
+        if x.kind == "args":
+            args[x.index] = args.get(x.index, "") + x.text
+    assert starts == [(0, "get_weather"), (1, "get_time")]
+    assert [args[0], args[1]] == [c["function"]["arguments"] for c in whole]
+    assert json.loads(args[0]) == W["{args}"] and json.loads(args[1]) == T["{args}"]
+    assert sum(x.kind == "args" for x in pieces) > 4  # streamed, not in one piece
+    assert not [x for x in pieces if x.kind == "content"]
 
 
 def test_the_tiny_model_is_made_to_call_the_named_tool(engine: Any) -> None:

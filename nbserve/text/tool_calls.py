@@ -146,7 +146,8 @@ HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>")
 LLAMA3_JSON = ToolFormat("llama3_json", "<|python_tag|>", None, args_key="parameters",
                          separator="; ", bare=True)
 MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", None, listed=True)
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
+PHI4_MINI = ToolFormat("phi4_mini", "functools", None, listed=True)
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI)}
 
 
 def detect_tool_format(template_source: str | None) -> ToolFormat:
@@ -155,6 +156,8 @@ def detect_tool_format(template_source: str | None) -> ToolFormat:
     src = template_source or ""
     if "[TOOL_CALLS]" in src:
         return MISTRAL
+    if "functools" in src or "<|tool|>" in src:
+        return PHI4_MINI
     if "<|python_tag|>" in src or ("<|eot_id|>" in src and "parameters" in src
                                    and "<tool_call>" not in src):
         return LLAMA3_JSON
