@@ -60,6 +60,40 @@ def byte_fallback_tokenizer():
                      add_bos_token=True)
 
 
+# The real default model, loaded once for the whole run (about 9 s a load): modules that serve
+# it make their own engines over this one LoadedModel (engines keep their KV caches apart and
+# only read the weights), one engine at a time.
+@pytest.fixture(scope="session")
+def default_loaded() -> Any:
+    from nbserve.loading import load
+
+    return load("smollm2", verbose=False)
+
+
+# transformers' own reading of the default GGUF (float32), the reference for several modules:
+# about 20 s for the model and 12 s for the tokenizer, so once a run.
+@pytest.fixture(scope="session")
+def reference_model() -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nbserve.loading.default import default_model_path
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def reference_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    from nbserve.loading.default import default_model_path
+
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
 # The tiny engine behind a real uvicorn server, once per test module that asks for them.
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_llama_dir: Path) -> Iterator[Any]:

@@ -185,11 +185,10 @@ CUT_CHAT = [{"role": "user", "content": "Write 你好 and 🎉 ten times."}]  # 
 
 
 @pytest.fixture(scope="module")
-def default_client() -> Iterator[openai.OpenAI]:
-    from nbserve.loading import load
+def default_client(default_loaded: Any) -> Iterator[openai.OpenAI]:
     from nbserve.server import create_app
 
-    with Engine(load("smollm2", verbose=False), max_batch=2, max_context=512,
+    with Engine(default_loaded, max_batch=2, max_context=512,
                 quiet=True) as engine, running_server(create_app(engine, ui=False)) as url, \
             openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
                           timeout=120) as client:

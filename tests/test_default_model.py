@@ -19,16 +19,8 @@ def ours():
 
 
 @pytest.fixture(scope="module")
-def reference():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from nbserve.loading.default import default_model_path
-
-    path = default_model_path()
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 dtype=torch.float32)
-    return tok, model.eval()
+def reference(reference_tokenizer, reference_model):
+    return reference_tokenizer, reference_model
 
 
 def test_rendered_prompt_and_tokens_equal_transformers(ours, reference):

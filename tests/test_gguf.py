@@ -354,16 +354,15 @@ def smollm2() -> Path:
 
 
 @pytest.fixture(scope="module")
-def smollm2_hf(smollm2) -> transformers.PreTrainedModel:
-    """transformers' own reading of the same file: the reference."""
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2.parent, gguf_file=smollm2.name).eval()
+def smollm2_hf(reference_model) -> transformers.PreTrainedModel:
+    """transformers' own reading of the same file (float32): the reference."""
+    return reference_model
 
 
 @pytest.mark.slow
-def test_default_model_tokenizer_matches_transformers(smollm2):
+def test_default_model_tokenizer_matches_transformers(smollm2, reference_tokenizer):
     ckpt = read_gguf(smollm2)
-    ref = transformers.AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+    ref = reference_tokenizer
     messages = [{"role": "user", "content": "What is the capital of France? café 😀 你好 42"}]
     prompt = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert ckpt.tokenizer.encode(prompt).ids == ref(prompt)["input_ids"]

@@ -269,8 +269,8 @@ def test_quantized_needs_a_cpu_float32_model(tiny_llama_dir):
 
 
 @pytest.mark.slow
-def test_default_model_keeps_its_answer_quantized():
-    loaded = nbserve.load("smollm2", dtype="quantized", verbose=False)
+def test_default_model_keeps_its_answer_quantized(default_loaded):
+    loaded = default_loaded  # the GGUF's Q4_1/Q8_0 blocks: dtype "quantized" by default
     assert {h.kernel.weight.kind for h in loaded.model._weight_holders()} == {"q4", "q8"}
     with nbserve.Engine(loaded, max_batch=2, max_context=256, quiet=True) as engine:
         answer = engine.chat([{"role": "user", "content": "What is the capital of France?"}],

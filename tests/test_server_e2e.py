@@ -13,12 +13,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def default_client() -> Iterator[openai.OpenAI]:
+def default_client(default_loaded: Any) -> Iterator[openai.OpenAI]:
     from nbserve.engine import Engine
-    from nbserve.loading import load
     from nbserve.server import create_app
 
-    engine = Engine(load("smollm2"), max_batch=4, max_context=1024, quiet=True)
+    engine = Engine(default_loaded, max_batch=4, max_context=1024, quiet=True)
     try:
         with running_server(create_app(engine, ui=False)) as url:
             yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,

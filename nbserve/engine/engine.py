@@ -38,7 +38,7 @@ from ..types import (
     Request,
 )
 from .config import EngineConfig
-from .constraints import Grammars, grammars_for
+from .constraints import Grammars, grammars_for, has_grammars
 from .requests import (
     ChoiceState,
     Mailbox,
@@ -150,6 +150,9 @@ class Engine(SyncHelpers):
         """Stream the events of `request`. Raises before the first event if it is refused."""
         mailbox: Mailbox[Event] = Mailbox(self.abort, request.request_id,
                                           asyncio.get_running_loop(), self._backlog_limit(request))
+        if (request.tools or request.params.constraint is not None) and \
+                not has_grammars(self.tokenizer, self.vocab_size):
+            await asyncio.to_thread(self.grammars)  # built once, off the caller's loop
         group = self.submit(request, mailbox.post)
         remaining, finished = group.params.n, False
         try:
