@@ -80,14 +80,13 @@ class Grammars:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]):
         llg = _llg()
         self.vocab_size = vocab_size
-        backend = getattr(tokenizer, "_tok", None)
-        to_str = getattr(backend, "to_str", None)
         eos = list(stop_ids) or list(getattr(tokenizer, "eos_token_ids", []))
-        if callable(to_str):
-            self.tokenizer = llg.LLTokenizer(to_str(), n_vocab=vocab_size, eos_token=eos)
-        else:  # a tokenizer without a tokenizer.json: its tokens' bytes
-            self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(_ByteTokens(tokenizer,
-                                                                               vocab_size, eos)))
+        # llguidance reads each token's bytes (the ones logprobs report) and tokenizes through
+        # nbserve's tokenizer: a third of the memory of handing it the tokenizer.json, which it
+        # would load into a tokenizer of its own
+        self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(_ByteTokens(tokenizer, vocab_size,
+                                                                           eos)),
+                                         n_vocab=vocab_size, eos_token=eos)
         self._specials = {getattr(tokenizer, "_added", {}).get(i): i
                           for i in getattr(tokenizer, "special_ids", ())}
         self._lock = threading.Lock()
@@ -158,15 +157,18 @@ def _default_format() -> ToolFormat:
 
 
 class _ByteTokens:
-    """What llguidance's TokenizerWrapper reads of a tokenizer: each token's bytes."""
+    """What llguidance's TokenizerWrapper reads of a tokenizer: each token's bytes (a special
+    token's as llguidance marks them: 0xFF, then its name) and how to tokenize text."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos: list[int]):
         self._tok = tokenizer
         self.eos_token_id = eos[0] if eos else 0
         self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
-        special = set(getattr(tokenizer, "special_ids", ()))
-        self.special_token_ids = sorted(special)
-        self.tokens = [b"\xff" + tokenizer.decode([i]).encode() if i in special
+        known = int(getattr(tokenizer, "vocab_size", vocab_size))
+        special = set(getattr(tokenizer, "special_ids", ())) | set(range(known, vocab_size))
+        self.special_token_ids = sorted(special)  # with the ids past the tokenizer: padding
+        self.tokens = [b"\xff" + (tokenizer.decode([i]).encode() if i < known else
+                                  f"<[pad {i}]>".encode()) if i in special
                        else tokenizer.token_bytes(i) for i in range(vocab_size)]
 
     def __call__(self, text: str | bytes) -> list[int]:
