@@ -243,6 +243,7 @@ class Request:
     tool_choice: Literal["auto", "required"] = "auto"
     tool_name: str | None = None
     parallel_tool_calls: bool = True
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking
     add_generation_prompt: bool = True
     request_id: str = field(default_factory=new_request_id)
     # Set by whoever routes the request (pool affinity, logging); the engine ignores it.
@@ -287,6 +288,8 @@ class Started:
     cached_tokens: int
     prompt_ids: list[int] = field(default_factory=list)
     tool_format: str | None = None  # how this model writes tool calls (text/tool_calls.py)
+    reasoning: bool = False  # the answer may open with a thought (text/reasoning.py)
+    thought_open: bool = False  # the prompt opened the thought: the answer starts inside it
     type: Literal["started"] = "started"
 
 

@@ -49,7 +49,7 @@ POSITIVE, NEGATIVE = schemathesis.GenerationMode.POSITIVE, schemathesis.Generati
 # the engine instead of stopping at the first refusal.
 UNSERVED = ("functions", "function_call", "audio", "modalities", "prediction",
             "response_format", "suffix", "web_search_options", "best_of", "moderation",
-            "reasoning_effort", "verbosity")
+            "reasoning_effort", "verbosity")  # random values of these are refused
 FUZZ_CASES = [(m, p, "positive") for m, p in OPERATIONS] + [
     (m, p, mode) for m, p in OPERATIONS if m == "POST" for mode in ("negative", "repaired")]
 

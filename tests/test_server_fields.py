@@ -186,7 +186,7 @@ CHAT_FIELDS: dict[str, tuple[str, Any, dict[str, Any]]] = {
     "modalities": ("refused", ["text", "audio"], {}),
     "moderation": ("refused", {"model": "omni-moderation-latest"}, {}),
     "prediction": ("refused", {"type": "content", "content": "x"}, {}),
-    "reasoning_effort": ("refused", "low", {}),
+    "reasoning_effort": ("served", "low", {}),
     "verbosity": ("refused", "low", {}),
     "web_search_options": ("refused", {}, {}),
 }

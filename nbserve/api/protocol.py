@@ -260,6 +260,20 @@ def _check_seed(seed: int | None) -> None:
         raise InvalidRequestError(f"seed must fit in 64 bits, got {seed}", param="seed")
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def thinking_switch(effort: str | None, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The chat-template variables of a request: its `chat_template_kwargs`, and for a
+    `reasoning_effort` the switch thinking models' templates read (Qwen3's and SmolLM3's
+    `enable_thinking`): off for "none" and "minimal", on otherwise. A template that does not
+    read it is not changed by it. An explicit `enable_thinking` in the kwargs wins."""
+    out = dict(kwargs or {})
+    if effort is not None:
+        out.setdefault("enable_thinking", effort not in ("none", "minimal"))
+    return out
+
+
 class _Sampling(_Schema):
     """Fields chat and completions share, plus nbserve's extensions."""
 
@@ -353,6 +367,7 @@ class ChatCompletionRequest(_Sampling):
     prompt_cache_retention: str | None = None  # no-op
     reasoning_effort: str | None = None
     response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM): template variables
     safety_identifier: str | None = None  # no-op
     service_tier: str | None = None  # no-op
     store: bool | None = None  # no-op: nothing is stored
@@ -380,8 +395,10 @@ class ChatCompletionRequest(_Sampling):
             raise _refuse("prediction", "predicted outputs are not implemented")
         if self.moderation is not None:
             raise _refuse("moderation", "it has no moderation model")
-        if self.reasoning_effort is not None:
-            raise _refuse("reasoning_effort", "it does not control how long a model reasons")
+        if self.reasoning_effort not in (None, *REASONING_EFFORTS):
+            raise InvalidRequestError(f"reasoning_effort must be one of "
+                                      f"{', '.join(REASONING_EFFORTS)}, got "
+                                      f"{self.reasoning_effort!r}", param="reasoning_effort")
         if self.verbosity not in (None, "medium"):
             raise _refuse("verbosity", "only \"medium\" (the model as it is) is served; ask "
                           "for a shorter or longer answer in the prompt")
@@ -470,7 +487,9 @@ class ChatCompletionRequest(_Sampling):
         tools = [t.model_dump(exclude_none=True) for t in self.tools or []] if self.use_tools \
             else None
         req = Request(messages=messages, params=params, tools=tools,
-                      parallel_tool_calls=self.parallel_tool_calls is not False)
+                      parallel_tool_calls=self.parallel_tool_calls is not False,
+                      template_kwargs=thinking_switch(self.reasoning_effort,
+                                                      self.chat_template_kwargs))
         if isinstance(self.tool_choice, NamedToolChoice):
             req.tool_name = self.tool_choice.function.name
         elif self.tool_choice == "required":

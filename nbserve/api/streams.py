@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..text.reasoning import ReasoningSplitter
 from ..text.tool_calls import FORMATS, HERMES, Piece, ToolCallParser
 from ..types import Delta, ErrorEvent, Event, Finished, Started, TokenLogprob, Usage
 from .trace import Trace
@@ -80,6 +81,7 @@ async def chat_chunks(events: AsyncIterator[Event], first: Event, info: StreamIn
             "model": info.model, "system_fingerprint": None}
     opened = [False] * n
     parsers: list[ToolCallParser] | None = None
+    thoughts: list[ReasoningSplitter] | None = None
     trace = info.trace
 
     def chunk(index: int, delta: dict[str, Any], logprobs: Any = None,
@@ -90,6 +92,25 @@ async def chat_chunks(events: AsyncIterator[Event], first: Event, info: StreamIn
     def role(index: int) -> dict[str, Any]:
         opened[index] = True
         return chunk(index, {"role": "assistant", "content": ""})
+
+    def text_out(index: int, text: str, lps: Any = None, final: bool = False
+                 ) -> list[dict[str, Any]]:
+        """Chunks for new model text: its thought (reasoning_content, and vLLM's name
+        reasoning), then its answer, read for tool calls when the request has tools."""
+        out = []
+        if thoughts:
+            thought, text = thoughts[index].finish() if final else thoughts[index].feed(text)
+            if thought:
+                out.append(chunk(index, {"reasoning_content": thought, "reasoning": thought}))
+        if parsers:
+            pieces = parsers[index].feed(text) if text else []
+            if final:
+                pieces += parsers[index].finish()
+            return out + pieces_out(index, pieces, lps)
+        if text or lps:
+            trace.text(index, text)
+            out.append(chunk(index, {"content": text}, lps))
+        return out
 
     def pieces_out(index: int, pieces: list[Piece], lps: Any = None
                    ) -> list[dict[str, Any]]:
@@ -115,6 +136,8 @@ async def chat_chunks(events: AsyncIterator[Event], first: Event, info: StreamIn
                 if tools and parsers is None:
                     fmt = FORMATS.get(ev.tool_format or "", HERMES)
                     parsers = [fmt.parser(tools, parallel_tool_calls) for _ in range(n)]
+                if ev.reasoning and thoughts is None:
+                    thoughts = [ReasoningSplitter(ev.thought_open) for _ in range(n)]
                 for i in range(n):
                     if not opened[i]:
                         yield role(i)
@@ -124,22 +147,17 @@ async def chat_chunks(events: AsyncIterator[Event], first: Event, info: StreamIn
                     yield role(i)
                 trace.token(i, len(ev.token_ids))
                 lps = {"content": chat_logprobs(info, ev.logprobs)} if ev.logprobs else None
-                if parsers:
-                    for c in pieces_out(i, parsers[i].feed(ev.text), lps):
-                        yield c
-                elif ev.text or lps:
-                    trace.text(i, ev.text)
-                    yield chunk(i, {"content": ev.text}, lps)
+                for c in text_out(i, ev.text, lps):
+                    yield c
             elif isinstance(ev, Finished):
                 i = ev.index
                 if not opened[i]:
                     yield role(i)
                 reason = _FINISH.get(ev.reason, "stop")
-                if parsers:
-                    for c in pieces_out(i, parsers[i].finish()):
-                        yield c
-                    if parsers[i].calls and reason == "stop":
-                        reason = "tool_calls"
+                for c in text_out(i, "", final=True):
+                    yield c
+                if parsers and parsers[i].calls and reason == "stop":
+                    reason = "tool_calls"
                 trace.finish_reasons.append(reason)
                 info.record_usage(0, ev.usage)
                 yield chunk(i, {}, None, reason)
@@ -163,10 +181,12 @@ async def fold_chat(chunks: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
             usage = c.get("usage")
         for ch in c["choices"]:
             st = choices.setdefault(ch["index"], {"text": [], "calls": {}, "lps": None,
-                                                  "finish": None})
+                                                  "finish": None, "thought": None})
             d = ch["delta"]
             if d.get("content"):
                 st["text"].append(d["content"])
+            if d.get("reasoning_content"):
+                st["thought"] = (st["thought"] or "") + d["reasoning_content"]
             for call in d.get("tool_calls") or ():
                 if call["index"] not in st["calls"]:
                     st["calls"][call["index"]] = {"id": call["id"], "type": "function",
@@ -185,6 +205,8 @@ async def fold_chat(chunks: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
         msg: dict[str, Any] = {"role": "assistant",
                                "content": content if content or not st["calls"] else None,
                                "refusal": None}
+        if st["thought"] is not None:
+            msg["reasoning_content"] = msg["reasoning"] = st["thought"]
         if st["calls"]:
             msg["tool_calls"] = [st["calls"][k] for k in sorted(st["calls"])]
         out_choices.append({"index": i, "message": msg,

@@ -27,6 +27,7 @@ from ..cpu.openmp_pool import release_after_each_cell, release_openmp_pool
 from ..cpu.threads import torch_threads
 from ..models.base import LoadedModel
 from ..text import IncrementalDetokenizer, StopStringMatcher
+from ..text.reasoning import starts_inside, thinks
 from ..text.tool_calls import HERMES, ToolFormat
 from ..types import (
     BusyError,
@@ -331,7 +332,8 @@ class Engine(SyncHelpers):
                     f"model {self.model_name!r} has no chat template: send a raw prompt or "
                     "pass chat_template= when loading", param="messages")
             text = self.template.render(request.messages, tools=request.tools,
-                                        add_generation_prompt=request.add_generation_prompt)
+                                        add_generation_prompt=request.add_generation_prompt,
+                                        **_template_kwargs(request.template_kwargs))
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         else:
             ids = self.tokenizer.encode(request.prompt, add_special_tokens=True)
@@ -362,6 +364,10 @@ class Engine(SyncHelpers):
             stop_ids.update(self.stop_token_ids)
         group = RequestGroup(request.request_id, params, ids, frozenset(stop_ids), sink,
                        remaining=params.n, submitted=time.perf_counter())
+        if request.messages is not None and self.template is not None and \
+                thinks(self.template.source):
+            group.reasoning = True
+            group.thought_open = starts_inside(self.tokenizer.decode(ids[-16:]))
         matcher = self._matcher(request, group)
         device = self.model.device
         for i in range(params.n):
@@ -540,3 +546,19 @@ class Engine(SyncHelpers):
             self._step.forget_requests()
             self._stalled = False
         log.warning("the stuck engine step returned; the engine serves again")
+
+
+_RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "documents"})
+
+
+def _template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The request's extra chat-template variables, checked: names the template's own
+    arguments do not use."""
+    for name in kwargs:
+        if not isinstance(name, str) or not name.isidentifier() or \
+                name in _RESERVED_TEMPLATE_NAMES:
+            raise InvalidRequestError(
+                f"chat_template_kwargs: {name!r} cannot be a template variable (names are "
+                f"identifiers other than {', '.join(sorted(_RESERVED_TEMPLATE_NAMES))})",
+                param="chat_template_kwargs")
+    return kwargs

@@ -54,6 +54,8 @@ class RequestGroup:
     done: bool = False
     grammars: Any = None  # constraints.Grammars of a constrained request
     tool_format: str | None = None  # the model's tool-call format, for a request with tools
+    reasoning: bool = False  # a chat of a thinking model: its answer may open with a thought
+    thought_open: bool = False  # the prompt opened the thought
 
     def usage(self) -> Usage:
         s = self.seqs[0]

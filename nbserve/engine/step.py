@@ -141,7 +141,7 @@ class EngineStep:
             self.stats.prefix_queries += len(seq.prompt_ids)
             self.stats.prefix_hits += seq.cached_prompt
             g.sink(Started(g.request_id, len(g.prompt_ids), seq.cached_prompt, g.prompt_ids,
-                           g.tool_format))
+                           g.tool_format, g.reasoning, g.thought_open))
         model_time = sample_time = 0.0
         if plan.decode:
             m, s = self._run_decode(plan)
