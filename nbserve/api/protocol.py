@@ -347,6 +347,50 @@ class _Sampling(_Schema):
 # ----------------------------------------------------------------------------- chat
 
 
+def template_messages(messages: list[Any], limits: Limits) -> list[dict[str, Any]]:
+    """Messages as plain dicts for the chat template, after the size limits."""
+    if not messages:
+        raise InvalidRequestError("messages must hold at least one message",
+                                  param="messages")
+    if len(messages) > limits.max_messages:
+        raise InvalidRequestError(
+            f"messages holds {len(messages)} messages; the limit is "
+            f"{limits.max_messages}. Drop or summarize older turns.", param="messages")
+    out: list[dict[str, Any]] = []
+    total = 0
+    for i, m in enumerate(messages):
+        if m.role == "function":
+            raise _refuse(f"messages[{i}].role", "role 'function' is deprecated; use 'tool'")
+        if isinstance(m, AssistantMessage):
+            if m.audio is not None:
+                raise _refuse(f"messages[{i}].audio", "it serves text-only models")
+            if m.function_call is not None:
+                raise _refuse(f"messages[{i}].function_call", "the deprecated functions "
+                              "API is not served; use tool_calls")
+        param = f"messages[{i}].content"
+        text = m.content
+        if isinstance(m, AssistantMessage) and not m.content and m.refusal:
+            text = m.refusal  # an earlier refusal is what the assistant said
+        content, chars = _content(text, param)
+        limits.check_text(param, chars, limits.max_message_chars, f"messages[{i}]")
+        total += chars
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                             "content": content}
+        name = getattr(m, "name", None)  # a tool message has none
+        if name:
+            d["name"] = name
+        if isinstance(m, AssistantMessage) and m.tool_calls:
+            # arguments stay JSON strings; the template layer parses them for templates
+            d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if isinstance(m, ToolMessage):
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    limits.check_text("messages", total, limits.max_conversation_chars, "The conversation")
+    return out
+
+
+
+
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
@@ -431,44 +475,7 @@ class ChatCompletionRequest(_Sampling):
 
     def template_messages(self, limits: Limits) -> list[dict[str, Any]]:
         """Messages as plain dicts for the chat template, after the size limits."""
-        if not self.messages:
-            raise InvalidRequestError("messages must hold at least one message",
-                                      param="messages")
-        if len(self.messages) > limits.max_messages:
-            raise InvalidRequestError(
-                f"messages holds {len(self.messages)} messages; the limit is "
-                f"{limits.max_messages}. Drop or summarize older turns.", param="messages")
-        out: list[dict[str, Any]] = []
-        total = 0
-        for i, m in enumerate(self.messages):
-            if m.role == "function":
-                raise _refuse(f"messages[{i}].role", "role 'function' is deprecated; use 'tool'")
-            if isinstance(m, AssistantMessage):
-                if m.audio is not None:
-                    raise _refuse(f"messages[{i}].audio", "it serves text-only models")
-                if m.function_call is not None:
-                    raise _refuse(f"messages[{i}].function_call", "the deprecated functions "
-                                  "API is not served; use tool_calls")
-            param = f"messages[{i}].content"
-            text = m.content
-            if isinstance(m, AssistantMessage) and not m.content and m.refusal:
-                text = m.refusal  # an earlier refusal is what the assistant said
-            content, chars = _content(text, param)
-            limits.check_text(param, chars, limits.max_message_chars, f"messages[{i}]")
-            total += chars
-            d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                                 "content": content}
-            name = getattr(m, "name", None)  # a tool message has none
-            if name:
-                d["name"] = name
-            if isinstance(m, AssistantMessage) and m.tool_calls:
-                # arguments stay JSON strings; the template layer parses them for templates
-                d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
-            if isinstance(m, ToolMessage):
-                d["tool_call_id"] = m.tool_call_id
-            out.append(d)
-        limits.check_text("messages", total, limits.max_conversation_chars, "The conversation")
-        return out
+        return template_messages(self.messages, limits)
 
     def to_request(self, limits: Limits | None = None, request_id: str | None = None) -> Request:
         """The nbserve Request for this body; InvalidRequestError (400) naming what is wrong."""

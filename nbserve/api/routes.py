@@ -29,6 +29,7 @@ from ..types import Backend, ErrorEvent, Event
 from .errors import APIError, error_event_to_api, from_exception
 from .fields import UnknownFields
 from .limits import Limits
+from .openapi_schemas import body_ref
 from .protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from .streams import (
     Merge,
@@ -249,7 +250,7 @@ def build_router(backend: Backend, limits: Limits, *, log_messages: bool = False
         return model_card()
 
     @router.post("/chat/completions", dependencies=list(gen_dependencies),
-                 openapi_extra=_body_ref(ChatCompletionRequest))
+                 openapi_extra=body_ref(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await request.body(),
                                                  field_policy)
@@ -270,7 +271,7 @@ def build_router(backend: Backend, limits: Limits, *, log_messages: bool = False
                             fold_chat)
 
     @router.post("/completions", dependencies=list(gen_dependencies),
-                 openapi_extra=_body_ref(CompletionRequest))
+                 openapi_extra=body_ref(CompletionRequest))
     async def completions(request: Request) -> Response:
         body: CompletionRequest = parse_body(CompletionRequest, await request.body(),
                                              field_policy)
@@ -327,20 +328,3 @@ def _decode(tokenizer: Any, ids: list[int] | None) -> str:
 
 
 # ----------------------------------------------------------------------------- OpenAPI
-
-_REF = "#/components/schemas/{model}"
-
-
-def _body_ref(model: type[Any]) -> dict[str, Any]:
-    """openapi_extra for a route that parses its body itself (see `add_request_schemas`)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": _REF.format(model=model.__name__)}}}}}
-
-
-def add_request_schemas(openapi: dict[str, Any]) -> None:
-    """Put the request models (and the models they use) into the document's components."""
-    schemas = openapi.setdefault("components", {}).setdefault("schemas", {})
-    for model in (ChatCompletionRequest, CompletionRequest):
-        schema = model.model_json_schema(ref_template=_REF)
-        schemas.update(schema.pop("$defs", {}))
-        schemas[model.__name__] = schema

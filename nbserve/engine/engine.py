@@ -315,6 +315,11 @@ class Engine(SyncHelpers):
         even past max_context: the UI uses it to fit a long chat into the context."""
         return len(self._prompt_ids(request))
 
+    def prompt_token_ids(self, request: Request) -> list[int]:
+        """The request's prompt as the engine would serve it (template applied, encoded), even
+        past max_context: what /tokenize answers."""
+        return self._prompt_ids(request)
+
     def _prompt_ids(self, request: Request) -> list[int]:
         request.check_input()
         if request.prompt_ids is not None:

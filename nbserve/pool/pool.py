@@ -165,6 +165,10 @@ class Pool(SyncHelpers):
         """How many tokens the request's prompt takes (see `Engine.count_prompt_tokens`)."""
         return self.replicas[0].engine.count_prompt_tokens(request)  # one tokenizer for all
 
+    def prompt_token_ids(self, request: Request) -> list[int]:
+        """The request's prompt token ids (see `Engine.prompt_token_ids`)."""
+        return self.replicas[0].engine.prompt_token_ids(request)
+
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         """Stream the events of `request` from one replica. Raises before the first event if
         it is refused; closing the iterator cancels it. A caller that leaves more than

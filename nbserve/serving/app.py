@@ -20,8 +20,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..api.auth import KeyAuth, RateLimiter
 from ..api.errors import APIError, install_error_handlers
+from ..api.fields import UnknownFields
 from ..api.limits import Limits
-from ..api.routes import UNKNOWN_ROUTE, add_request_schemas, build_router
+from ..api.openapi_schemas import add_request_schemas
+from ..api.protocol import ChatCompletionRequest, CompletionRequest
+from ..api.routes import UNKNOWN_ROUTE, build_router
+from ..api.tokenize import DetokenizeRequest, TokenizeRequest, build_tokenize_router
 from ..api.trace import Trace
 from ..types import Backend
 from .metrics import Metrics
@@ -234,6 +238,9 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    app.include_router(build_tokenize_router(backend, limits, dependencies=[Depends(authorize)],
+                                             unknown=UnknownFields(
+                                                 accept=opts.accept_unknown_fields)))
     app.include_router(build_router(backend, limits, log_messages=log_messages,
                                     dependencies=[Depends(authorize)],
                                     gen_dependencies=[Depends(admit)],
@@ -242,7 +249,8 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            add_request_schemas(base_openapi())
+            add_request_schemas(base_openapi(), [ChatCompletionRequest, CompletionRequest,
+                                                 TokenizeRequest, DetokenizeRequest])
         return app.openapi_schema  # type: ignore[return-value]
 
     app.openapi = openapi  # type: ignore[method-assign]
