@@ -145,6 +145,7 @@ class SamplingParams:
     top_logprobs: int = 0
     n: int = 1
     constraint: Constraint | None = None
+    prompt_logprobs: int | None = None  # the prompt's log-probabilities, with this many top
 
     @property
     def greedy(self) -> bool:
@@ -179,9 +180,16 @@ class SamplingParams:
                       f"must be between -2 and 2, got {self.frequency_penalty}")
         if self.repetition_penalty <= 0:
             raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.prompt_logprobs is not None and (
+                not isinstance(self.prompt_logprobs, int) or
+                not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got "
+                      f"{self.prompt_logprobs!r}")
+        least = 0 if self.prompt_logprobs is not None else 1  # 0: score the prompt only
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or
-                                            self.max_tokens < 1):
-            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+                                            self.max_tokens < least):
+            raise bad("max_tokens", f"must be an integer >= {least}, got {self.max_tokens!r}"
+                      + (" (0 only to score a prompt: with echo and logprobs)" if least else ""))
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
                 self.min_tokens < 0:
             raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
@@ -294,6 +302,15 @@ class Started:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """The prompt's log-probabilities (a request with `prompt_logprobs`), before its first
+    Delta: one entry per prompt token, None for the first (nothing predicts it)."""
+
+    logprobs: list[TokenLogprob | None]
+    type: Literal["prompt_logprobs"] = "prompt_logprobs"
+
+
+@dataclass(slots=True)
 class Delta:
     """New text for choice `index` (may be empty while a stop string or UTF-8 char is pending)."""
 
@@ -332,7 +349,7 @@ class ErrorEvent:
     type: Literal["error"] = "error"
 
 
-Event = Started | Delta | Finished | ErrorEvent
+Event = Started | PromptLogprobs | Delta | Finished | ErrorEvent
 
 
 # ----------------------------------------------------------------------------- backend seam

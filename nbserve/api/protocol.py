@@ -549,15 +549,20 @@ class CompletionRequest(_Sampling):
             raise _refuse("suffix", "insertion (fill-in-the-middle) is not implemented")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise _refuse("best_of", "ranking several samples is not implemented; use n")
-        if self.echo and self.logprobs is not None:
-            raise _refuse("echo", "echo with logprobs needs prompt logprobs, which the "
-                          "engine does not compute")
         if self.logprobs is not None:
             limits.check_range("logprobs", self.logprobs, 0, 5)
+        scored = bool(self.echo) and self.logprobs is not None  # the prompt's logprobs too
+        if self.max_tokens == 0 and not scored:
+            raise InvalidRequestError("max_tokens 0 only scores a prompt: send it with echo "
+                                      "and logprobs", param="max_tokens")
         items = self.prompts(limits)
-        params = self._params(limits, self.max_tokens if self.max_tokens is not None
-                              else 16, "max_tokens", self.logprobs is not None,
-                              self.logprobs or 0)
+        max_tokens = self.max_tokens if self.max_tokens is not None else 16
+        params = self._params(limits, max_tokens or None, "max_tokens",
+                              self.logprobs is not None, self.logprobs or 0)
+        if scored:
+            params.prompt_logprobs = self.logprobs
+            params.max_tokens = max_tokens
+            params.validate()
         out = []
         for i, item in enumerate(items):
             rid = request_id if len(items) == 1 else f"{request_id}-{i}"

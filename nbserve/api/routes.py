@@ -186,6 +186,10 @@ def build_router(backend: Backend, limits: Limits, *, log_messages: bool = False
             return list(text.encode("utf-8"))
         return list(tokenizer.token_bytes(token_id))
 
+    def detokenize(ids: list[int]) -> str:
+        tokenizer = getattr(backend, "tokenizer", None)
+        return tokenizer.decode(ids) if tokenizer is not None else ""
+
     def model_card() -> dict[str, Any]:
         card = {"id": backend.model_name, "object": "model", "created": created_at,
                 "owned_by": "nbserve"}
@@ -294,7 +298,7 @@ def build_router(backend: Backend, limits: Limits, *, log_messages: bool = False
             return Response(status_code=CLIENT_GONE)
         trace = begin(request, rid, [r.prompt or r.prompt_ids for r in reqs])
         info = StreamInfo(f"cmpl-{rid}", backend.model_name, int(time.time()), trace,
-                          token_bytes)
+                          token_bytes, detokenize)
         chunks = completion_chunks(merged.events(), info, reqs[0].params.n, echo,
                                    body.logprobs is not None)
         return await answer(request, chunks, bool(body.stream), body.include_usage, trace, rid,

@@ -11,7 +11,16 @@ from typing import Any
 
 from ..text.reasoning import ReasoningSplitter
 from ..text.tool_calls import FORMATS, HERMES, Piece, ToolCallParser
-from ..types import Delta, ErrorEvent, Event, Finished, Started, TokenLogprob, Usage
+from ..types import (
+    Delta,
+    ErrorEvent,
+    Event,
+    Finished,
+    PromptLogprobs,
+    Started,
+    TokenLogprob,
+    Usage,
+)
 from .trace import Trace
 
 _LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinity)
@@ -35,6 +44,7 @@ class StreamInfo:
     created: int
     trace: Trace
     token_bytes: Callable[[int, str], list[int]] | None = None
+    detokenize: Callable[[list[int]], str] | None = None
     usage_parts: dict[int, Usage] = field(default_factory=dict)  # per sub-request
 
     def usage(self) -> dict[str, Any]:
@@ -50,6 +60,9 @@ class StreamInfo:
         t.prompt_tokens = sum(u.prompt_tokens for u in self.usage_parts.values())
         t.completion_tokens = sum(u.completion_tokens for u in self.usage_parts.values())
         t.cached_tokens = sum(u.cached_tokens for u in self.usage_parts.values())
+
+    def decode(self, ids: list[int]) -> str:
+        return self.detokenize(ids) if self.detokenize is not None and ids else ""
 
     def bytes_of(self, token_id: int, text: str) -> list[int]:
         if self.token_bytes is not None:
@@ -309,10 +322,13 @@ async def completion_chunks(events: AsyncIterator[tuple[int, Event]], info: Stre
                             echo: list[str] | None = None, logprobs: bool = False
                             ) -> AsyncIterator[dict[str, Any]]:
     """`text_completion` chunk dicts; choice index = prompt index * n + choice.
-    `echo` holds each prompt's text to send first. The last chunk (choices=[]) has the usage."""
+    `echo` holds each prompt's text to send first; with `logprobs` it goes out with the
+    prompt's log-probabilities (the first token's null, as OpenAI did), once the engine has
+    them. The last chunk (choices=[]) has the usage."""
     base = {"id": info.id, "object": "text_completion", "created": info.created,
             "model": info.model, "system_fingerprint": None}
     offsets: dict[int, int] = {}
+    first_tokens: dict[int, list[int]] = {}  # each prompt's first token id
     trace = info.trace
 
     def chunk(index: int, text: str, lps: Any = None, finish: str | None = None
@@ -320,9 +336,18 @@ async def completion_chunks(events: AsyncIterator[tuple[int, Event]], info: Stre
         return {**base, "choices": [{"index": index, "text": text, "logprobs": lps,
                                      "finish_reason": finish}]}
 
-    def legacy(index: int, items: list[TokenLogprob]) -> dict[str, Any]:
+    def legacy(index: int, items: list[TokenLogprob], first: str | None = None
+               ) -> dict[str, Any]:
+        """OpenAI's legacy logprobs of `items`; `first`: the text of a prompt's first token,
+        whose logprob is null."""
         out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                      "text_offset": []}
+        if first is not None:
+            out["tokens"].append(first)
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            out["text_offset"].append(offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + len(first)
         for lp in items:
             out["tokens"].append(lp.token)
             out["token_logprobs"].append(_lp(lp.logprob))
@@ -337,10 +362,17 @@ async def completion_chunks(events: AsyncIterator[tuple[int, Event]], info: Stre
         async for k, ev in events:
             if isinstance(ev, Started):
                 trace.prompt_tokens += ev.prompt_tokens
-                if echo is not None:
+                first_tokens[k] = ev.prompt_ids[:1]
+                if echo is not None and not logprobs:
                     for j in range(n):
                         offsets[k * n + j] = len(echo[k])
                         yield chunk(k * n + j, echo[k])
+            elif isinstance(ev, PromptLogprobs):
+                if echo is not None:
+                    head = info.decode(first_tokens.get(k, []))
+                    scored = [lp for lp in ev.logprobs if lp is not None]
+                    for j in range(n):
+                        yield chunk(k * n + j, echo[k], legacy(k * n + j, scored, head))
             elif isinstance(ev, Delta):
                 i = k * n + ev.index
                 trace.token(i, len(ev.token_ids))

@@ -54,6 +54,7 @@ class RequestGroup:
     done: bool = False
     grammars: Any = None  # constraints.Grammars of a constrained request
     tool_format: str | None = None  # the model's tool-call format, for a request with tools
+    prompt_logprobs: list[Any] | None = None  # collected while the prompt is scored
     reasoning: bool = False  # a chat of a thinking model: its answer may open with a thought
     thought_open: bool = False  # the prompt opened the thought
 

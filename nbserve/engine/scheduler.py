@@ -129,8 +129,13 @@ class Scheduler:
     @staticmethod
     def _limit(seq: Sequence) -> int:
         """How much of a sequence's tokens may come from the cache: a new prompt's last token
-        is computed (its logits give the first output token)."""
-        return seq.target if seq.output_ids else seq.target - 1
+        is computed (its logits give the first output token); none of a prompt whose
+        log-probabilities were asked for (every position's logits are needed)."""
+        if seq.output_ids:
+            return seq.target
+        if getattr(getattr(seq.group, "params", None), "prompt_logprobs", None) is not None:
+            return 0
+        return seq.target - 1
 
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []

@@ -20,7 +20,15 @@ import torch
 
 from ..cpu.threads import ThreadTuner
 from ..models.base import LoadedModel
-from ..types import Delta, ErrorEvent, Finished, FinishReason, Started, TokenLogprob
+from ..types import (
+    Delta,
+    ErrorEvent,
+    Finished,
+    FinishReason,
+    PromptLogprobs,
+    Started,
+    TokenLogprob,
+)
 from .blocks import BlockSpace, KVSpace, SlotSpace
 from .config import EngineConfig
 from .constraints import MaskJob
@@ -238,6 +246,12 @@ class EngineStep:
     def _run_prefills(self, works: list[PrefillWork]) -> tuple[float, float]:
         """Prefill this step's chunks: in one padded forward when padding wastes little
         (a burst of similar prompts reads the weights once), else one forward each."""
+        scoring = [w for w in works if _scores_prompt(w)]
+        if scoring:  # every position's logits: a forward of their own
+            times = [self._run_scoring_prefill(w) for w in scoring]
+            rest = [w for w in works if not _scores_prompt(w)]
+            more = self._run_prefills(rest) if rest else (0.0, 0.0)
+            return sum(t[0] for t in times) + more[0], sum(t[1] for t in times) + more[1]
         real = sum(len(w.ids) for w in works)
         width = max(len(w.ids) for w in works)
         padded = any(len(w.ids) != width for w in works)
@@ -264,6 +278,46 @@ class EngineStep:
         for i, work in enumerate(works):
             self._after_prefill(work, logits[i:i + 1])
         return t1 - t0, time.perf_counter() - t1
+
+    def _run_scoring_prefill(self, work: PrefillWork) -> tuple[float, float]:
+        """A prefill chunk of a request that asked for its prompt's log-probabilities: the
+        logits of every position, from which each next prompt token's log-probability (and
+        the top alternatives) is kept on the group; the last position's go on as usual."""
+        dev = self.model.device
+        seq, group = work.seq, work.seq.group
+        ids = torch.tensor([work.ids], device=dev)
+        positions = torch.arange(work.start, work.start + len(work.ids), device=dev)[None]
+        where, hints = self._where([seq], work.start + len(work.ids) - 1)
+        t0 = time.perf_counter()
+        try:
+            with self._threads_for(len(work.ids)):
+                logits = self.model.forward(ids, positions, where, self.cache, **hints)[0]
+        except Exception as exc:
+            self._fail_step([seq], exc)
+            return time.perf_counter() - t0, 0.0
+        t1 = time.perf_counter()
+        if work.start == 0:
+            group.prompt_logprobs = [None]  # the first token: nothing predicts it
+        prompt = seq.prompt_ids
+        upto = min(len(work.ids), len(prompt) - 1 - work.start)  # rows that predict the prompt
+        if upto > 0:
+            lp = torch.log_softmax(logits[:upto].float(), dim=-1)  # (upto, V)
+            targets = torch.tensor(prompt[work.start + 1:work.start + 1 + upto], device=dev)
+            chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
+            k = group.params.prompt_logprobs or 0
+            top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+            for tok, value, vals, idx in zip(targets.tolist(), chosen, top_v.tolist(),
+                                             top_i.tolist()):
+                group.prompt_logprobs.append(self._token_logprob(tok, value, idx, vals))
+        self._after_prefill(work, logits[-1:])
+        return t1 - t0, time.perf_counter() - t1
+
+    def _token_logprob(self, tok: int, value: float, top_ids: list[int],
+                       top_values: list[float]) -> TokenLogprob:
+        return TokenLogprob(tok, self.tokenizer.decode([tok]), value,
+                            list(self.tokenizer.token_bytes(tok)),
+                            [(i, self.tokenizer.decode([i]), v) for i, v in
+                             zip(top_ids, top_values)])
 
     def _where(self, seqs: list[Sequence], max_pos: int) -> tuple[torch.Tensor, dict[str, Any]]:
         """Where the rows' keys and values live, as the model takes it: block tables (B, S),
@@ -309,8 +363,15 @@ class EngineStep:
             if copy is not None:
                 self.cache.copy_prefix(*copy)
             forked.append(sib)
-        if work.samples:
-            live = [seq] + forked
+        live = [seq] + forked
+        group = seq.group
+        if group.prompt_logprobs is not None:  # once, when the scored prompt is complete
+            group.sink(PromptLogprobs(group.prompt_logprobs))
+            group.prompt_logprobs = None
+        if work.samples and group.params.max_tokens == 0:  # the prompt scored: nothing more
+            for s in live:
+                self._finish_seq(s, group, "length")
+        elif work.samples:
             self._sample_and_emit(live, logits.expand(len(live), -1))
 
     def _mask_job(self, seqs: list[Sequence]) -> MaskJob | None:
@@ -446,3 +507,8 @@ def accepts_hints(forward: Callable[..., Any]) -> bool:
         return True
     except (TypeError, ValueError):
         return False
+
+
+def _scores_prompt(work: PrefillWork) -> bool:
+    """Whether a prefill chunk needs every position's logits (its prompt is scored)."""
+    return work.seq.group.params.prompt_logprobs is not None and not work.seq.output_ids
