@@ -42,7 +42,9 @@ def fuzz_url(fuzz_engine: Any) -> Iterator[str]:
 
 OPERATIONS = [("GET", "/health"), ("GET", "/stats"), ("GET", "/metrics"), ("GET", "/v1/models"),
               ("GET", "/v1/models/{model_id}"), ("POST", "/v1/chat/completions"),
-              ("POST", "/v1/completions"), ("POST", "/tokenize"), ("POST", "/detokenize")]
+              ("POST", "/v1/completions"), ("POST", "/v1/responses"),
+              ("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
+              ("POST", "/tokenize"), ("POST", "/detokenize")]
 POSITIVE, NEGATIVE = schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE
 # Fields the schema allows but nbserve refuses with a 400 (deprecated or not served); the
 # "repaired" cases drop them and use a valid prompt, so that the other random fields reach

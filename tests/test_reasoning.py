@@ -31,22 +31,25 @@ R1_LIKE = "{% for m in messages %}{{ m['content'] }}{% endfor %}<|im_start|><thi
 USER = [{"role": "user", "content": "What is 6 times 7?"}]
 
 
+@contextlib.contextmanager
+def scripted_server(template: str, answer: str, after_marker: str = "") -> Iterator[str]:
+    """The URL of a server whose scripted model writes `answer` after the template's last
+    <|im_start|> (what the prompt itself writes after it, `after_marker`, comes first)."""
+    tokenizer = Tokenizer(make_tiny_tokenizer(), eos_token_ids=[IM_END_ID])
+    script = tokenizer.encode(after_marker) + tokenizer.encode(answer)
+    step = RecomputeAdapter(ScriptedModel(script), max_context=256, vocab_size=VOCAB, warn=False)
+    with Engine(adopt(step, tokenizer, chat_template=template, name="thinker", verbose=False),
+                max_batch=2, quiet=True) as engine, app_running(engine) as url:
+        yield url
+
+
 @pytest.fixture
 def serve() -> Iterator[Any]:
     """serve(template, answer) -> an openai client of a server whose model writes `answer`."""
-    tokenizer = Tokenizer(make_tiny_tokenizer(), eos_token_ids=[IM_END_ID])
     with contextlib.ExitStack() as stack:
 
         def start(template: str, answer: str, after_marker: str = "") -> openai.OpenAI:
-            # the script counts from the template's last <|im_start|>: what the prompt writes
-            # after it (`after_marker`) comes first
-            script = tokenizer.encode(after_marker) + tokenizer.encode(answer)
-            step = RecomputeAdapter(ScriptedModel(script), max_context=256,
-                                    vocab_size=VOCAB, warn=False)
-            engine = stack.enter_context(Engine(
-                adopt(step, tokenizer, chat_template=template, name="thinker", verbose=False),
-                max_batch=2, quiet=True))
-            url = stack.enter_context(app_running(engine))
+            url = stack.enter_context(scripted_server(template, answer, after_marker))
             return stack.enter_context(openai.OpenAI(base_url=url + "/v1", api_key="unused",
                                                      max_retries=0))
 

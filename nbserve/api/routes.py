@@ -31,6 +31,9 @@ from .fields import UnknownFields
 from .limits import Limits
 from .openapi_schemas import body_ref
 from .protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from .response_store import ResponseStore
+from .responses import ResponsesRequest
+from .responses_stream import ResponseBuilder
 from .streams import (
     Merge,
     StreamFailed,
@@ -75,6 +78,11 @@ class SSEResponse(StreamingResponse):
 # Characters that str.splitlines() (and so httpx's iter_lines) treats as line ends: escaped so
 # that a token holding one cannot split a `data:` line. JSON escapes the C0 controls itself.
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_named(name: str, obj: Any) -> bytes:
+    """One named SSE event (the Responses API's framing)."""
+    return b"event: " + name.encode() + b"\n" + sse_data(obj)
 
 
 def sse_data(obj: Any) -> bytes:
@@ -304,6 +312,90 @@ def build_router(backend: Backend, limits: Limits, *, log_messages: bool = False
         return await answer(request, chunks, bool(body.stream), body.include_usage, trace, rid,
                             fold_completion, merged.aclose)
 
+    store = ResponseStore()
+
+    @router.post("/responses", dependencies=list(gen_dependencies),
+                 openapi_extra=body_ref(ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        body: ResponsesRequest = parse_body(ResponsesRequest, await request.body(),
+                                            field_policy)
+        check_model(body.model)
+        rid = request_id(request)
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id:
+            stored = store.get(body.previous_response_id)
+            if stored is None:
+                raise APIError(404, f"Previous response with id {body.previous_response_id!r} "
+                               "not found (responses are kept in memory, a bounded number, "
+                               "until the server stops).", "invalid_request_error",
+                               "previous_response_id", "previous_response_not_found")
+            history = stored.conversation
+        req = body.to_request(limits, history, rid)
+        started = await unless_disconnected(request, first_events(backend, [req]))
+        if started is None:
+            return Response(status_code=CLIENT_GONE)
+        ((first, gen),) = started
+        trace = begin(request, rid, req.messages)
+        builder = ResponseBuilder(f"resp_{rid}", backend.model_name, _echoed(body), trace,
+                                  {t["function"]["name"] for t in req.tools or []} or None,
+                                  req.parallel_tool_calls)
+        events = builder.events(gen, first)
+        keep = body.store is not False
+        conversation = history + body.input_messages()
+
+        def remember() -> None:
+            if keep and builder.response["status"] in ("completed", "incomplete"):
+                store.put(builder.response, conversation + builder.output_messages())
+
+        if body.stream:
+            async def framed() -> AsyncIterator[bytes]:
+                done = False
+                try:
+                    async for name, data in events:
+                        yield sse_named(name, data)
+                    done = True
+                    remember()
+                finally:
+                    if not done:
+                        trace.disconnected = True
+                    await events.aclose()  # type: ignore[attr-defined]
+
+            return SSEResponse(framed(), headers={**SSE_HEADERS, "X-Request-ID": rid},
+                               close=events.aclose)  # type: ignore[attr-defined]
+
+        async def drain() -> bool:
+            async for _ in events:
+                pass
+            return True
+
+        try:
+            if await unless_disconnected(request, drain()) is None and \
+                    builder.response["status"] == "in_progress":
+                trace.disconnected = True
+                return Response(status_code=CLIENT_GONE)
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+        if builder.response["status"] == "failed":
+            err = builder.response["error"]
+            raise error_event_to_api(err["message"], err["code"], rid)
+        remember()
+        return JSONResponse(builder.response, headers={"X-Request-ID": rid})
+
+    @router.get("/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        stored = store.get(response_id)
+        if stored is None:
+            raise APIError(404, f"No response with id {response_id!r} is kept here.",
+                           "invalid_request_error", "response_id", "not_found")
+        return stored.response
+
+    @router.delete("/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        if not store.delete(response_id):
+            raise APIError(404, f"No response with id {response_id!r} is kept here.",
+                           "invalid_request_error", "response_id", "not_found")
+        return {"id": response_id, "object": "response", "deleted": True}
+
     @router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD",
                                                "OPTIONS"], include_in_schema=False,
                       name=UNKNOWN_ROUTE)
@@ -317,7 +409,8 @@ def build_router(backend: Backend, limits: Limits, *, log_messages: bool = False
                            f"use {', '.join(sorted(allowed))}.", code="method_not_allowed",
                            headers={"Allow": ", ".join(sorted(allowed))})
         raise APIError(404, f"Unknown URL: {request.method} {request.url.path}. The OpenAI "
-                       "routes are /v1/chat/completions, /v1/completions and /v1/models.",
+                       "routes are /v1/chat/completions, /v1/completions, /v1/responses and "
+                       "/v1/models.",
                        code="unknown_url")
 
     unknown_route = router.routes[-1]
@@ -332,3 +425,18 @@ def _decode(tokenizer: Any, ids: list[int] | None) -> str:
 
 
 # ----------------------------------------------------------------------------- OpenAPI
+
+
+def _echoed(body: ResponsesRequest) -> dict[str, Any]:
+    """The request's settings as a Response object repeats them."""
+    effort = (body.reasoning or {}).get("effort")
+    return {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id,
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
+            "text": body.text or {"format": {"type": "text"}},
+            "reasoning": {"effort": effort, "summary": None} if body.reasoning else None,
+            "store": body.store is not False, "metadata": body.metadata or {},
+            "truncation": "disabled", "user": body.user}

@@ -24,6 +24,7 @@ from ..api.fields import UnknownFields
 from ..api.limits import Limits
 from ..api.openapi_schemas import add_request_schemas
 from ..api.protocol import ChatCompletionRequest, CompletionRequest
+from ..api.responses import ResponsesRequest
 from ..api.routes import UNKNOWN_ROUTE, build_router
 from ..api.tokenize import DetokenizeRequest, TokenizeRequest, build_tokenize_router
 from ..api.trace import Trace
@@ -250,7 +251,8 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             add_request_schemas(base_openapi(), [ChatCompletionRequest, CompletionRequest,
-                                                 TokenizeRequest, DetokenizeRequest])
+                                                 ResponsesRequest, TokenizeRequest,
+                                                 DetokenizeRequest])
         return app.openapi_schema  # type: ignore[return-value]
 
     app.openapi = openapi  # type: ignore[method-assign]
