@@ -77,6 +77,16 @@ def test_prompt_then_answer_streamed_and_not(served: Any, reference: Any) -> Non
     assert offsets == sorted(offsets) and offsets[len(ids)] == len(PROMPTS[0])
 
 
+def test_a_scored_prompt_answered_with_one_token_runs_each_chunk_once(served: Any) -> None:
+    """lm-eval asks for max_tokens 1 with echo and logprobs: the scored chunk samples the
+    answer's one token, and must not run again as an ordinary chunk (it did, failing)."""
+    engine, client = served
+    before = engine.stats()["model_errors"]
+    r = client.completions.create(model="", prompt=PROMPTS, echo=True, logprobs=1, max_tokens=1)
+    assert [c.finish_reason for c in r.choices] == ["length", "length"]
+    assert engine.stats()["model_errors"] == before
+
+
 def test_max_tokens_zero_without_echo_and_logprobs_is_a_400(served: Any) -> None:
     _, client = served
     for kw in ({}, {"echo": True}, {"logprobs": 2}):

@@ -246,10 +246,10 @@ class EngineStep:
     def _run_prefills(self, works: list[PrefillWork]) -> tuple[float, float]:
         """Prefill this step's chunks: in one padded forward when padding wastes little
         (a burst of similar prompts reads the weights once), else one forward each."""
-        scoring = [w for w in works if _scores_prompt(w)]
-        if scoring:  # every position's logits: a forward of their own
-            times = [self._run_scoring_prefill(w) for w in scoring]
-            rest = [w for w in works if not _scores_prompt(w)]
+        scores = [_scores_prompt(w) for w in works]  # decided before any runs (it samples)
+        if any(scores):  # every position's logits: a forward of their own
+            times = [self._run_scoring_prefill(w) for w, sc in zip(works, scores) if sc]
+            rest = [w for w, sc in zip(works, scores) if not sc]
             more = self._run_prefills(rest) if rest else (0.0, 0.0)
             return sum(t[0] for t in times) + more[0], sum(t[1] for t in times) + more[1]
         real = sum(len(w.ids) for w in works)
