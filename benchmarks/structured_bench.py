@@ -27,13 +27,14 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Literal
 
 import jsonschema
 import pydantic
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from serve_bench import cpu_line  # noqa: E402  (the same CPU line as the serving benchmark)
 
 from nbserve.engine import Engine  # noqa: E402
 from nbserve.engine.constraints import Grammars, grammar_text  # noqa: E402
@@ -100,23 +101,6 @@ class Order(pydantic.BaseModel):
 
 REPEATS = 3  # runs per level and mode, the two modes alternating; figures are their medians
 GOAL = 0.9  # constrained aggregate tokens/s at least this fraction of unconstrained, 16 streams
-
-
-def cpu_line() -> str:
-    """The CPU's model and the SIMD flags that matter here: figures hold for that machine."""
-    model, flags = "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown CPU":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-                break
-    except OSError:
-        pass
-    simd = ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in ("avx512f", "avx2"))
-    return f"cpu: {model}, {os.cpu_count()} cores; {simd}"
 
 
 def chat_prompts(n: int) -> list[list[dict[str, str]]]:
