@@ -16,6 +16,7 @@ from nbserve.serving.ui import (
     ERROR_PREFIX,
     FAILED_LINE,
     JSON_BOX,
+    THOUGHT_TITLE,
     TOOL_CALL_TITLE,
     TOOLS_BOX,
     answer_constraint,
@@ -45,13 +46,14 @@ class Scripted:
     model_name = "scripted"
     max_context = 4096
 
-    def __init__(self, *chunks: str):
+    def __init__(self, *chunks: str, reasoning: bool = False):
         self.chunks = chunks
+        self.reasoning = reasoning
         self.requests: list[Request] = []
 
     async def generate(self, request: Request):
         self.requests.append(request)
-        yield Started(request.request_id, 3, 0, tool_format="hermes")
+        yield Started(request.request_id, 3, 0, tool_format="hermes", reasoning=self.reasoning)
         for i, chunk in enumerate(self.chunks):
             yield Delta(0, chunk, [i])
         yield Finished(0, "stop", Usage(3, len(self.chunks)))
@@ -169,6 +171,20 @@ async def test_a_tool_call_is_shown_as_such_while_it_streams_and_at_the_end():
          "content": 'Let me look.\n\n(called get_weather with {"city": "Oslo", "unit": "c"})'},
         {"role": "user", "content": "thanks"},
     ]
+
+
+async def test_a_thought_is_shown_collapsed_above_the_answer_and_not_sent_back():
+    chunks = ["<thi", "nk>\nSix sev", "ens.\n</th", "ink>\n\nIt is ", "42."]
+    chat = make_chat_fn(Scripted(*chunks, reasoning=True))
+    out = await collect(chat("6 x 7?", [], "", 0.0, 1.0, 64, "", ""))
+    final, _ = out[-1]
+    assert final[0] == {"role": "assistant", "content": "Six sevens.",
+                        "metadata": {"title": THOUGHT_TITLE, "status": "done"}}
+    assert final[1] == {"role": "assistant", "content": "It is 42."}
+    assert "<think>" not in json.dumps(final)
+    history = [{"role": "user", "content": "6 x 7?"}, *final]
+    assert to_messages("thanks", history)[1:] == [
+        {"role": "assistant", "content": "It is 42."}, {"role": "user", "content": "thanks"}]
 
 
 def test_tool_call_messages_from_the_browser_go_back_as_notes():

@@ -35,6 +35,7 @@ from fastapi import FastAPI
 from ..api.auth import KeyAuth, RateLimiter
 from ..api.errors import APIError
 from ..api.limits import Limits
+from ..text.reasoning import ReasoningSplitter
 from ..text.tool_calls import FORMATS, HERMES, Piece, ToolCallParser
 from ..types import (
     Backend,
@@ -59,6 +60,7 @@ FAILED_LINE = "Last answer: failed (the reason is in the chat)"
 JSON_BOX = "JSON answer"  # the settings' labels, which errors about them name
 TOOLS_BOX = "Tools"
 TOOL_CALL_TITLE = "🔧 Tool call: "  # a tool-call message's title: this, then the function name
+THOUGHT_TITLE = "💭 Thought"  # a thinking model's thought, shown collapsed above the answer
 
 
 # ----------------------------------------------------------------------------- messages
@@ -139,6 +141,8 @@ def to_messages(message: Any, history: Sequence[dict[str, Any]],
         role = turn.get("role")
         text = _text(turn.get("content"))
         title = _title(turn)
+        if role == "assistant" and title == THOUGHT_TITLE:
+            continue  # a thought is not sent back, as chat templates leave earlier thoughts out
         if role == "assistant" and title.startswith(TOOL_CALL_TITLE):
             text = _called_text(title[len(TOOL_CALL_TITLE):].strip(), _unfence(text))
         elif role == "assistant":
@@ -333,24 +337,38 @@ def tool_call_message(name: str, arguments: str) -> dict[str, Any]:
 
 @dataclass
 class _Answer:
-    """What the chat shows of one answer: the note on left-out turns (`lead`), its text, and,
-    when the turn has tools, the calls a parser reads out of the model's text."""
+    """What the chat shows of one answer: the note on left-out turns (`lead`), a thinking
+    model's thought, its text, and, when the turn has tools, the calls a parser reads out of
+    the model's text."""
 
     lead: str = ""
     tools: set[str] | None = None
     parallel: bool = True
     text: str = ""
+    thought: str = ""
     calls: list[tuple[str, str]] = field(default_factory=list)  # (name, arguments so far)
     parser: ToolCallParser | None = None
+    splitter: ReasoningSplitter | None = None
 
-    def started(self, tool_format: str | None) -> None:
-        """Read calls in the format the backend says the model writes (Hermes if unsaid)."""
+    def started(self, tool_format: str | None, reasoning: bool = False,
+                thought_open: bool = False) -> None:
+        """Read calls in the format the backend says the model writes (Hermes if unsaid),
+        and the thought apart when the model thinks."""
         if self.tools and self.parser is None:
             self.parser = FORMATS.get(tool_format or "", HERMES).parser(self.tools,
                                                                         self.parallel)
+        if reasoning and self.splitter is None:
+            self.splitter = ReasoningSplitter(thought_open)
 
     def add(self, delta: str) -> bool:
         """Take new model text; True when what the chat shows changed."""
+        thought = ""
+        if self.splitter is not None:
+            thought, delta = self.splitter.feed(delta)
+            self.thought += thought
+        return self._answer(delta) or bool(thought)
+
+    def _answer(self, delta: str) -> bool:
         if not self.tools:
             self.text += delta
             return bool(delta)
@@ -359,7 +377,11 @@ class _Answer:
         return self._apply(self.parser.feed(delta))
 
     def finish(self) -> None:
-        """The answer ended: what the parser held back is content or calls now."""
+        """The answer ended: what the splitter and the parser held back is shown now."""
+        if self.splitter is not None:
+            thought, rest = self.splitter.finish()
+            self.thought += thought
+            self._answer(rest)
         if self.parser is not None:
             self._apply(self.parser.finish())
 
@@ -376,12 +398,16 @@ class _Answer:
 
     def shown(self, error: str | None = None) -> str | list[dict[str, Any]]:
         """The chat's value for the answer: its text (with `error` after it) while it has no
-        calls, as ever; else a list of messages: the text, one per call, then the error."""
-        if not self.calls:
+        calls or thought, as ever; else a list of messages: the thought (collapsed), the text,
+        one per call, then the error."""
+        if not self.calls and not self.thought:
             if error is None:
                 return self.lead + self.text
             return _error_text(self.lead + self.text if self.text else "", error)
         out: list[dict[str, Any]] = []
+        if self.thought:
+            out.append({"role": "assistant", "content": self.thought,
+                        "metadata": {"title": THOUGHT_TITLE, "status": "done"}})
         text = self.text.strip()  # the space between text and calls is no part of either
         if self.lead or text:
             out.append({"role": "assistant", "content": self.lead + text})
@@ -504,7 +530,7 @@ def make_chat_fn(backend: Backend, *, limits: Limits | None = None,
             async with _closing(backend.generate(generation)) as stream:
                 async for ev in stream:
                     if isinstance(ev, Started):
-                        answer.started(ev.tool_format)
+                        answer.started(ev.tool_format, ev.reasoning, ev.thought_open)
                     elif isinstance(ev, Delta) and ev.index == 0:
                         tokens += len(ev.token_ids)
                         first = first or time.perf_counter()
