@@ -187,6 +187,7 @@ def test_a_thinking_models_thought_is_a_reasoning_item() -> None:
         r = sdk.responses.create(model="", input="6 x 7?", max_output_tokens=60)
         assert [o.type for o in r.output] == ["reasoning", "message"]
         assert r.output[0].content[0].text == "Six sevens." and r.output_text == "It is 42."
+        assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
         events = list(sdk.responses.create(model="", input="6 x 7?", max_output_tokens=60,
                                            stream=True))
         thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")

@@ -41,6 +41,7 @@ class ResponseBuilder:
         self._message: dict[str, Any] | None = None  # the open message item
         self._call_items: dict[int, dict[str, Any]] = {}  # open function_call items
         self._pending: list[tuple[str, dict[str, Any]]] = []
+        self.reasoning_tokens = 0  # tokens written while the thought was open
 
     # -- events
 
@@ -171,7 +172,10 @@ class ResponseBuilder:
                         self._calls = fmt.parser(self.tool_names, self.parallel)
                 elif isinstance(ev, Delta):
                     self.trace.token(0, len(ev.token_ids))
+                    thinking = self._thought is not None and self._thought.in_thought
                     self._text(ev.text)
+                    if thinking or (self._thought is not None and self._thought.in_thought):
+                        self.reasoning_tokens += len(ev.token_ids)
                 elif isinstance(ev, Finished):
                     self._finish(ev)
                 elif isinstance(ev, ErrorEvent):
@@ -201,7 +205,7 @@ class ResponseBuilder:
         self._close_message()
         self._close_calls()
         u = ev.usage
-        thought_tokens = 0
+        thought_tokens = self.reasoning_tokens
         self.response["usage"] = {
             "input_tokens": u.prompt_tokens,
             "input_tokens_details": {"cached_tokens": u.cached_tokens},
