@@ -73,14 +73,13 @@ def test_logits_match_and_32_greedy_tokens_identical(ours, reference):
     assert answer == "The capital of France is Paris."
 
 
-def test_the_default_load_caches_float16_and_keeps_transformers_answer(reference):
-    """`nbserve.load("smollm2")` serves from the GGUF's blocks (dtype "quantized"), and its
-    engine's KV cache is float16 by default (`default_kv_dtype`): the greedy tokens stay
-    transformers'."""
-    import nbserve
-
+def test_the_default_load_caches_float16_and_keeps_transformers_answer(reference,
+                                                                       default_loaded):
+    """`nbserve.load("smollm2")` (the run's shared load) serves from the GGUF's blocks (dtype
+    "quantized"), and its engine's KV cache is float16 by default (`default_kv_dtype`): the
+    greedy tokens stay transformers'."""
     _, hf = reference
-    loaded = nbserve.load("smollm2", verbose=False)
+    loaded = default_loaded
     ids = loaded.tokenizer.encode(loaded.template.render(MESSAGES, add_generation_prompt=True))
     got, kv_dtype = _engine_greedy(loaded, ids)
     assert loaded.model.weight_format == "quantized" and kv_dtype == torch.float16

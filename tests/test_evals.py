@@ -48,7 +48,7 @@ def test_lm_eval_scores_a_local_multiple_choice_task(tiny_llama_dir: Path, tmp_p
         lm = get_model("local-completions").create_from_arg_string(args)
         out: dict[str, Any] = lm_eval.simple_evaluate(
             model=lm, tasks=["nbserve_tiny"], task_manager=TaskManager(include_path=str(tmp_path)),
-            log_samples=True)
+            log_samples=True, bootstrap_iters=0)
         assert engine.stats()["model_errors"] == 0
     assert out["results"]["nbserve_tiny"]["acc,none"] in (0, 1 / 3, 2 / 3, 1)
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir,

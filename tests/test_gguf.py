@@ -381,9 +381,8 @@ def test_default_model_tensors_match_transformers(smollm2, smollm2_hf):
 
 
 @pytest.mark.slow
-def test_load_default_answers(smollm2, smollm2_hf):
-    pytest.importorskip("nbserve.text")
-    loaded = default.load_default()
+def test_load_default_answers(smollm2, smollm2_hf, default_loaded):
+    loaded = default_loaded  # nbserve.load("smollm2"): load_default, shared by the run
     assert loaded.name == "SmolLM2-135M-Instruct" and loaded.stop_token_ids[0] == 2
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     ids = loaded.tokenizer.encode(loaded.template.render(messages), add_special_tokens=True)

@@ -94,7 +94,7 @@ def test_parse_returns_objects_of_each_pydantic_model(client: openai.OpenAI,
                                                       model: type[BaseModel], ask: str) -> None:
     r = client.chat.completions.parse(model="", messages=[{"role": "user", "content": ask}],
                                       response_format=model, temperature=0.7, seed=1,
-                                      max_tokens=200, n=4)
+                                      max_tokens=200, n=2)
     for choice in r.choices:
         assert choice.finish_reason == "stop", choice
         assert isinstance(choice.message.parsed, model), choice.message
@@ -110,7 +110,7 @@ def test_a_cut_json_answer_makes_parse_raise_its_length_error(client: openai.Ope
 def test_json_object_answers_are_json_objects(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
         model="", messages=[{"role": "user", "content": "Describe a cat as JSON."}],
-        response_format={"type": "json_object"}, temperature=1.0, seed=3, n=8, max_tokens=120)
+        response_format={"type": "json_object"}, temperature=1.0, seed=3, n=4, max_tokens=120)
     done = [c for c in r.choices if c.finish_reason == "stop"]
     assert done  # free keys and strings may run to max_tokens (the engine tests check each token)
     for c in r.choices:
@@ -176,8 +176,8 @@ def test_tool_choice_required_always_calls_a_tool(client: openai.OpenAI) -> None
 
 
 def test_a_named_function_is_the_one_call(client: openai.OpenAI) -> None:
-    choices = _many(client, 50, tool_choice={"type": "function",
-                                             "function": {"name": "get_time"}})
+    choices = _many(client, 50, max_tokens=64, tool_choice={"type": "function",
+                                                            "function": {"name": "get_time"}})
     for choice in choices:
         assert choice.finish_reason == "tool_calls", choice
         assert [_valid(c) for c in choice.message.tool_calls] == ["get_time"]
@@ -295,7 +295,7 @@ def _check_answers(backend: Any, schema: dict[str, Any], n: int, seed: int) -> N
         jsonschema.validate(json.loads(text), schema)
 
 
-@settings(max_examples=12, deadline=None, derandomize=True,
+@settings(max_examples=6, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(schema=_schemas(), seed=st.integers(0, 1000))
 def test_every_answer_of_the_default_model_validates_against_a_generated_schema(
@@ -311,7 +311,7 @@ def tiny(tiny_llama_dir: Any) -> Iterator[Any]:
         yield engine
 
 
-@settings(max_examples=30, deadline=None, derandomize=True,
+@settings(max_examples=20, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(schema=_schemas(), seed=st.integers(0, 1000))
 def test_every_answer_of_the_tiny_model_validates_against_a_generated_schema(
