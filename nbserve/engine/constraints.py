@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..text.tool_calls import JSON_STYLE, ToolFormat, closed_schema
+from ..text.tool_calls import HERMES, JSON_STYLE, ToolFormat, closed_schema, function_of
 from ..types import Constraint, InvalidRequestError, Request
 
 log = logging.getLogger("nbserve.engine")
@@ -122,14 +122,14 @@ class Grammars:
         keyword they cannot have enforced gets a 400 that names the tool."""
         c = request.params.constraint
         if request.tools:
-            fmt = fmt or _default_format()
-            names = {_fn(t).get("name") for t in request.tools}
+            fmt = fmt or HERMES
+            names = {function_of(t).get("name") for t in request.tools}
             if request.tool_name is not None and request.tool_name not in names:
                 raise InvalidRequestError(
                     f"tool_choice names the function {request.tool_name!r}, which is not in "
                     f"tools ({', '.join(sorted(str(n) for n in names))})", "tool_choice")
             for i, tool in enumerate(request.tools):
-                fn = _fn(tool)
+                fn = function_of(tool)
                 if fn.get("strict") and fn.get("parameters"):
                     self.matcher(grammar_text(Constraint("json_schema", fn["parameters"])),
                                  f"tools[{i}].function.parameters")
@@ -145,15 +145,6 @@ class Grammars:
         if self._executor is None:
             self._executor = _llg().LLExecutor(num_threads=2)
         return self._executor
-
-
-def _fn(tool: dict[str, Any]) -> dict[str, Any]:
-    return tool.get("function", tool)
-
-
-def _default_format() -> ToolFormat:
-    from ..text.tool_calls import HERMES
-    return HERMES
 
 
 class _ByteTokens:

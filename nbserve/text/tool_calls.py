@@ -66,7 +66,7 @@ class ToolFormat:
         or calls (`required` or `name`: calls only; `name`: one call of that function;
         `parallel` False: one call at most). `special(marker)` gives the token id of a marker
         that is one special token of the tokenizer (the grammar then names that token)."""
-        chosen = [t for t in tools if _fn(t)["name"] == name] if name else tools
+        chosen = [t for t in tools if function_of(t)["name"] == name] if name else tools
         schemas = [self._call_schema(t) for t in chosen]
         body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         one = "%json " + json.dumps({**body, "x-guidance": {**JSON_STYLE, "lenient": True}},
@@ -96,7 +96,7 @@ class ToolFormat:
         return "\n".join(lines) + "\n"
 
     def _call_schema(self, tool: dict[str, Any]) -> dict[str, Any]:
-        fn = _fn(tool)
+        fn = function_of(tool)
         params = closed_schema(fn.get("parameters") or {"type": "object"})
         return {"type": "object", "additionalProperties": False,
                 "properties": {"name": {"const": fn["name"]}, self.args_key: params},
@@ -125,7 +125,8 @@ class ToolFormat:
         return content, p.calls
 
 
-def _fn(tool: dict[str, Any]) -> dict[str, Any]:
+def function_of(tool: dict[str, Any]) -> dict[str, Any]:
+    """The function of an OpenAI tool (or the tool itself when it is a bare function)."""
     return tool.get("function", tool)
 
 
