@@ -556,9 +556,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            tools=True, thinking=True),
     # Gemma 3: <start_of_turn> 105, <end_of_turn> 106; generation_config and config.json
     # eos_token_id [1 <eos>, 106 <end_of_turn>]; the tokenizer adds <bos>.
-    Family("gemma3", GEMMA3_TEMPLATE, specials=_GEMMA_SPECIALS, tokens=_GEMMA_TOKENS,
-           stop=("<eos>", "<end_of_turn>"), config_eos=("<eos>", "<end_of_turn>"),
-           bos_post="<bos>", add_bos_token=True),
+    # Its tokenizer_config.json also names the image tokens (boi/eoi/image_token).
+    Family("gemma3", GEMMA3_TEMPLATE,
+           specials=(*_GEMMA_SPECIALS, "<start_of_image>", "<end_of_image>", "<image_soft_token>"),
+           tokens=_GEMMA_TOKENS, stop=("<eos>", "<end_of_turn>"),
+           config_eos=("<eos>", "<end_of_turn>"), bos_post="<bos>", add_bos_token=True,
+           extra={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                  "image_token": "<image_soft_token>"}),
     # Gemma 2: <start_of_turn> 106, <end_of_turn> 107; eos_token_id [1, 107].
     Family("gemma2", GEMMA2_TEMPLATE, specials=_GEMMA_SPECIALS, tokens=_GEMMA_TOKENS,
            stop=("<eos>", "<end_of_turn>"), config_eos=("<eos>", "<end_of_turn>"),

@@ -191,6 +191,7 @@ class ChatTemplate:
         self._tool_template, self._tool_lists = (self._compile(env, tool_source) if tool_source
                                                  else (self._template, self._lists))
         self._ignores_tools: bool | None = None  # probed at the first request with tools
+        self._renders: dict[str, bool] = {}  # role -> does the template show its text
 
     @staticmethod
     def _compile(env: _Sandbox, source: str) -> tuple[jinja2.Template, bool]:
@@ -238,8 +239,9 @@ class ChatTemplate:
         if tools and self.ignores_tools:
             plain = [_prepare_message(m, i, keep_lists=self._lists)
                      for i, m in enumerate(messages)]
-            return self._render(self._template, tools_in_prompt(plain, _plain(tools)), None,
-                                add_generation_prompt, context)
+            prompted = self._fit_roles(tools_in_prompt(plain, _plain(tools)),
+                                       own_system=plain[0].get("role") == "system")
+            return self._render(self._template, prompted, None, add_generation_prompt, context)
         template, lists = (self._tool_template, self._tool_lists) if tools else (
             self._template, self._lists)
         prepared = [_prepare_message(m, i, keep_lists=lists) for i, m in enumerate(messages)]
@@ -266,6 +268,40 @@ class ChatTemplate:
                              "prompt in the Hermes/Qwen format instead (docs/api.md)")
         return self._ignores_tools
 
+    def renders_role(self, role: str) -> bool:
+        """Whether the template shows the text of a `role` message ("system" first, "tool"
+        after an answer) rather than refusing it (Gemma, Mixtral) or dropping it (Phi-3's and
+        OLMo 2's templates drop tool results). Probed once per role."""
+        if role not in self._renders:
+            marker = "nbserve role probe 7d1e"
+            probe: list[dict[str, Any]] = (
+                [{"role": "system", "content": marker}, {"role": "user", "content": "Hi"}]
+                if role == "system" else
+                [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                 {"role": role, "content": marker}])
+            try:
+                text = self._template.render(messages=probe, tools=None, documents=None,
+                                             add_generation_prompt=True, **self.variables)
+            except Exception as e:  # noqa: BLE001 - a template that fails here refuses it
+                log.debug("the chat template refuses a %s message: %s", role, e)
+                self._renders[role] = False
+            else:
+                self._renders[role] = marker in text
+        return self._renders[role]
+
+    def _fit_roles(self, messages: list[dict[str, Any]], own_system: bool
+                   ) -> list[dict[str, Any]]:
+        """nbserve's tool prompt (`tools_in_prompt`) moved to turns the template takes: its
+        tool list to the start of the first user turn when the template takes no system
+        message and the request sent none, and the tool results into user turns when the
+        template refuses or drops tool messages. The request's own messages keep their roles
+        (a system message the template refuses is still refused, as in transformers)."""
+        if not own_system and not self.renders_role("system"):
+            messages = _system_into_first_user(messages)
+        if any(m.get("role") == "tool" for m in messages) and not self.renders_role("tool"):
+            messages = _tool_results_as_user(messages)
+        return messages
+
     @property
     def tool_format(self) -> ToolFormat:
         """How the model writes tool calls: the format its template teaches, or Hermes when
@@ -290,6 +326,50 @@ class ChatTemplate:
         except Exception as e:  # a template is code; its bugs are reported, not crashed on
             raise InvalidRequestError(f"the chat template failed on these messages "
                                       f"({type(e).__name__}: {e})", param="messages") from e
+
+
+def _joined(first: Any, second: Any, sep: str) -> Any:
+    """Two message contents (strings or text-part lists) as one, `sep` between them."""
+    if isinstance(first, list) or isinstance(second, list):
+        a = first if isinstance(first, list) else [{"type": "text", "text": first or ""}]
+        b = second if isinstance(second, list) else [{"type": "text", "text": second or ""}]
+        if a and b and a[-1].get("type") == "text" and b[0].get("type") == "text":
+            return [*a[:-1], {"type": "text", "text": a[-1]["text"] + sep + b[0]["text"]},
+                    *b[1:]]
+        return [*a, *b]
+    return f"{first or ''}{sep}{second or ''}"
+
+
+def _system_into_first_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The leading system message folded into the first user message (as Gemma 3's own
+    template folds one): its text, a blank line, then the user's."""
+    if not messages or messages[0].get("role") != "system":
+        return messages
+    system, rest = messages[0], list(messages[1:])
+    for i, m in enumerate(rest):
+        if m.get("role") == "user":
+            rest[i] = {**m, "content": _joined(system.get("content"), m.get("content"), "\n\n")}
+            return rest
+    return messages
+
+
+def _tool_results_as_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool messages as user messages, each run of them joined with the user message next to
+    it, so user and assistant turns still alternate."""
+    out: list[dict[str, Any]] = []
+    holds_result = False  # whether out[-1] holds a tool result
+    for m in messages:
+        is_tool = m.get("role") == "tool"
+        if is_tool:
+            m = {"role": "user", "content": m.get("content")}
+        if out and m.get("role") == "user" and out[-1].get("role") == "user" and \
+                (is_tool or holds_result):
+            out[-1] = {**out[-1], "content": _joined(out[-1].get("content"), m["content"], "\n")}
+            holds_result = True
+        else:
+            out.append(m)
+            holds_result = is_tool
+    return out
 
 
 def _prepare_message(message: Any, index: int, keep_lists: bool) -> dict[str, Any]:
