@@ -410,6 +410,24 @@ def _prepare_message(message: Any, index: int, keep_lists: bool) -> dict[str, An
     return message
 
 
+def token_variables(tokenizer_config: dict[str, Any]) -> dict[str, str]:
+    """The special-token strings transformers hands a chat template: every `*_token` entry of
+    tokenizer_config.json (bos, eos, unk, sep, pad, cls, mask and model-specific names such as
+    Gemma 3's boi_token), and the named `extra_special_tokens` / `model_specific_special_tokens`.
+    Unset (null) tokens are left out."""
+    out: dict[str, str] = {}
+    for key, value in tokenizer_config.items():
+        text = token_str(value)
+        if isinstance(key, str) and key.endswith("_token") and text is not None:
+            out[key] = text
+    for group in ("extra_special_tokens", "model_specific_special_tokens"):
+        named = tokenizer_config.get(group)
+        if isinstance(named, dict):
+            out.update({k: t for k, v in named.items()
+                        if isinstance(k, str) and (t := token_str(v)) is not None})
+    return out
+
+
 def load_chat_template(root: Path, tokenizer_config: dict[str, Any]) -> ChatTemplate | None:
     """The model's chat template (chat_template.jinja wins over tokenizer_config.json), with its
     special-token strings; None when the model ships none."""
@@ -430,12 +448,9 @@ def load_chat_template(root: Path, tokenizer_config: dict[str, Any]) -> ChatTemp
         tool_source = tool_file.read_text(encoding="utf-8")
     if not source:
         return None
-    tokens = {k: token_str(tokenizer_config.get(k)) for k in
-              ("bos_token", "eos_token", "unk_token", "pad_token")}
-    extra: dict[str, Any] = {k: v for k, v in tokens.items()
-                             if v is not None and k not in ("bos_token", "eos_token")}
+    tokens: dict[str, Any] = dict(token_variables(tokenizer_config))
+    bos, eos = tokens.pop("bos_token", ""), tokens.pop("eos_token", "")
     try:
-        return ChatTemplate(source, tokens["bos_token"] or "", tokens["eos_token"] or "",
-                            tool_source=tool_source, **extra)
+        return ChatTemplate(source, bos, eos, tool_source=tool_source, **tokens)
     except ValueError as e:
         raise ValueError(f"{root.name}: {e}") from e
