@@ -226,6 +226,24 @@ def test_template_sees_the_special_tokens_transformers_passes(
     assert "<start_of_image>" in text and "<pad>|<eos>|-|<pad>" in text
 
 
+def test_template_globals_match_transformers(tmp_path: Path) -> None:
+    """The helpers transformers gives templates behave the same here: dict() and
+    dict.fromkeys, namespace, tojson with its options, raise_exception's message."""
+    import dataclasses
+
+    probe = ("{% set d = dict(a=1, b=[2, 3]) %}{{ d | tojson }}|"
+             "{{ dict.fromkeys(['x', 'y'], 0) | tojson(indent=2, sort_keys=true) }}|"
+             "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+             "{% endfor %}{{ ns.n }}|{{ messages | tojson(separators=(',', ':')) }}|"
+             "{{ 'é<&>' | tojson }}{% if messages | length > 1 %}"
+             "{{ raise_exception('only one message, please') }}{% endif %}")
+    family = dataclasses.replace(FAMILIES["qwen3"], template=probe)
+    pair = Pair(family, make_family_dir(tmp_path / "q", family))
+    pair.check([USER])
+    with pytest.raises(InvalidRequestError, match="only one message, please"):
+        pair.ours([USER, ANSWER])
+
+
 # ----------------------------------------------------------------------------- thinking
 
 

@@ -92,6 +92,17 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
                       sort_keys=sort_keys)
 
 
+class _TemplateDict:
+    """`dict` for templates, as transformers gives it: `dict(...)` and `dict.fromkeys(...)`,
+    without the type itself (its attributes would reach Python internals)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args)
+
+
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
@@ -101,7 +112,7 @@ def _make_env() -> _Sandbox:
                    extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
-                       namespace=_Namespace, dict=lambda *a, **k: dict(*a, **k))
+                       namespace=_Namespace, dict=_TemplateDict())
     return env
 
 
