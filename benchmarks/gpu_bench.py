@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from nbserve.engine import Engine  # noqa: E402
 from nbserve.models.base import LoadedModel  # noqa: E402
 from nbserve.models.config import LlamaConfig  # noqa: E402
-from nbserve.models.llama import LlamaModel, build_llama
+from nbserve.models.decoder import LlamaModel, build_llama
 from nbserve.models.weights import count_parameters  # noqa: E402
 from nbserve.types import Delta, Request, SamplingParams  # noqa: E402
 

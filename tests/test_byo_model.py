@@ -1,5 +1,6 @@
-"""Bring your own model: a transformers Llama (weights taken over, no copy), a transformers GPT-2
-(TransformersAdapter), a nanoGPT-style module (RecomputeAdapter) and the custom StepModel of
+"""Bring your own model: transformers Llama and GPT-2 models and nanoGPT's GPT (weights taken
+over by nbserve's decoder, no copy), a transformers GPT-NeoX (TransformersAdapter), a module of
+another shape (RecomputeAdapter) and the custom StepModel of
 docs/custom_model.md, each equal to its own reference greedy decoding through the Engine (one
 request at a time, and many at once) and over HTTP with the OpenAI SDK."""
 
@@ -28,7 +29,7 @@ from nbserve.engine import Engine
 from nbserve.loading import LoadedModel, load
 from nbserve.models.adapters import RecomputeAdapter, SlowPathWarning, TransformersAdapter
 from nbserve.models.adopt import adopt, snapshot
-from nbserve.models.llama import LlamaModel
+from nbserve.models.decoder import DecoderModel, LlamaModel
 from nbserve.server import create_app
 from nbserve.types import Delta, ErrorEvent, Request, SamplingParams
 
@@ -171,27 +172,49 @@ def test_training_the_adopted_model_changes_what_is_served(tiny_llama_dir: Path)
 @pytest.fixture(scope="module")
 def gpt2() -> Any:
     config = transformers.GPT2Config(vocab_size=640, n_positions=128, n_embd=64, n_layer=2,
-                                     n_head=4, initializer_range=0.2, bos_token_id=None,
-                                     eos_token_id=None)
+                                     n_head=4, bos_token_id=1, eos_token_id=None)
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config)  # in training mode: dropout 0.1 is on
 
 
-def test_gpt2_adapter_equals_generate(gpt2: Any) -> None:
-    with pytest.warns(SlowPathWarning, match="StepModel"):
+def test_gpt2_runs_natively_on_its_own_tensors_and_equals_generate(gpt2: Any) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowPathWarning)  # the full-speed path: no warning
         loaded = adopt(gpt2, make_tiny_tokenizer(), verbose=False)
+    assert isinstance(loaded.model, DecoderModel)
+    theirs = {p.untyped_storage().data_ptr() for p in gpt2.parameters()}
+    assert {p.untyped_storage().data_ptr() for p in loaded.model.parameters()} <= theirs
+    frozen = snapshot(gpt2)  # eval mode: the reference runs without dropout
+    engine = check_engine(loaded, hf_generate(frozen))
+    engine.close()
+    assert gpt2.training  # the user's module is untouched
+
+
+@pytest.fixture(scope="module")
+def neox() -> Any:
+    config = transformers.GPTNeoXConfig(vocab_size=640, max_position_embeddings=128,
+                                        hidden_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, intermediate_size=128,
+                                        bos_token_id=1, eos_token_id=None)
+    torch.manual_seed(0)
+    return transformers.GPTNeoXForCausalLM(config).train()  # dropout settings on
+
+
+def test_a_non_native_architecture_goes_through_the_adapter(neox: Any) -> None:
+    with pytest.warns(SlowPathWarning, match="natively: .*Gemma.*Llama.*Qwen3.*StepModel"):
+        loaded = adopt(neox, make_tiny_tokenizer(), verbose=False)
     assert isinstance(loaded.model, TransformersAdapter)
     assert loaded.template.is_default and loaded.stop_token_ids == [2]  # <|im_end|>
     assert loaded.model.max_context == 128 and loaded.model.vocab_size == 640
-    frozen = snapshot(gpt2)  # eval mode: the reference runs without dropout
-    assert not frozen.training and gpt2.training
+    frozen = snapshot(neox)  # eval mode: the reference runs without dropout
+    assert not frozen.training and neox.training
     engine = check_engine(loaded, hf_generate(frozen))
     try:
         check_http(engine)
         assert engine.stats()["kv_cache_bytes"] > 0
     finally:
         engine.close()
-    assert gpt2.training  # serving used an eval-mode view; the user's module is untouched
+    assert neox.training  # serving used an eval-mode view; the user's module is untouched
 
 
 # ----------------------------------------------------------------------------- nanoGPT-style
@@ -278,6 +301,116 @@ def test_nanogpt_recompute_equals_naive_loop() -> None:
     assert (step.max_context, step.window, step.vocab_size) == (48, 16, 640)
     # answers run past block_size (16): the adapter crops the window like nanoGPT's generate
     engine = check_engine(loaded, naive_greedy(snapshot(model), 16))
+    try:
+        check_http(engine)
+    finally:
+        engine.close()
+    assert model.training
+
+
+@dataclass
+class NanoGPTConfig:  # nanoGPT's GPTConfig fields
+    block_size: int = 64
+    vocab_size: int = 640
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 48
+    dropout: float = 0.1
+    bias: bool = True
+
+
+class NanoLayerNorm(nn.Module):  # nanoGPT's LayerNorm: an optional bias
+    def __init__(self, n: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.bias = nn.Parameter(torch.zeros(n)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class NanoAttention(nn.Module):
+    def __init__(self, c: NanoGPTConfig):
+        super().__init__()
+        self.c_attn = nn.Linear(c.n_embd, 3 * c.n_embd, bias=c.bias)
+        self.c_proj = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
+        self.attn_dropout, self.resid_dropout = nn.Dropout(c.dropout), nn.Dropout(c.dropout)
+        self.n_head, self.n_embd, self.dropout = c.n_head, c.n_embd, c.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c)))
+
+
+class NanoMLP(nn.Module):
+    def __init__(self, c: NanoGPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(c.n_embd, 4 * c.n_embd, bias=c.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * c.n_embd, c.n_embd, bias=c.bias)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, c: NanoGPTConfig):
+        super().__init__()
+        self.ln_1, self.attn = NanoLayerNorm(c.n_embd, c.bias), NanoAttention(c)
+        self.ln_2, self.mlp = NanoLayerNorm(c.n_embd, c.bias), NanoMLP(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NamedNanoGPT(nn.Module):
+    """nanoGPT's GPT module layout (model.py): `transformer` = wte, wpe, drop, h, ln_f; a tied
+    `lm_head`; forward(idx, targets=None) -> (logits of the last position, None)."""
+
+    def __init__(self, config: NanoGPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList(NanoBlock(config) for _ in range(config.n_layer)),
+            ln_f=NanoLayerNorm(config.n_embd, config.bias)))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT does
+        for name, p in self.named_parameters():
+            nn.init.normal_(p, std=0.3 if p.dim() > 1 else 0.1)
+            if name.endswith("ln_1.weight") or name.endswith("ln_2.weight"):
+                p.data += 1
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        t = idx.shape[1]
+        x = self.transformer.drop(self.transformer.wte(idx) +
+                                  self.transformer.wpe(torch.arange(t, device=idx.device)))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x)[:, [-1], :]), None
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_nanogpt_module_runs_on_the_engine_not_by_recompute(bias: bool) -> None:
+    torch.manual_seed(0)
+    model = NamedNanoGPT(NanoGPTConfig(bias=bias))  # left in training mode
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowPathWarning)  # no adapter, no warning
+        loaded = load(model, tokenizer=make_tiny_tokenizer(), verbose=False)
+    step = loaded.model
+    assert isinstance(step, DecoderModel) and not isinstance(step, RecomputeAdapter)
+    assert step.max_context == 64
+    theirs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert {p.untyped_storage().data_ptr() for p in step.parameters()} <= theirs
+    engine = check_engine(loaded, naive_greedy(snapshot(model), 64))
     try:
         check_http(engine)
     finally:

@@ -24,7 +24,7 @@ from tokenizers import pre_tokenizers as pre
 
 from nbserve.loading import default
 from nbserve.loading.gguf import read_gguf
-from nbserve.models.config import LlamaConfig
+from nbserve.models.families.llama import read_config as read_llama
 
 TEXTS = [
     "Hello, world! What's the capital of France? I'LL say it's Paris.",
@@ -74,7 +74,7 @@ def test_f32_gguf_gives_the_checkpoint(tiny, tmp_path, arch):
         assert cfg[key] == src[key], key
     assert cfg["head_dim"] == src.get("head_dim", 16)
     assert cfg["architectures"] == src["architectures"] and 2 in cfg["eos_token_id"]
-    assert LlamaConfig.from_hf(cfg).attention_bias == (arch == "qwen2")
+    assert read_llama(cfg).attention_bias == (arch == "qwen2")
 
     # A transformers model built from hf_config and these tensors computes the same logits.
     cls = getattr(transformers, cfg["architectures"][0])
@@ -200,7 +200,7 @@ def test_k_quants_match_transformers(tmp_path, arch, qtype):
 def test_llama3_rope_scaling_from_rope_freqs(tmp_path, head_dim, factor):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from nbserve.models.llama import rope_inv_freq
+    from nbserve.models.decoder import rope_inv_freq
 
     rope = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
@@ -213,7 +213,7 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path, head_dim, factor):
     assert sc["low_freq_factor"] == pytest.approx(1.0) and sc["high_freq_factor"] == 4.0
     assert "rope_freqs.weight" not in dict(ckpt.tensors)
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](transformers.AutoConfig.from_pretrained(hf), "cpu")
-    torch.testing.assert_close(rope_inv_freq(LlamaConfig.from_hf(ckpt.hf_config)), want.float())
+    torch.testing.assert_close(rope_inv_freq(read_llama(ckpt.hf_config)), want.float())
 
 
 def test_missing_file(tmp_path):

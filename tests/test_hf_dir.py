@@ -186,8 +186,16 @@ def test_pickle_checkpoints_are_refused_never_loaded(tiny_llama_dir, tmp_path, m
 def test_unsupported_architecture(tiny_llama_dir, tmp_path):
     root = _copy(tiny_llama_dir, tmp_path)
     (root / "config.json").write_text(json.dumps({
+        "architectures": ["BloomForCausalLM"], "model_type": "bloom", "n_embd": 64, "n_layer": 2}))
+    with pytest.raises(ValueError, match="BloomForCausalLM.*LlamaForCausalLM.*Qwen2ForCausalLM"):
+        load_hf_dir(root)
+
+
+def test_a_native_family_config_missing_a_key_names_it(tiny_llama_dir, tmp_path):
+    root = _copy(tiny_llama_dir, tmp_path)
+    (root / "config.json").write_text(json.dumps({
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64, "n_layer": 2}))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen2ForCausalLM"):
+    with pytest.raises(ValueError, match="lacks 'n_head'.*GPT-2"):
         load_hf_dir(root)
 
 

@@ -67,7 +67,7 @@ def test_default_model_keeps_its_answer_with_mixed16():
 
 @pytest.mark.parametrize("fmt", ["mixed16", "quantized"])
 def test_cli_and_launch_pass_the_weight_format_to_the_loader(tiny_llama_dir, fmt):
-    from nbserve.models.llama import kernels_available
+    from nbserve.models.decoder import kernels_available
     from nbserve.serving.backend_ref import build_backend
     from nbserve.serving.cli import build_parser, serve_kwargs
 

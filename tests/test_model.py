@@ -7,8 +7,8 @@ import pytest
 import torch
 import transformers
 
-from nbserve.models.config import LlamaConfig
-from nbserve.models.llama import Attention, StepInputs, apply_rope, build_llama
+from nbserve.models.decoder import Attention, StepInputs, apply_rope, build_llama
+from nbserve.models.families.llama import read_config as read_llama
 
 VOCAB = 300
 
@@ -36,7 +36,7 @@ def _hf_model(arch: str) -> transformers.PreTrainedModel:
 def test_prefill_and_16_decode_steps_match_transformers(arch: str) -> None:
     hf = _hf_model(arch).eval()
     cfg_dict = hf.config.to_dict() | {"architectures": [type(hf).__name__]}
-    model = build_llama(LlamaConfig.from_hf(cfg_dict), hf.state_dict().items())
+    model = build_llama(read_llama(cfg_dict), hf.state_dict().items())
     cache = model.make_cache(3, 128)
     slot = torch.tensor([1])
     seq = torch.randint(0, VOCAB, (1, 20))
@@ -56,7 +56,7 @@ def test_prefill_and_16_decode_steps_match_transformers(arch: str) -> None:
 
 def test_batched_decode_with_different_lengths_matches_single_rows() -> None:
     hf = _hf_model("llama").eval()
-    cfg = LlamaConfig.from_hf(hf.config.to_dict() | {"architectures": ["LlamaForCausalLM"]})
+    cfg = read_llama(hf.config.to_dict() | {"architectures": ["LlamaForCausalLM"]})
     model = build_llama(cfg, hf.state_dict().items())
     cache = model.make_cache(4, 128)
     prompts = [torch.randint(0, VOCAB, (1, n)) for n in (5, 17, 9)]
@@ -73,13 +73,15 @@ def test_batched_decode_with_different_lengths_matches_single_rows() -> None:
 
 
 def test_unsupported_architecture_lists_the_supported_ones() -> None:
-    with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen2ForCausalLM"):
-        LlamaConfig.from_hf({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "x")
+    from nbserve.models import registry
+    with pytest.raises(ValueError, match="unsupported architecture 'BloomForCausalLM'.*"
+                       "LlamaForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
+        registry.read_config({"architectures": ["BloomForCausalLM"], "model_type": "bloom"}, "x")
 
 
 def test_missing_and_misshapen_tensors_are_named() -> None:
     hf = _hf_model("llama")
-    cfg = LlamaConfig.from_hf(hf.config.to_dict() | {"architectures": ["LlamaForCausalLM"]})
+    cfg = read_llama(hf.config.to_dict() | {"architectures": ["LlamaForCausalLM"]})
     sd = hf.state_dict()
     partial = {k: v for k, v in sd.items() if "layers.1.mlp.up_proj" not in k}
     with pytest.raises(ValueError, match="lacks 1 tensors.*up_proj"):
@@ -124,7 +126,7 @@ def test_loaded_files_match_transformers_at_prefill_and_16_cached_steps(
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v with biases
 def test_fused_projections_keep_names_values_and_memory(arch: str) -> None:
     hf = _hf_model(arch).eval()
-    cfg = LlamaConfig.from_hf(hf.config.to_dict() | {"architectures": [type(hf).__name__]})
+    cfg = read_llama(hf.config.to_dict() | {"architectures": [type(hf).__name__]})
     fused = build_llama(cfg, hf.state_dict().items())
     plain = build_llama(cfg, hf.state_dict().items(), fuse=False)
     att = fused.model.layers[0].self_attn
@@ -161,7 +163,7 @@ def test_a_lone_decode_step_takes_the_short_path_to_the_same_values(tiny_llama_d
     """Bit for bit: in torch; and with nbserve's C kernels (float32, quantized), where the lone
     step's attention and a batch of one's run the same paged-attention kernel."""
     import nbserve
-    from nbserve.models.llama import DecoderLayer, kernels_available
+    from nbserve.models.decoder import DecoderLayer, kernels_available
 
     if dtype == "quantized" and not kernels_available():
         pytest.skip("dtype='quantized' needs nbserve's C kernels (a C compiler)")
@@ -198,7 +200,7 @@ def test_a_lone_decode_step_takes_the_short_path_to_the_same_values(tiny_llama_d
 
 def test_decode_attention_with_scale_and_mask_in_one_matmul_keeps_the_values() -> None:
     torch.manual_seed(0)
-    cfg = LlamaConfig.from_hf({"architectures": ["LlamaForCausalLM"], "hidden_size": 48,
+    cfg = read_llama({"architectures": ["LlamaForCausalLM"], "hidden_size": 48,
                                "num_attention_heads": 6, "num_key_value_heads": 2,
                                "intermediate_size": 64, "num_hidden_layers": 1,
                                "vocab_size": 32, "max_position_embeddings": 64})

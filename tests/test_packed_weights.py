@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import nbserve
+from nbserve.models.decoder import LlamaModel
 from nbserve.models.linear import PackedCopy, linear, packing_available
-from nbserve.models.llama import LlamaModel
 from nbserve.models.weights import count_parameters
 
 pytestmark = pytest.mark.skipif(not packing_available(torch.zeros(2, 2)),

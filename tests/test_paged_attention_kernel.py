@@ -17,7 +17,7 @@ import torch
 from kernel_paths import NEEDS_COMPILER, PATHS
 
 from nbserve.cpu.kernels import build
-from nbserve.models.llama import apply_rope
+from nbserve.models.decoder import apply_rope
 from nbserve.models.paged_attention import (
     paged_attention_serves,
     paged_cache_serves,

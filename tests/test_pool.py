@@ -573,7 +573,7 @@ def test_a_quantized_model_without_its_float32_weights_still_copies_to_another_d
     from gguf_util import hf_dir_to_gguf
 
     import nbserve
-    from nbserve.models.llama import kernels_available
+    from nbserve.models.decoder import kernels_available
     from nbserve.pool.setup import replicate
 
     if not kernels_available():

@@ -57,7 +57,7 @@ def test_kernel_equals_a_float64_product_on_every_path(arch, kind, request):
 
 @pytest.mark.parametrize("arch", PATHS)
 def test_kernel_folds_in_the_norm_and_the_gate(arch):
-    from nbserve.models.llama import RMSNorm
+    from nbserve.models.decoder import RMSNorm
 
     kernels = build.quant_kernels(arch)
     blocks = _random_blocks("q4", 24, 96)

@@ -1,8 +1,10 @@
 """Serve a model that lives in the notebook: `adopt(model, tokenizer)` -> LoadedModel.
 
 Which weights are shared and which are copied:
-- `adopt_transformers` on a Llama / Mistral / Qwen2 `transformers` model: nbserve's own model
-  takes over the module's parameter tensors (same storage, same device, no copy).
+- `adopt_transformers` on a `transformers` model of a native family (`models.registry`:
+  Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3/4, GPT-2, OLMo 2, SmolLM3, ...), and `adopt` on a
+  nanoGPT or nanochat module: nbserve's own decoder takes over the module's parameter tensors
+  (same storage, same device, no copy).
 - `TransformersAdapter` (other `transformers` causal LMs) and `RecomputeAdapter` (a plain
   module whose `forward(idx)` returns logits) call the live module.
 - An object that implements `StepModel` is served as it is.
@@ -68,6 +70,11 @@ def adopt(model: Any, tokenizer: Any = None, *, chat_template: str | ChatTemplat
         if max_context is not None and max_context > int(model.max_context):
             raise ValueError(f"max_context={max_context} is more than this StepModel's "
                              f"max_context ({model.max_context}); set its attribute to allow more")
+    elif isinstance(model, nn.Module) and (native := _take_over_module(model)) is not None:
+        _require_tokenizer(model, tokenizer)
+        if max_context is not None:
+            native.max_context = min(int(max_context), native.max_context)
+        step, how = native, "nbserve's decoder (weights shared, no copy)"
     elif isinstance(model, nn.Module):
         if callable(getattr(model, "merge_and_unload", None)) and verbose:
             print("nbserve: this is a PEFT model: serve model.merge_and_unload() instead to get "
@@ -84,8 +91,8 @@ def adopt_transformers(model: Any, tokenizer: Any, *,
                        max_context: int | None = None, name: str | None = None,
                        stop_token_ids: Iterable[int] | None = None,
                        verbose: bool = True) -> LoadedModel:
-    """Serve a `transformers` causal LM. Llama / Mistral / Qwen2 weights are taken over by
-    nbserve's LlamaModel without a copy (same tensors, device and dtype); any other model,
+    """Serve a `transformers` causal LM. A native family's weights are taken over by
+    nbserve's decoder without a copy (same tensors, device and dtype); any other model,
     or one those cannot represent, runs through `TransformersAdapter` (slower, warned)."""
     _require_tokenizer(model, tokenizer)
     can_generate = getattr(model, "can_generate", lambda: True)
@@ -94,8 +101,9 @@ def adopt_transformers(model: Any, tokenizer: Any, *,
                         "decoder-only models with a language-model head (e.g. "
                         "AutoModelForCausalLM.from_pretrained(...), not AutoModel)")
     step = take_over(model, max_context=max_context)
-    if step is not None:
-        how = "nbserve's Llama model (weights shared, no copy)"
+    family = registry.for_class_name(type(model).__name__)
+    if step is not None and family is not None:
+        how = f"nbserve's decoder ({family.name} family, weights shared, no copy)"
     else:
         step = TransformersAdapter(model, max_context=max_context)
         how = "TransformersAdapter (live)"
@@ -118,7 +126,7 @@ def take_over(model: Any, max_context: int | None = None) -> Any:
         if len(placements) != 1:
             raise ValueError(f"its parameters are spread over {len(placements)} "
                              "device/dtype pairs; nbserve needs one")
-        cfg = family.read_config(cfg_dict, arch)
+        cfg = family.config_of(cfg_dict, arch)
         if max_context is not None:
             cfg.max_position_embeddings = int(max_context)
         device, dtype = placements.pop()
@@ -128,9 +136,29 @@ def take_over(model: Any, max_context: int | None = None) -> Any:
         print(f"nbserve: {arch} cannot use nbserve's own model ({exc}); serving it through "
               "TransformersAdapter", flush=True)
         return None
-    ours = {p.data_ptr() for p in step.parameters()}
-    assert ours <= {p.data_ptr() for _, p in params}, "adoption must not copy weights"
+    _assert_shared(step, [p for _, p in params])
     return step
+
+
+def _take_over_module(module: nn.Module) -> Any:
+    """nbserve's decoder over a plain module of a native family (nanoGPT, nanochat), or None;
+    a module of such a family that cannot be taken over says why and goes to the adapter."""
+    try:
+        step = registry.for_module(module)
+    except ValueError as exc:
+        print(f"nbserve: {type(module).__name__} cannot use nbserve's own model ({exc}); "
+              "serving it through RecomputeAdapter", flush=True)
+        return None
+    if step is not None:
+        _assert_shared(step, list(module.parameters()))
+    return step
+
+
+def _assert_shared(step: Any, theirs: list[torch.Tensor]) -> None:
+    """Every parameter of `step` lives in the memory of one of `theirs` (views allowed)."""
+    storages = {p.untyped_storage().data_ptr() for p in theirs}
+    ours = {p.untyped_storage().data_ptr() for p in step.parameters()}
+    assert ours <= storages, "adoption must not copy weights"
 
 
 def snapshot(module: M) -> M:

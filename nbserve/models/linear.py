@@ -44,10 +44,12 @@ def linear(x: torch.Tensor, layer: nn.Linear | FusedProjection) -> torch.Tensor:
 
 def normed_linear(x: torch.Tensor, norm: nn.Module, layer: nn.Linear | FusedProjection
                   ) -> torch.Tensor:
-    """`linear(norm(x), layer)` for an RMSNorm `norm`; where the layer's C kernel serves, the
-    normalisation runs inside its call (one op instead of about eight)."""
+    """`linear(norm(x), layer)`; where the layer's C kernel serves and `norm` is a plain
+    RMSNorm (`kernel_fusable`), the normalisation runs inside its call (one op instead of
+    about eight)."""
     kernel = getattr(layer, "kernel", None)
-    if kernel is not None and kernel.applies(x) and norm.weight.dtype == torch.float32:
+    if kernel is not None and kernel.applies(x) and getattr(norm, "kernel_fusable", False) \
+            and norm.weight.dtype == torch.float32:
         return kernel(x, norm=norm)
     return linear(norm(x), layer)
 
@@ -188,11 +190,25 @@ class FusedProjection:
     def __init__(self, owner: nn.Module, name: str, layers: list[nn.Linear]):
         if len({layer.bias is None for layer in layers}) != 1:
             raise ValueError("fused layers must all have a bias or none")
-        self.owner, self.name = owner, name
-        self.sizes = [layer.out_features for layer in layers]
         weight = torch.cat([layer.weight.detach() for layer in layers]).contiguous()
         bias = None if layers[0].bias is None else \
             torch.cat([layer.bias.detach() for layer in layers]).contiguous()
+        self._install(owner, name, layers, weight, bias)
+
+    @classmethod
+    def over(cls, owner: nn.Module, name: str, layers: list[nn.Linear], weight: torch.Tensor,
+             bias: torch.Tensor | None = None) -> FusedProjection:
+        """A fused projection over a weight that comes fused (Phi-3's qkv_proj, GPT-2's
+        c_attn): the layers' weights become views of it; nothing is copied."""
+        self = cls.__new__(cls)
+        self._install(owner, name, layers, weight.detach(),
+                      None if bias is None else bias.detach())
+        return self
+
+    def _install(self, owner: nn.Module, name: str, layers: list[nn.Linear],
+                 weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.owner, self.name = owner, name
+        self.sizes = [layer.out_features for layer in layers]
         owner.register_buffer(f"{name}_weight", weight, persistent=False)
         owner.register_buffer(f"{name}_bias", bias, persistent=False)
         start = 0
@@ -203,8 +219,8 @@ class FusedProjection:
             start += size
         self.half_copy: HalfCopy | None = None
         self.packed: PackedCopy | None = None
-        self.kernel: KernelLinear | None = None  # set by LlamaModel.use_quantized_weights,
-        # LlamaModel.use_float_kernel
+        self.kernel: KernelLinear | None = None  # set by use_quantized_weights,
+        # use_float_kernel (models/weights.py)
 
     @property
     def weight(self) -> torch.Tensor:

@@ -27,6 +27,8 @@ class Family:
     read_config(config_dict, name) -> config: raises ValueError naming what it cannot serve.
     build(config, tensors, device=, dtype=, **options) -> a StepModel from HF-named tensors;
     options the loaders and adoption pass: transposed_head, fuse, pack, float_kernel.
+    adopt_module(module) -> a StepModel over a plain torch module's own tensors when the module
+    is of this family (nanoGPT's GPT, nanochat's GPT), else None.
     """
 
     name: str
@@ -36,6 +38,15 @@ class Family:
     read_config: Callable[[dict[str, Any], str], Any]
     build: Callable[..., Any]
     description: str = ""
+    adopt_module: Callable[[Any], Any] | None = None
+
+    def config_of(self, config: dict[str, Any], name: str = "model") -> Any:
+        """`read_config`, a missing config.json key reported as a ValueError naming it."""
+        try:
+            return self.read_config(config, name)
+        except KeyError as exc:
+            raise ValueError(f"the config of {name} lacks {exc.args[0]!r}, which a "
+                             f"{self.description or self.name} model needs") from None
 
 
 _FAMILIES: list[Family] = []
@@ -94,22 +105,20 @@ def for_class_name(class_name: str) -> Family | None:
 def read_config(config: dict[str, Any], name: str = "model") -> tuple[Family, Any]:
     """(family, its config object) for a config.json dict."""
     family = for_hf_config(config, name)
-    return family, family.read_config(config, name)
+    return family, family.config_of(config, name)
+
+
+def for_module(module: Any) -> Any:
+    """A StepModel over `module`'s own tensors from the first family that recognises it (a
+    nanoGPT or nanochat GPT), or None."""
+    for family in families():
+        if family.adopt_module is not None:
+            step = family.adopt_module(module)
+            if step is not None:
+                return step
+    return None
 
 
 def _register_builtins() -> None:
-    if any(f.name == "llama" for f in _FAMILIES):
-        return
-    from .config import SUPPORTED_ARCHITECTURES, LlamaConfig
-    from .llama import build_llama
-
-    register(Family(
-        name="llama",
-        hf_architectures=tuple(SUPPORTED_ARCHITECTURES),
-        model_types=tuple(SUPPORTED_ARCHITECTURES.values()),
-        gguf_architectures={"llama": "LlamaForCausalLM",  # GGUF "llama" covers Mistral
-                            "qwen2": "Qwen2ForCausalLM"},
-        read_config=lambda cfg, name: LlamaConfig.from_hf(cfg, name=name),
-        build=build_llama,
-        description="Llama 2/3, Mistral, Qwen2/2.5, SmolLM",
-    ))
+    """Import the family files (each registers itself) once."""
+    from . import families as _families  # noqa: F401

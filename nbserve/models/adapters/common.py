@@ -26,6 +26,12 @@ _PACKAGE = str(Path(__file__).resolve().parents[2])  # .../nbserve
 _WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
+def native_list() -> str:
+    """The families nbserve's engine runs natively, for the slow paths' warnings."""
+    from .. import registry
+    return "; ".join(registry.descriptions())
+
+
 def warn_slow(module: Any, message: str) -> None:
     """Warn with `SlowPathWarning` once per module (not again at each `srv.update(model)`),
     attributed to the first caller outside nbserve: the user's cell or script."""

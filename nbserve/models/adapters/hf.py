@@ -21,6 +21,7 @@ from .common import (
     eval_view,
     first_int,
     logits_of,
+    native_list,
     warn_slow,
 )
 
@@ -101,8 +102,9 @@ class TransformersAdapter(ModuleAdapter):
             warn_slow(model, (
                 f"nbserve: {self.name} is served through TransformersAdapter: correct, but each "
                 "sequence runs separately with the model's own cache, so throughput is lower "
-                "than nbserve's own Llama/Mistral/Qwen2 model. Implement the nbserve.StepModel "
-                "protocol (docs/custom_model.md) for full speed."))
+                "than on nbserve's own engine, which runs these architectures natively: "
+                f"{native_list()}. Serve one of those, or implement the nbserve.StepModel "
+                "protocol (docs/custom_model.md), for full speed."))
 
     def __repr__(self) -> str:
         return f"TransformersAdapter({self.name}, max_context={self.max_context})"

@@ -20,6 +20,7 @@ from .common import (
     config_value,
     eval_view,
     logits_of,
+    native_list,
     warn_slow,
 )
 
@@ -79,8 +80,10 @@ class RecomputeAdapter(ModuleAdapter):
         if warn:
             warn_slow(module, (
                 f"nbserve: {self.name} is served by recomputing the whole sequence for every "
-                "new token (it has no KV cache), so long answers get slow. Implement the "
-                "nbserve.StepModel protocol (docs/custom_model.md) for full speed."))
+                "new token (it has no KV cache), so long answers get slow. nbserve's engine "
+                f"runs these natively: {native_list()} (a nanoGPT or nanochat GPT module is "
+                "recognised by its parameter names). Implement the nbserve.StepModel protocol "
+                "(docs/custom_model.md) for full speed."))
 
     def __repr__(self) -> str:
         return f"RecomputeAdapter({self.name}, max_context={self.max_context})"

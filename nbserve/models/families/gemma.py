@@ -1,0 +1,74 @@
+"""Gemma 2 and Gemma 3 (text): (1 + w) RMSNorms before and after both attention and MLP,
+GeGLU with tanh-GELU, embeddings scaled by sqrt(hidden), queries scaled by
+query_pre_attn_scalar ** -0.5, sliding-window layers interleaved with global ones; Gemma 2
+softcaps its attention and final logits, Gemma 3 has q/k norms and its own RoPE base for the
+local layers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import DecoderConfig, layer_types_of
+from ..decoder import build_decoder
+from ..registry import Family, register
+from ..rope import RopeSpec, read_rope
+
+ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu",
+               "silu": "silu"}
+
+
+def _sliding(cfg: dict[str, Any], gemma3: bool) -> list[bool]:
+    """Which layers attend through the window: `layer_types`, else the family's pattern
+    (Gemma 2: every other layer from the first; Gemma 3: all but every
+    `sliding_window_pattern`-th)."""
+    n = cfg["num_hidden_layers"]
+    types = layer_types_of(cfg, n)
+    if types is not None:
+        return [t == "sliding_attention" for t in types]
+    if gemma3:
+        pattern = cfg.get("sliding_window_pattern", 6)
+        return [(i + 1) % pattern != 0 for i in range(n)]
+    return [i % 2 == 0 for i in range(n)]
+
+
+def read_config(cfg: dict[str, Any], name: str) -> DecoderConfig:
+    archs = cfg.get("architectures") or []
+    gemma3 = (archs[0] if archs else cfg.get("model_type", "")) in (
+        "Gemma3ForCausalLM", "gemma3_text")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation {act!r} in {name}")
+    hidden = cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    sliding = _sliding(cfg, gemma3)
+    window = cfg.get("sliding_window")
+    ropes: list[RopeSpec] = [read_rope(cfg, head_dim, name, "full_attention")]
+    if gemma3:
+        params = cfg.get("rope_parameters")
+        if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
+            ropes.append(read_rope(cfg, head_dim, name, "sliding_attention"))
+        else:  # older configs: a plain RoPE with its own base
+            ropes.append(RopeSpec(theta=float(cfg.get("rope_local_base_freq", 10000.0)),
+                                  rotary_dim=head_dim,
+                                  max_positions=int(cfg.get("max_position_embeddings", 2048))))
+    return DecoderConfig.from_hf(
+        cfg, name, ropes=ropes,
+        layer_rope=[1 if gemma3 and s else 0 for s in sliding],
+        layer_window=[window if s else None for s in sliding],
+        hidden_act=ACTIVATIONS[act], norm_offset=1.0, norm_layout="sandwich",
+        qk_norm="head" if gemma3 else "", embed_scale=hidden ** 0.5,
+        attn_scale=float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+        attn_softcap=cfg.get("attn_logit_softcapping"),
+        final_softcap=cfg.get("final_logit_softcapping"),
+        attention_bias=bool(cfg.get("attention_bias")))
+
+
+FAMILY = register(Family(
+    name="gemma",
+    hf_architectures=("Gemma2ForCausalLM", "Gemma3ForCausalLM"),
+    model_types=("gemma2", "gemma3_text"),
+    gguf_architectures={"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"},
+    read_config=read_config,
+    build=build_decoder,
+    description="Gemma 2, Gemma 3 (text)",
+))

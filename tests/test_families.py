@@ -1,0 +1,175 @@
+"""Every native family computes what transformers computes: loaded from a HF folder, at prefill
+and at each of 16 cached decode steps; a batch of 8 mixed-length requests equals each alone;
+prompts past the sliding windows; an adopted transformers model runs on its own tensors."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from family_models import CASES, WINDOW, WINDOWED, save_family_dir
+from tiny_models import make_tiny_tokenizer
+
+import nbserve
+from nbserve.engine import Engine
+from nbserve.models import registry
+from nbserve.models.adopt import take_over
+from nbserve.types import Delta, Request, SamplingParams
+
+PROMPT_LEN, DECODE_STEPS = 24, 16  # the prompt passes the windows (WINDOW) three times over
+_CACHE: dict[str, tuple[Path, transformers.PreTrainedModel, nbserve.LoadedModel]] = {}
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+
+    def get(case: str):
+        if case not in _CACHE:
+            path = save_family_dir(case, root / case)
+            hf = transformers.AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, attn_implementation="eager").eval()
+            _CACHE[case] = (path, hf, nbserve.load(str(path), dtype="float32", verbose=False))
+        return _CACHE[case]
+    yield get
+    _CACHE.clear()
+
+
+def _reference(hf, seq: torch.Tensor, steps: list[torch.Tensor]) -> list[torch.Tensor]:
+    """transformers' own cached generation: prefill logits, then one row per decode step."""
+    with torch.no_grad():
+        out = hf(seq, use_cache=True)
+        refs, past = [out.logits[0]], out.cache
+        for nxt in steps:
+            out = hf(nxt, cache=past, use_cache=True)
+            refs.append(out.logits[0])
+            past = out.cache
+    return refs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefill_and_16_decode_steps_match_transformers(case, family_dirs) -> None:
+    _, hf, loaded = family_dirs(case)
+    model = loaded.model
+    vocab = model.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    seq = torch.randint(3, vocab, (1, PROMPT_LEN), generator=gen)
+    steps = [torch.randint(3, vocab, (1, 1), generator=gen) for _ in range(DECODE_STEPS)]
+    refs = _reference(hf, seq, steps)
+    for lone in (True, False):  # the lone-stream step and the batched step
+        cache = model.make_paged_cache(16, 8)
+        table = torch.arange(16)[None]
+        out = model.forward(seq, torch.arange(PROMPT_LEN)[None], table, cache)
+        torch.testing.assert_close(out[0], refs[0], atol=1e-4, rtol=0)
+        for i, nxt in enumerate(steps):
+            pos = PROMPT_LEN + i
+            out = model.forward(nxt, torch.tensor([[pos]]), table, cache,
+                                max_pos=pos if lone else None)
+            where = f"{case} step {i} lone={lone}"
+            torch.testing.assert_close(out[0], refs[i + 1], atol=1e-4, rtol=0,
+                                       msg=lambda m, where=where: f"{where}: {m}")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_batch_of_8_mixed_lengths_equals_each_alone(case, family_dirs) -> None:
+    _, _, loaded = family_dirs(case)
+    model = loaded.model
+    gen = torch.Generator().manual_seed(2)
+    lengths = [3, 30, 9, 17, 24, 5, 12, 40]
+    prompts = [torch.randint(3, model.vocab_size, (1, n), generator=gen) for n in lengths]
+    steps = torch.randint(3, model.vocab_size, (4, len(lengths), 1), generator=gen)
+    blocks = 8  # blocks of 8 positions per sequence
+
+    def run(rows: list[int]) -> list[torch.Tensor]:
+        cache = model.make_paged_cache(blocks * len(rows), 8)
+        tables = torch.arange(blocks * len(rows)).view(len(rows), blocks)
+        for t, r in zip(tables, rows):
+            model.forward(prompts[r], torch.arange(lengths[r])[None], t[None], cache)
+        outs = []
+        for s in range(steps.shape[0]):
+            pos = torch.tensor([[lengths[r] + s] for r in rows])
+            outs.append(model.forward(steps[s, rows], pos, tables, cache)[:, 0])
+        return [torch.stack([o[i] for o in outs]) for i in range(len(rows))]
+
+    together = run(list(range(len(lengths))))
+    for r in range(len(lengths)):
+        where = f"{case} row {r}"
+        torch.testing.assert_close(together[r], run([r])[0], atol=1e-4, rtol=0,
+                                   msg=lambda m, where=where: f"{where}: {m}")
+
+
+@pytest.mark.parametrize("case", WINDOWED)
+def test_ignoring_the_window_would_have_been_caught(case, family_dirs) -> None:
+    """The comparison above has teeth: the same weights with the windows switched off give
+    other logits past the window."""
+    path, hf, _ = family_dirs(case)
+    unwindowed = nbserve.load(str(path), dtype="float32", verbose=False).model
+    assert any(w == WINDOW for w in unwindowed.config.layer_window)
+    for layer in unwindowed.model.layers:
+        layer.self_attn.window = None
+    seq = torch.randint(3, unwindowed.vocab_size, (1, PROMPT_LEN),
+                        generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(seq).logits[0]
+    out = unwindowed.forward(seq, torch.arange(PROMPT_LEN)[None], torch.arange(4)[None],
+                             unwindowed.make_paged_cache(4, 8))[0]
+    assert (out[:WINDOW] - ref[:WINDOW]).abs().max() < 1e-4  # inside the window: the same
+    assert (out[WINDOW:] - ref[WINDOW:]).abs().max() > 1e-3  # past it: not
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_engine_serves_each_family_batched_like_alone(case, family_dirs) -> None:
+    _, _, loaded = family_dirs(case)
+    prompts = ["Hello there", "The cat sat on the mat and then it slept for a while",
+               "a", "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12", "Why is the sky blue?",
+               "def add(a, b):", "Bonjour, comment", "One more prompt of a middling length"]
+    params = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    async def collect(engine: Engine, prompt: str) -> list[int]:
+        ids: list[int] = []
+        async for ev in engine.generate(Request(prompt=prompt,
+                                                params=SamplingParams(**params))):
+            if isinstance(ev, Delta):
+                ids += ev.token_ids
+        return ids
+
+    async def both(engine: Engine) -> tuple[list, list]:
+        alone = [await collect(engine, p) for p in prompts]
+        together = await asyncio.gather(*[collect(engine, p) for p in prompts])
+        return alone, list(together)
+
+    with Engine(loaded, max_batch=8, max_context=128, prefill_chunk=8, quiet=True) as engine:
+        alone, together = asyncio.run(both(engine))
+    assert alone == together
+    assert all(len(a) == 12 for a in alone)
+
+
+@pytest.mark.parametrize("case", ["qwen3", "gemma3", "phi3-longrope", "olmo2", "gpt2"])
+def test_an_adopted_transformers_model_runs_natively_on_its_own_tensors(case) -> None:
+    from family_models import tiny_family_model
+
+    hf = tiny_family_model(case, make_tiny_tokenizer().get_vocab_size())
+    step = take_over(hf)
+    assert step is not None, f"{case} fell back to the adapter"
+    theirs = {p.untyped_storage().data_ptr() for p in hf.parameters()}
+    assert {p.untyped_storage().data_ptr() for p in step.parameters()} <= theirs
+    seq = torch.randint(3, step.vocab_size, (1, 20))
+    with torch.no_grad():
+        ref = hf(seq).logits[0]
+    out = step.forward(seq, torch.arange(20)[None], torch.arange(4)[None],
+                       step.make_paged_cache(4, 8))
+    torch.testing.assert_close(out[0], ref, atol=1e-4, rtol=0)
+
+
+def test_every_family_is_registered_with_its_gguf_name() -> None:
+    archs = registry.native_architectures()
+    for name in ("Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                 "Phi3ForCausalLM", "GPT2LMHeadModel", "Olmo2ForCausalLM",
+                 "SmolLM3ForCausalLM", "MistralForCausalLM"):
+        assert name in archs
+    gguf = registry.gguf_architectures()
+    for name in ("qwen3", "gemma2", "gemma3", "phi3", "gpt2", "olmo2", "smollm3"):
+        assert name in gguf
