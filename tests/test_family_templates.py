@@ -347,6 +347,7 @@ def test_gemma2_system_message_is_a_400(model_dirs: dict[str, Path]) -> None:
         body = {"messages": [SYSTEM, USER], "max_tokens": 2}
         err = _error(httpx.post(url + "/v1/chat/completions", json=body))
         assert "System role not supported" in err["message"] and err["param"] == "messages"
+        assert "at the start of the first user message" in err["message"]  # what to do
         err = _error(httpx.post(url + "/v1/chat/completions", json={**body, "stream": True}))
         assert "System role not supported" in err["message"]
         err = _error(httpx.post(url + "/tokenize", json={"messages": [SYSTEM, USER]}))

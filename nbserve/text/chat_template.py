@@ -332,11 +332,21 @@ class ChatTemplate:
                 f"the chat template tried an operation the sandbox forbids ({e}); it was stopped "
                 "and nothing ran. Use a trusted chat template.", param="messages") from e
         except TemplateError as e:
-            raise InvalidRequestError(f"the chat template rejected these messages: {e}",
-                                      param="messages") from e
+            raise InvalidRequestError(f"the chat template rejected these messages: {e}"
+                                      f"{self._hint(messages)}", param="messages") from e
         except Exception as e:  # a template is code; its bugs are reported, not crashed on
             raise InvalidRequestError(f"the chat template failed on these messages "
                                       f"({type(e).__name__}: {e})", param="messages") from e
+
+    def _hint(self, messages: list[dict[str, Any]]) -> str:
+        """What to do when the template refuses a system or tool message it was given."""
+        for role in ("system", "tool"):
+            if any(m.get("role") == role for m in messages) and not self.renders_role(role):
+                where = ("at the start of the first user message" if role == "system" else
+                         "in a user message")
+                return (f" (this model's chat template takes no {role} message; put its text "
+                        f"{where} instead)")
+        return ""
 
 
 def _joined(first: Any, second: Any, sep: str) -> Any:
