@@ -333,10 +333,12 @@ class MLP(nn.Module):
         return [(self.gate_proj, names[:1]), (self.up_proj, names[1:]), down]
 
 
-def make_mlp(cfg: DecoderConfig) -> nn.Module:
+def make_mlp(cfg: DecoderConfig, layer: int) -> nn.Module:
+    """Layer `layer`'s MLP: a mixture of experts where `cfg.moe` puts one (models/moe.py),
+    else the dense MLP. Either offers forward(x, norm), fuse(rebuild), holders(prefix)."""
     if cfg.moe is not None:
-        from .moe import SparseMoE
-        return SparseMoE(cfg)
+        from .moe import make_moe_mlp
+        return make_moe_mlp(cfg, layer)
     return MLP(cfg)
 
 
@@ -350,7 +352,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp = make_mlp(cfg)
+        self.mlp = make_mlp(cfg, layer)
         h = cfg.hidden_size
         self.layout = cfg.norm_layout
         if self.layout in ("pre", "sandwich"):
