@@ -128,3 +128,25 @@ def test_the_splitter_gives_the_same_split_whatever_the_pieces(step: int) -> Non
     parts = [s.feed(text[i:i + step]) for i in range(0, len(text), step)] + [s.finish()]
     assert ("".join(p[0] for p in parts), "".join(p[1] for p in parts)) == \
         ("first\n\nsecond", "answer </think> stays")
+
+
+def test_an_earlier_thought_sent_back_reaches_the_template() -> None:
+    """An assistant turn's `reasoning_content` (or `reasoning`) is accepted and rendered by a
+    template that uses it (Qwen3's keeps the thoughts after the last user turn)."""
+    import httpx
+
+    template = ("{% for m in messages %}{% if m.reasoning_content %}[T:{{ m.reasoning_content }}]"
+                "{% endif %}{{ m['content'] }}|{% endfor %}<|im_start|>")
+    turns = [*USER, {"role": "assistant", "content": "42", "reasoning_content": "6*7"},
+             {"role": "user", "content": "and 6 times 8?"}]
+    with scripted_server(template, "48") as url:
+        for key in ("reasoning_content", "reasoning"):
+            sent = [dict(t) for t in turns]
+            if key == "reasoning":
+                sent[1]["reasoning"] = sent[1].pop("reasoning_content")
+            ids = httpx.post(url + "/tokenize", json={"messages": sent}).json()["tokens"]
+            text = httpx.post(url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+            assert "[T:6*7]42|" in text, text
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(model="", messages=turns, max_tokens=8)  # type: ignore[arg-type]
+        assert r.choices[0].message.content == "48"

@@ -99,6 +99,10 @@ class AssistantMessage(_Schema):
     name: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
+    # an earlier answer's thought, sent back for templates that render it (Qwen3 keeps the
+    # thought of the turns after the last user message); vLLM's and OpenRouter's names
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ToolMessage(_Schema):
@@ -382,6 +386,12 @@ def template_messages(messages: list[Any], limits: Limits) -> list[dict[str, Any
         if isinstance(m, AssistantMessage) and m.tool_calls:
             # arguments stay JSON strings; the template layer parses them for templates
             d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        thought = m.reasoning_content or m.reasoning if isinstance(m, AssistantMessage) else None
+        if thought:
+            param = f"messages[{i}].reasoning_content"
+            limits.check_text(param, len(thought), limits.max_message_chars, f"messages[{i}]")
+            total += len(thought)
+            d["reasoning_content"] = d["reasoning"] = thought
         if isinstance(m, ToolMessage):
             d["tool_call_id"] = m.tool_call_id
         out.append(d)
