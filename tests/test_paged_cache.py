@@ -257,3 +257,19 @@ def test_an_idle_engine_with_a_large_budget_holds_little_memory(loaded):
         assert idle < 64 * 2**20, idle  # committed as blocks are written: none yet
         ids_of(eng, Request(prompt_ids=list(range(3, 40)), params=greedy(8)))
         assert rss() - before < 128 * 2**20
+
+
+def test_gather_from_a_start_reads_only_those_positions() -> None:
+    """`gather(..., start)`: positions start..length-1 (a sliding window's keys), equal to the
+    same slice of a gather from 0, whatever the block boundaries."""
+    from nbserve.models.kv_cache import PagedKVCache
+
+    cache = PagedKVCache(1, 12, 4, 2, 8, torch.device("cpu"), torch.float32)
+    cache.k[0].copy_(torch.randn_like(cache.k[0]))
+    cache.v[0].copy_(torch.randn_like(cache.v[0]))
+    tables = torch.tensor([[5, 2, 9, 0, 7], [1, 3, 4, 6, 8]])
+    for length in (1, 7, 8, 13, 20):
+        full_k, full_v = cache.gather(0, tables, length)
+        for start in range(length):
+            k, v = cache.gather(0, tables, length, start)
+            assert torch.equal(k, full_k[:, :, start:]) and torch.equal(v, full_v[:, :, start:])

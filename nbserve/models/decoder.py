@@ -271,10 +271,8 @@ class Attention(nn.Module):
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         keys[seq.block, :, seq.offset] = k.to(keys.dtype)
         values[seq.block, :, seq.offset] = v.to(values.dtype)
-        k_all, v_all = cache.gather(self.layer, seq.table, pos + 1)
-        if self.window is not None and pos + 1 > self.window:  # the window's keys only
-            start = pos + 1 - self.window
-            k_all, v_all = k_all[:, :, start:], v_all[:, :, start:]
+        start = 0 if self.window is None else max(0, pos + 1 - self.window)
+        k_all, v_all = cache.gather(self.layer, seq.table, pos + 1, start)  # the window's keys
         out = self._decode_attention(q[None], k_all.to(q.dtype), v_all.to(q.dtype),
                                      None)  # every key left is visible
         return linear(out.view(1, hq * d), self.o_proj)
@@ -283,7 +281,8 @@ class Attention(nn.Module):
         """The matmuls (fused where they are) with the names of their weights."""
         names = [f"{prefix}.{a}.weight" for a in ("q_proj", "k_proj", "v_proj")]
         qkv: list[tuple[nn.Linear | FusedProjection, list[str]]] = \
-            [(self.qkv, names)] if self.qkv is not None else \
+            [(self.qkv, [self.qkv.source] if self.qkv.source else names)] \
+            if self.qkv is not None else \
             [(self.q_proj, names[:1]), (self.k_proj, names[1:2]), (self.v_proj, names[2:])]
         return qkv + [(self.o_proj, [f"{prefix}.o_proj.weight"])]
 
@@ -329,7 +328,8 @@ class MLP(nn.Module):
             return [(self.up_proj, [f"{prefix}.up_proj.weight"]), down]
         names = [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]
         if self.gate_up is not None:
-            return [(self.gate_up, names), down]
+            return [(self.gate_up, [self.gate_up.source] if self.gate_up.source else names),
+                    down]
         return [(self.gate_proj, names[:1]), (self.up_proj, names[1:]), down]
 
 
@@ -832,7 +832,8 @@ def _set_prefused(model: DecoderModel, cfg: DecoderConfig, layer: int, what: str
     if (bias is None) != (layers[0].bias is None):
         raise ValueError(f"{prefix}.{what.split('.')[1]}: the config and the checkpoint "
                          "disagree on whether it has a bias")
-    projection = FusedProjection.over(owner, attr, layers, weight, bias)
+    projection = FusedProjection.over(owner, attr, layers, weight, bias,
+                                      source=f"{prefix}.{what.split('.')[1]}.weight")
     if owner_name == "self_attn":
         owner.qkv = projection
     else:

@@ -65,18 +65,21 @@ class PagedKVCache:
         self.k[layer][blocks, :, offsets] = k.to(self.dtype)
         self.v[layer][blocks, :, offsets] = v.to(self.dtype)
 
-    def gather(self, layer: int, tables: torch.Tensor,
-               length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values (B, H, length, D) of the first `length` positions of each table
-        row: a copy (for prefill and the paths without a paged-attention kernel)."""
-        nb = -(-length // self.block_size)
-        idx = tables[:, :nb]
+    def gather(self, layer: int, tables: torch.Tensor, length: int,
+               start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (B, H, length - start, D) of positions start..length-1 of each
+        table row: a copy (for prefill and the paths without a paged-attention kernel).
+        `start`: a sliding window's first position (only its blocks are read)."""
+        first = start // self.block_size
+        nb = -(-length // self.block_size) - first
+        idx = tables[:, first:first + nb]
         b = idx.shape[0]
+        lo, hi = start - first * self.block_size, length - first * self.block_size
 
         def one(t: torch.Tensor) -> torch.Tensor:
             blocks = t[idx]  # (B, nb, H, bs, D)
             return blocks.transpose(1, 2).reshape(b, self.n_kv_heads, nb * self.block_size,
-                                                  self.head_dim)[:, :, :length]
+                                                  self.head_dim)[:, :, lo:hi]
 
         return one(self.k[layer]), one(self.v[layer])
 
