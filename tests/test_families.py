@@ -173,3 +173,21 @@ def test_every_family_is_registered_with_its_gguf_name() -> None:
     gguf = registry.gguf_architectures()
     for name in ("qwen3", "gemma2", "gemma3", "phi3", "gpt2", "olmo2", "smollm3"):
         assert name in gguf
+
+
+def test_a_fused_checkpoint_weight_keeps_its_own_quantized_blocks(family_dirs) -> None:
+    """Phi-3's qkv_proj / gate_up_proj come fused: their blocks are found under the
+    checkpoint's names (a GGUF's attn_qkv), not remade as Q8_0 from the floats."""
+    from nbserve.cpu.kernels.build import kernels_available
+    from nbserve.models.quant import QuantBlocks
+
+    if not kernels_available():
+        pytest.skip("needs nbserve's C kernels (a C compiler)")
+    path, _, _ = family_dirs("phi3-longrope")
+    model = nbserve.load(str(path), dtype="float32", verbose=False).model
+    att, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    own = {"model.layers.0.self_attn.qkv_proj.weight": QuantBlocks.from_float(att.qkv.weight),
+           "model.layers.0.mlp.gate_up_proj.weight": QuantBlocks.from_float(mlp.gate_up.weight)}
+    assert model.use_quantized_weights(own)
+    assert att.qkv.kernel.weight is own["model.layers.0.self_attn.qkv_proj.weight"]
+    assert mlp.gate_up.kernel.weight is own["model.layers.0.mlp.gate_up_proj.weight"]

@@ -197,12 +197,14 @@ class FusedProjection:
 
     @classmethod
     def over(cls, owner: nn.Module, name: str, layers: list[nn.Linear], weight: torch.Tensor,
-             bias: torch.Tensor | None = None) -> FusedProjection:
+             bias: torch.Tensor | None = None, source: str | None = None) -> FusedProjection:
         """A fused projection over a weight that comes fused (Phi-3's qkv_proj, GPT-2's
-        c_attn): the layers' weights become views of it; nothing is copied."""
+        c_attn): the layers' weights become views of it; nothing is copied. `source`: the
+        checkpoint's name of that weight (its quantized blocks are found under it)."""
         self = cls.__new__(cls)
         self._install(owner, name, layers, weight.detach(),
                       None if bias is None else bias.detach())
+        self.source = source
         return self
 
     def _install(self, owner: nn.Module, name: str, layers: list[nn.Linear],
@@ -217,6 +219,7 @@ class FusedProjection:
             if bias is not None:
                 layer.bias = nn.Parameter(bias[start:start + size], requires_grad=False)
             start += size
+        self.source: str | None = None  # see `over`
         self.half_copy: HalfCopy | None = None
         self.packed: PackedCopy | None = None
         self.kernel: KernelLinear | None = None  # set by use_quantized_weights,
