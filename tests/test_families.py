@@ -191,3 +191,33 @@ def test_a_fused_checkpoint_weight_keeps_its_own_quantized_blocks(family_dirs) -
     assert model.use_quantized_weights(own)
     assert att.qkv.kernel.weight is own["model.layers.0.self_attn.qkv_proj.weight"]
     assert mlp.gate_up.kernel.weight is own["model.layers.0.mlp.gate_up_proj.weight"]
+
+
+def test_a_multimodal_gemma3_is_served_as_its_language_model(tmp_path) -> None:
+    """Gemma 3 4B and up are Gemma3ForConditionalGeneration: the folder loads (vision tensors
+    left out), and an adopted object shares its language model's tensors; both compute the
+    text model's logits."""
+    vocab = make_tiny_tokenizer().get_vocab_size()
+    text = dict(CASES["gemma3"][2], vocab_size=vocab)
+    cfg = transformers.Gemma3Config(
+        text_config=text, vision_config=dict(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14),
+        mm_tokens_per_image=4, boi_token_index=vocab - 3, eoi_token_index=vocab - 2,
+        image_token_index=vocab - 1)
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    make_tiny_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    seq = torch.randint(3, vocab - 3, (1, PROMPT_LEN))
+    with torch.no_grad():
+        ref = hf(input_ids=seq).logits[0]
+    loaded = nbserve.load(str(tmp_path), dtype="float32", verbose=False).model
+    adopted = take_over(hf)
+    assert adopted is not None
+    theirs = {p.untyped_storage().data_ptr() for p in hf.parameters()}
+    assert {p.untyped_storage().data_ptr() for p in adopted.parameters()} <= theirs
+    for model in (loaded, adopted):
+        out = model.forward(seq, torch.arange(PROMPT_LEN)[None], torch.arange(4)[None],
+                            model.make_paged_cache(4, 8))[0]
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)

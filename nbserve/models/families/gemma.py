@@ -2,14 +2,18 @@
 GeGLU with tanh-GELU, embeddings scaled by sqrt(hidden), queries scaled by
 query_pre_attn_scalar ** -0.5, sliding-window layers interleaved with global ones; Gemma 2
 softcaps its attention and final logits, Gemma 3 has q/k norms and its own RoPE base for the
-local layers."""
+local layers. A multimodal Gemma 3 (4B and up, Gemma3ForConditionalGeneration) is served as
+its language model: text in, text out; its vision tower is not loaded."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
+
 from ..config import DecoderConfig, layer_types_of
-from ..decoder import build_decoder
+from ..decoder import DecoderModel, build_decoder
 from ..registry import Family, register
 from ..rope import RopeSpec, read_rope
 
@@ -31,8 +35,22 @@ def _sliding(cfg: dict[str, Any], gemma3: bool) -> list[bool]:
     return [i % 2 == 0 for i in range(n)]
 
 
+MULTIMODAL = "Gemma3ForConditionalGeneration"  # Gemma 3 4B and up: its language model is served
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+           "model.multi_modal_projector.")
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+
+
 def read_config(cfg: dict[str, Any], name: str) -> DecoderConfig:
     archs = cfg.get("architectures") or []
+    if (archs[:1] == [MULTIMODAL] or "text_config" in cfg) and \
+            isinstance(cfg.get("text_config"), dict):  # the text model; images are not served
+        text = {k: v for k, v in cfg.items() if k in ("tie_word_embeddings", "bos_token_id",
+                                                      "eos_token_id")}
+        cfg = text | cfg["text_config"] | {"architectures": ["Gemma3ForCausalLM"],
+                                           "model_type": "gemma3_text"}
+        archs = cfg["architectures"]
     gemma3 = (archs[0] if archs else cfg.get("model_type", "")) in (
         "Gemma3ForCausalLM", "gemma3_text")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
@@ -63,12 +81,31 @@ def read_config(cfg: dict[str, Any], name: str) -> DecoderConfig:
         attention_bias=bool(cfg.get("attention_bias")))
 
 
+def text_tensors(tensors: Iterable[tuple[str, torch.Tensor]]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A multimodal Gemma 3's language-model tensors under the text model's names (saved
+    `language_model.model.*` or in memory `model.language_model.*`); vision tensors dropped."""
+    for name, tensor in tensors:
+        if name.startswith(_VISION):
+            continue
+        for old, new in _TEXT_PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        yield name, tensor
+
+
+def build(cfg: DecoderConfig, tensors: Iterable[tuple[str, torch.Tensor]],
+          **options: Any) -> DecoderModel:
+    return build_decoder(cfg, text_tensors(tensors), **options)
+
+
 FAMILY = register(Family(
     name="gemma",
-    hf_architectures=("Gemma2ForCausalLM", "Gemma3ForCausalLM"),
-    model_types=("gemma2", "gemma3_text"),
+    hf_architectures=("Gemma2ForCausalLM", "Gemma3ForCausalLM", MULTIMODAL),
+    model_types=("gemma2", "gemma3_text", "gemma3"),
     gguf_architectures={"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"},
     read_config=read_config,
-    build=build_decoder,
-    description="Gemma 2, Gemma 3 (text)",
+    build=build,
+    description="Gemma 2, Gemma 3 (text; of the multimodal ones, the language model)",
 ))
