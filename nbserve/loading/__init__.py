@@ -141,7 +141,9 @@ def load(source: Any, *, device: str | None = None, dtype: Any = None,
     with torch_threads(1):  # loading is I/O-bound; no OpenMP pool in the caller's thread
         try:
             loaded = _load_path(str(source), device, torch_dtype,
-                                {"pack": False, "transposed_head": False} if bare else {})
+                                {"pack": False, "transposed_head": False} if bare else {},
+                                dict(tokenizer=tokenizer, chat_template=chat_template,
+                                     max_context=max_context))
             if copies:
                 _add_weight_copies(loaded, copies)
             elif dtype is None and torch_dtype == torch.float32:
@@ -184,18 +186,24 @@ def _return_freed_memory() -> None:
 
 
 def _load_path(src: str, device: str, dtype: torch.dtype,
-               options: dict[str, Any] | None = None) -> LoadedModel:
-    """The model at `src`; `options`: for its family's `build` (pack, transposed_head...)."""
+               options: dict[str, Any] | None = None,
+               serving: dict[str, Any] | None = None) -> LoadedModel:
+    """The model at `src`; `options`: for its family's `build` (pack, transposed_head...);
+    `serving`: tokenizer, chat_template, max_context, for sources that take them (nanochat)."""
     options = options or {}
     path = Path(src).expanduser()
+    from .nanochat_dir import is_nanochat_dir, is_nanochat_file, load_nanochat_dir
+
+    if is_nanochat_dir(path) or is_nanochat_file(path):
+        return load_nanochat_dir(path, device=device, dtype=dtype, **(serving or {}), **options)
     if src.lower() in DEFAULT_NAMES and not path.exists():
         from .default import load_default
 
         return load_default(device=device, dtype=dtype, **options)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise ValueError(f"{src}: expected a .gguf file or a HF checkpoint directory "
-                             f"(config.json + model.safetensors), "
+            raise ValueError(f"{src}: expected a .gguf file, a HF checkpoint directory "
+                             f"(config.json + model.safetensors) or a nanochat checkpoint, "
                              f"got a {path.suffix or 'plain'} file")
         from .gguf import load_gguf
 
