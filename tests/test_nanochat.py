@@ -402,9 +402,6 @@ def test_an_adopted_module_chats_in_nanochats_format_when_told(gpt, tok) -> None
     assert next(e for e in events if isinstance(e, Started)).prompt_ids == want
 
 
-@pytest.mark.xfail(strict=True, reason="models/adopt.py does not yet take a native model's "
-                   "serving_defaults (tokenizer, chat template, stop ids): remove this mark "
-                   "once it does")
 def test_an_adopted_module_chats_in_nanochats_format_by_default(gpt, tok) -> None:
     loaded = load(gpt, tokenizer=tok, verbose=False)
     assert loaded.template.source == nanochat_chat_template().source

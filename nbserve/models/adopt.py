@@ -72,6 +72,11 @@ def adopt(model: Any, tokenizer: Any = None, *, chat_template: str | ChatTemplat
                              f"max_context ({model.max_context}); set its attribute to allow more")
     elif isinstance(model, nn.Module) and (native := _take_over_module(model)) is not None:
         _require_tokenizer(model, tokenizer)
+        defaults = getattr(native, "serving_defaults", None)  # nanochat: its format and stops
+        if callable(defaults):
+            tokenizer, own_template, own_stops = defaults(tokenizer)
+            chat_template = chat_template or own_template
+            stop_token_ids = own_stops if stop_token_ids is None else stop_token_ids
         if max_context is not None:
             native.max_context = min(int(max_context), native.max_context)
         step, how = native, "nbserve's decoder (weights shared, no copy)"
