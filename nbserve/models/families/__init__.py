@@ -2,6 +2,7 @@
 onto nbserve's decoder (models/decoder.py), and its registry entry. Importing this package
 registers them all (`models.registry` does it on first use)."""
 
-from . import gemma, gpt2, llama, nanochat, olmo2, phi3, qwen3, smollm3
+from . import gemma, gpt2, llama, mixtral, nanochat, olmo2, phi3, qwen3, qwen3_moe, smollm3
 
-__all__ = ["gemma", "gpt2", "llama", "nanochat", "olmo2", "phi3", "qwen3", "smollm3"]
+__all__ = ["gemma", "gpt2", "llama", "mixtral", "nanochat", "olmo2", "phi3", "qwen3", "qwen3_moe",
+           "smollm3"]

@@ -1,0 +1,278 @@
+"""Mixture-of-experts MLPs for the decoder (Qwen3-MoE, Mixtral): a router picks the top-k
+experts of each token, and each expert runs once over the tokens routed to it.
+
+Routing is transformers': a softmax over the router logits in float32, the top k, renormalised
+where the config says (`norm_topk_prob`; Mixtral always), then the weights cast back to the
+model's dtype before they scale the experts' outputs (Qwen3-MoE) or kept in float32 until the
+product is cast (Mixtral). The experts are computed grouped by expert: the (token, choice)
+pairs are sorted by expert and each expert's rows go through one matmul against its slice of
+the 3-D weights (`torch.nn.functional.grouped_mm` where torch has it: one call for all experts,
+no host sync, so CUDA graphs can capture it; else one `F.linear` per expert that has tokens).
+Expert weights are never gathered per token (that would copy top-k weight matrices per token)
+and no expert runs on tokens not routed to it.
+
+Parameters carry transformers 5's names, so its state dicts and models load as they are:
+`mlp.gate.weight` (E, H) the router, `mlp.experts.gate_up_proj` (E, 2I, H) gate rows then up
+rows, `mlp.experts.down_proj` (E, H, I). Checkpoints on the hub (and GGUF files, which the
+GGUF reader splits per expert) name each expert's matrices; `stack_experts` stacks them at load.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .decoder import ACTIVATION, MLP
+from .linear import FusedProjection, linear
+
+if TYPE_CHECKING:
+    from .config import DecoderConfig
+
+ROUTINGS = ("qwen3_moe", "mixtral")
+
+# torch >= 2.10 has F.grouped_mm, 2.8/2.9 torch._grouped_mm; older torch runs the per-expert loop
+_GROUPED_MM: Callable[..., torch.Tensor] | None = getattr(F, "grouped_mm", None) or \
+    getattr(torch, "_grouped_mm", None)
+_GROUPED_FAILED: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) it refused
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """The experts of a model. sparse_layers: the layers whose MLP is a mixture (the others
+    keep the dense MLP of `intermediate_size`). routing: "qwen3_moe" (top-k weights cast to the
+    model's dtype before they scale the outputs) or "mixtral" (kept in float32 until then)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: frozenset[int]
+    routing: str = "qwen3_moe"
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {self.routing!r}; nbserve routes as "
+                             f"{', '.join(ROUTINGS)}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"{self.top_k} experts per token out of {self.num_experts}")
+
+
+def sparse_layers(n_layers: int, num_experts: int, decoder_sparse_step: int = 1,
+                  mlp_only_layers: Iterable[int] = ()) -> frozenset[int]:
+    """Qwen3-MoE's rule: layer i routes to experts iff it is not in `mlp_only_layers` and
+    (i + 1) is a multiple of `decoder_sparse_step` (and the model has experts)."""
+    dense = set(mlp_only_layers)
+    step = max(int(decoder_sparse_step), 1)
+    return frozenset(i for i in range(n_layers)
+                     if num_experts > 0 and i not in dense and (i + 1) % step == 0)
+
+
+def make_moe_mlp(cfg: DecoderConfig, layer: int) -> nn.Module:
+    """Layer `layer`'s MLP: a `SparseMoE` where `cfg.moe` makes it sparse, else the dense MLP."""
+    moe: MoEConfig = cfg.moe
+    if layer in moe.sparse_layers:
+        return SparseMoE(cfg, moe)
+    return MLP(cfg)
+
+
+class Experts(nn.Module):
+    """The experts' weights as two 3-D parameters (transformers 5's layout) and their
+    grouped computation."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str):
+        super().__init__()
+        self.num_experts, self.intermediate = num_experts, intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.act = ACTIVATION[act]
+        self.grouped = True  # False: one F.linear per expert with tokens, as without grouped_mm
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+                ) -> torch.Tensor:
+        """x (N, H), experts and weights (N, k) -> sum over k of weight * expert(x), (N, H)."""
+        n, k = experts.shape
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # the (token, choice) pairs, expert by expert
+        rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))  # (N*k, H)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        ends = counts.cumsum(0).to(torch.int32)  # grouped_mm's offsets: each group's end row
+        gate_up = self._matmul(rows, self.gate_up_proj, counts, ends)  # (N*k, 2I)
+        i = self.intermediate
+        hidden = self.act(gate_up[:, :i]) * gate_up[:, i:]
+        out = self._matmul(hidden, self.down_proj, counts, ends)  # (N*k, H)
+        out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
+        unsorted = torch.empty_like(out).index_copy_(0, order, out)
+        return unsorted.view(n, k, -1).sum(dim=1)
+
+    def _matmul(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+                ends: torch.Tensor) -> torch.Tensor:
+        """Row group e of x (sorted by expert) times weight[e] transposed, for every e."""
+        key = (x.device.type, x.dtype)
+        if self.grouped and _GROUPED_MM is not None and key not in _GROUPED_FAILED:
+            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+            try:
+                return grouped_linear(x, weight, ends)
+            except (RuntimeError, NotImplementedError):
+                if capturing:  # a failed capture falls back as a whole; eager steps retry
+                    raise
+                _GROUPED_FAILED.add(key)
+        return per_expert_linear(x, weight, counts)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """x (R, in) in expert order, weight (E, out, in), ends (E,) int32 -> (R, out): one
+    grouped matmul over the weight as it is (a transposed view, no copy)."""
+    assert _GROUPED_MM is not None
+    return _GROUPED_MM(x, weight.transpose(1, 2), offs=ends)
+
+
+def per_expert_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor
+                      ) -> torch.Tensor:
+    """`grouped_linear` as one `expert_linear` per expert with rows (reads the counts on the
+    host: a device sync on CUDA)."""
+    outs, start = [], 0
+    for e, count in enumerate(counts.tolist()):
+        if count:
+            outs.append(expert_linear(x[start:start + count], weight[e]))
+            start += count
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def expert_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One expert's matmul over its rows."""
+    return F.linear(x, weight)
+
+
+class SparseMoE(nn.Module):
+    """A sparse MLP: the router (`gate`, an nn.Linear over float weights) and the experts.
+    Offers the dense MLP's interface (forward(x, norm), fuse, holders)."""
+
+    def __init__(self, cfg: DecoderConfig, moe: MoEConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.gate = nn.Linear(h, moe.num_experts, bias=False)
+        self.experts = Experts(moe.num_experts, h, moe.intermediate_size, cfg.hidden_act)
+        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.float32_weights = moe.routing == "mixtral"
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, experts) (N, k) of x (N, H): softmax in float32, top-k, renormalised
+        where the config says, the weights cast back to x's dtype (not for Mixtral)."""
+        logits = linear(x, self.gate)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.float32_weights else weights.to(logits.dtype)), experts
+
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+        """The mixture's output for norm(x) (x without a norm), x (..., H)."""
+        h = x if norm is None else norm(x)
+        flat = h.reshape(-1, h.shape[-1])
+        weights, experts = self.route(flat)
+        return self.experts(flat, experts, weights).view(x.shape)
+
+    def fuse(self, rebuild: bool = False) -> None:
+        """Nothing to fuse: each expert's gate and up are one tensor already."""
+
+    def holders(self, prefix: str) -> list[tuple[nn.Linear | FusedProjection, list[str]]]:
+        """None: the experts are 3-D tensors, not matmul holders, and the router stays plain
+        float: it is a small matmul, routing on exact logits keeps the experts transformers
+        picks, and GGUF files keep routers in F32, so a holder without the file's own blocks
+        would keep the rest of the model off its lossless quantized blocks."""
+        return []
+
+
+# ------------------------------------------------------------------ per-expert checkpoints
+
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+class _LayerStack:
+    """One layer's stacked expert tensors, filled as the per-expert matrices arrive (so a
+    layer is held once, not per expert and then stacked)."""
+
+    def __init__(self, layer: int, num_experts: int):
+        self.layer, self.n = layer, num_experts
+        self.gate_up: torch.Tensor | None = None
+        self.down: torch.Tensor | None = None
+        self.seen: set[tuple[str, int]] = set()
+
+    def add(self, role: str, expert: int, t: torch.Tensor, name: str) -> None:
+        if role == "down":
+            if self.down is None:
+                self.down = t.new_empty((self.n, *t.shape))
+            dest = self.down[expert]
+        else:
+            if self.gate_up is None:
+                self.gate_up = t.new_empty((self.n, 2 * t.shape[0], *t.shape[1:]))
+            half = self.gate_up.shape[1] // 2
+            dest = self.gate_up[expert, :half] if role == "gate" else self.gate_up[expert, half:]
+        if dest.shape != t.shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, the other experts' "
+                             f"{role} matrices {tuple(dest.shape)}")
+        dest.copy_(t)
+        self.seen.add((role, expert))
+
+    @property
+    def complete(self) -> bool:
+        return len(self.seen) == 3 * self.n
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        prefix = f"model.layers.{self.layer}.mlp.experts"
+        assert self.gate_up is not None and self.down is not None
+        yield f"{prefix}.gate_up_proj", self.gate_up
+        yield f"{prefix}.down_proj", self.down
+
+    def lacking(self) -> list[str]:
+        return [f"{role} of expert {e}" for e in range(self.n) for role in ("gate", "up", "down")
+                if (role, e) not in self.seen]
+
+
+def stack_experts(tensors: Iterable[tuple[str, torch.Tensor]], num_experts: int,
+                  projections: dict[str, str], block: str = "mlp"
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors with per-expert names (`model.layers.L.{block}.experts.E.{proj}.weight`, proj a
+    key of `projections`, which says whether it is the "gate", "up" or "down" matrix) as
+    transformers 5's stacked `mlp.experts.gate_up_proj` (E, 2I, H: gate rows, then up rows) and
+    `mlp.experts.down_proj` (E, H, I), each layer's as soon as all its experts have come;
+    `{block}.` becomes `mlp.` in the other names of a layer (Mixtral's block_sparse_moe).
+    Other tensors pass as they are. Raises ValueError for an expert out of range, a shape
+    that differs from the other experts', or a missing expert."""
+    pending: dict[int, _LayerStack] = {}
+    rename = f".{block}." if block != "mlp" else None
+    for name, tensor in tensors:
+        m = _EXPERT.match(name)
+        if m is None or m.group(2) != block or m.group(4) not in projections:
+            if rename is not None and name.startswith("model.layers.") and rename in name:
+                name = name.replace(rename, ".mlp.", 1)
+            yield name, tensor
+            continue
+        layer, expert = int(m.group(1)), int(m.group(3))
+        if expert >= num_experts:
+            raise ValueError(f"tensor {name!r}: expert {expert} of a model with {num_experts}")
+        stack = pending.setdefault(layer, _LayerStack(layer, num_experts))
+        stack.add(projections[m.group(4)], expert, tensor, name)
+        if stack.complete:
+            yield from pending.pop(layer).tensors()
+    for layer, stack in pending.items():
+        lacking = stack.lacking()
+        raise ValueError(f"layer {layer} lacks {len(lacking)} expert tensors, e.g. "
+                         f"{', '.join(lacking[:3])}")
+
+
+def moe_tensors(tensors: Iterable[tuple[str, torch.Tensor]], cfg: DecoderConfig,
+                projections: dict[str, str], block: str = "mlp"
+                ) -> Iterable[tuple[str, torch.Tensor]]:
+    """`tensors` with per-expert ones stacked (`stack_experts`) for a model with experts."""
+    moe: Any = cfg.moe
+    if moe is None:
+        return tensors
+    return stack_experts(tensors, moe.num_experts, projections, block)
