@@ -4,7 +4,9 @@ cache) and `RecomputeAdapter` for a nanoGPT module (the whole sequence again for
 at 1 and 16 concurrent streams, in one run, on the same random weights.
 
 The models are small random ones of each family's shape (hidden 256, 4 layers, 8 heads of 32,
-4 kv heads, 640-token vocabulary, the family's options on: windows, softcaps, q/k norms...),
+4 kv heads, 640-token vocabulary, the family's options on: windows, softcaps, q/k norms...;
+the mixture-of-experts ones 8 experts, top-2, of the tests' sizes; nanochat's GPT of
+tests/nanochat_model.py against the same module recomputed),
 so the figures measure the serving path, not a real model's quality. Greedy answers of the
 native path are checked against the old path's (token for token, first stream).
 
@@ -31,6 +33,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the families' tiny configs and the tiny tokenizer
 
 from family_models import CASES, save_family_dir  # noqa: E402
+from moe_models import CASES as MOE_CASES  # noqa: E402
+from moe_models import save_moe_dir  # noqa: E402
 from serve_bench import cpu_line  # noqa: E402
 
 import nbserve  # noqa: E402
@@ -43,11 +47,16 @@ SIZES = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_at
              num_key_value_heads=4, head_dim=32)
 GPT2_SIZES = dict(n_embd=256, n_layer=4, n_head=8)
 DEFAULT_CASES = ("qwen3", "gemma3", "gemma2", "phi4-mini", "olmo2", "smollm3", "mistral-window",
-                 "gpt2")
+                 "gpt2", "qwen3-moe", "mixtral-window")
+MOE_SIZES = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=32)
 
 
 def sized(case: str) -> None:
-    """Scale the tiny test config of `case` up to the benchmark's sizes (in place)."""
+    """Scale the tiny test config of `case` up to the benchmark's sizes (in place); the
+    mixture-of-experts ones keep their expert sizes (8 experts, top-2)."""
+    if case in MOE_CASES:
+        MOE_CASES[case][2].update(MOE_SIZES)
+        return
     kwargs = CASES[case][2]
     kwargs.update(GPT2_SIZES if case == "gpt2" else SIZES)
     if "layer_types" in kwargs:  # keep the pattern, over the new layer count
@@ -98,6 +107,25 @@ def old_path(case: str, path: Path, native: LoadedModel) -> LoadedModel:
                        name=f"{case}-adapter", stop_token_ids=native.stop_token_ids)
 
 
+def nanochat_pair() -> tuple[LoadedModel, LoadedModel]:
+    """A nanochat GPT (tests/nanochat_model.py, the version nbserve follows): adopted natively,
+    and through RecomputeAdapter."""
+    from nanochat_model import tiny_gpt
+    from test_nanochat import SPECIAL_TOKENS
+    from tiny_models import make_tiny_tokenizer
+    from tokenizers import AddedToken
+
+    tok = make_tiny_tokenizer()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    module = tiny_gpt(tok.get_vocab_size(), sequence_len=256, n_layer=4, n_head=8, n_kv_head=4,
+                      n_embd=256)
+    native = nbserve.load(module, tokenizer=tok, verbose=False)
+    step = RecomputeAdapter(module, max_context=256, warn=False)
+    old = LoadedModel(model=step, tokenizer=native.tokenizer, template=native.template,
+                      name="nanochat-recompute", stop_token_ids=native.stop_token_ids)
+    return native, old
+
+
 def nanogpt_pair(tokenizer: Any) -> tuple[LoadedModel, LoadedModel]:
     """A nanoGPT-named module: adopted natively, and through RecomputeAdapter."""
     sys.path.insert(0, str(ROOT / "tests"))
@@ -122,7 +150,7 @@ def row(name: str, new: dict[int, Any], old: dict[int, Any], streams: tuple[int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", default=",".join((*DEFAULT_CASES, "nanogpt")))
+    parser.add_argument("--only", default=",".join((*DEFAULT_CASES, "nanogpt", "nanochat")))
     parser.add_argument("--tokens", type=int, default=48, help="tokens per stream")
     args = parser.parse_args()
     streams = (1, 16)
@@ -136,9 +164,12 @@ def main() -> None:
             if case == "nanogpt":
                 from tiny_models import make_tiny_tokenizer
                 native, old = nanogpt_pair(make_tiny_tokenizer())
+            elif case == "nanochat":
+                native, old = nanochat_pair()
             else:
                 sized(case)
-                path = save_family_dir(case, Path(tmp) / case)
+                save = save_moe_dir if case in MOE_CASES else save_family_dir
+                path = save(case, Path(tmp) / case)
                 native = nbserve.load(str(path), dtype="float32", verbose=False)
                 old = old_path(case, path, native)
             new_figs = measure(native, args.tokens, streams)
