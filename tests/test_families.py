@@ -4,22 +4,26 @@ prompts past the sliding windows; an adopted transformers model runs on its own 
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from family_checks import (
+    PROMPT_LEN,
+    cached_reference,
+    check_batch_equals_alone,
+    check_engine_batched_like_alone,
+    check_steps,
+    inputs,
+)
 from family_models import CASES, WINDOW, WINDOWED, save_family_dir
 from tiny_models import make_tiny_tokenizer
 
 import nbserve
-from nbserve.engine import Engine
 from nbserve.models import registry
 from nbserve.models.adopt import take_over
-from nbserve.types import Delta, Request, SamplingParams
 
-PROMPT_LEN, DECODE_STEPS = 24, 16  # the prompt passes the windows (WINDOW) three times over
 _CACHE: dict[str, tuple[Path, transformers.PreTrainedModel, nbserve.LoadedModel]] = {}
 
 
@@ -38,67 +42,16 @@ def family_dirs(tmp_path_factory):
     _CACHE.clear()
 
 
-def _reference(hf, seq: torch.Tensor, steps: list[torch.Tensor]) -> list[torch.Tensor]:
-    """transformers' own cached generation: prefill logits, then one row per decode step."""
-    with torch.no_grad():
-        out = hf(seq, use_cache=True)
-        refs, past = [out.logits[0]], out.cache
-        for nxt in steps:
-            out = hf(nxt, cache=past, use_cache=True)
-            refs.append(out.logits[0])
-            past = out.cache
-    return refs
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_prefill_and_16_decode_steps_match_transformers(case, family_dirs) -> None:
     _, hf, loaded = family_dirs(case)
-    model = loaded.model
-    vocab = model.vocab_size
-    gen = torch.Generator().manual_seed(1)
-    seq = torch.randint(3, vocab, (1, PROMPT_LEN), generator=gen)
-    steps = [torch.randint(3, vocab, (1, 1), generator=gen) for _ in range(DECODE_STEPS)]
-    refs = _reference(hf, seq, steps)
-    for lone in (True, False):  # the lone-stream step and the batched step
-        cache = model.make_paged_cache(16, 8)
-        table = torch.arange(16)[None]
-        out = model.forward(seq, torch.arange(PROMPT_LEN)[None], table, cache)
-        torch.testing.assert_close(out[0], refs[0], atol=1e-4, rtol=0)
-        for i, nxt in enumerate(steps):
-            pos = PROMPT_LEN + i
-            out = model.forward(nxt, torch.tensor([[pos]]), table, cache,
-                                max_pos=pos if lone else None)
-            where = f"{case} step {i} lone={lone}"
-            torch.testing.assert_close(out[0], refs[i + 1], atol=1e-4, rtol=0,
-                                       msg=lambda m, where=where: f"{where}: {m}")
+    seq, steps = inputs(loaded.model.vocab_size, 1)
+    check_steps(loaded.model, seq, steps, cached_reference(hf, seq, steps), case)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_batch_of_8_mixed_lengths_equals_each_alone(case, family_dirs) -> None:
-    _, _, loaded = family_dirs(case)
-    model = loaded.model
-    gen = torch.Generator().manual_seed(2)
-    lengths = [3, 30, 9, 17, 24, 5, 12, 40]
-    prompts = [torch.randint(3, model.vocab_size, (1, n), generator=gen) for n in lengths]
-    steps = torch.randint(3, model.vocab_size, (4, len(lengths), 1), generator=gen)
-    blocks = 8  # blocks of 8 positions per sequence
-
-    def run(rows: list[int]) -> list[torch.Tensor]:
-        cache = model.make_paged_cache(blocks * len(rows), 8)
-        tables = torch.arange(blocks * len(rows)).view(len(rows), blocks)
-        for t, r in zip(tables, rows):
-            model.forward(prompts[r], torch.arange(lengths[r])[None], t[None], cache)
-        outs = []
-        for s in range(steps.shape[0]):
-            pos = torch.tensor([[lengths[r] + s] for r in rows])
-            outs.append(model.forward(steps[s, rows], pos, tables, cache)[:, 0])
-        return [torch.stack([o[i] for o in outs]) for i in range(len(rows))]
-
-    together = run(list(range(len(lengths))))
-    for r in range(len(lengths)):
-        where = f"{case} row {r}"
-        torch.testing.assert_close(together[r], run([r])[0], atol=1e-4, rtol=0,
-                                   msg=lambda m, where=where: f"{where}: {m}")
+    check_batch_equals_alone(family_dirs(case)[2].model, case)
 
 
 @pytest.mark.parametrize("case", WINDOWED)
@@ -122,29 +75,7 @@ def test_ignoring_the_window_would_have_been_caught(case, family_dirs) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_engine_serves_each_family_batched_like_alone(case, family_dirs) -> None:
-    _, _, loaded = family_dirs(case)
-    prompts = ["Hello there", "The cat sat on the mat and then it slept for a while",
-               "a", "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12", "Why is the sky blue?",
-               "def add(a, b):", "Bonjour, comment", "One more prompt of a middling length"]
-    params = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-    async def collect(engine: Engine, prompt: str) -> list[int]:
-        ids: list[int] = []
-        async for ev in engine.generate(Request(prompt=prompt,
-                                                params=SamplingParams(**params))):
-            if isinstance(ev, Delta):
-                ids += ev.token_ids
-        return ids
-
-    async def both(engine: Engine) -> tuple[list, list]:
-        alone = [await collect(engine, p) for p in prompts]
-        together = await asyncio.gather(*[collect(engine, p) for p in prompts])
-        return alone, list(together)
-
-    with Engine(loaded, max_batch=8, max_context=128, prefill_chunk=8, quiet=True) as engine:
-        alone, together = asyncio.run(both(engine))
-    assert alone == together
-    assert all(len(a) == 12 for a in alone)
+    check_engine_batched_like_alone(family_dirs(case)[2])
 
 
 @pytest.mark.parametrize("case", ["qwen3", "gemma3", "phi3-longrope", "olmo2", "gpt2"])

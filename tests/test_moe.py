@@ -6,24 +6,28 @@ the experts run grouped by expert over their own 3-D weights, only where tokens 
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from family_checks import (
+    PROMPT_LEN,
+    cached_reference,
+    check_batch_equals_alone,
+    check_engine_batched_like_alone,
+    check_steps,
+    inputs,
+)
 from moe_models import CASES, NUM_EXPERTS, TOP_K, save_moe_dir, tiny_moe_model
 from safetensors import safe_open
 from tiny_models import make_tiny_tokenizer
 
 import nbserve
-from nbserve.engine import Engine
 from nbserve.models import moe, registry
 from nbserve.models.adopt import take_over
 from nbserve.models.moe import SparseMoE, stack_experts
-from nbserve.types import Delta, Request, SamplingParams
 
-PROMPT_LEN, DECODE_STEPS = 24, 16
 _CACHE: dict[tuple[str, str], tuple[Path, nbserve.LoadedModel]] = {}
 _HF: dict[str, transformers.PreTrainedModel] = {}
 
@@ -51,47 +55,12 @@ def moe_dirs(tmp_path_factory):
     _HF.clear()
 
 
-def _reference(hf, seq: torch.Tensor, steps: list[torch.Tensor]) -> list[torch.Tensor]:
-    """transformers' own cached generation: prefill logits, then one row per decode step."""
-    with torch.no_grad():
-        out = hf(seq, use_cache=True)
-        refs, past = [out.logits[0]], out.cache
-        for nxt in steps:
-            out = hf(nxt, cache=past, use_cache=True)
-            refs.append(out.logits[0])
-            past = out.cache
-    return refs
-
-
-def _inputs(vocab: int, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    seq = torch.randint(3, vocab, (1, PROMPT_LEN), generator=gen)
-    return seq, [torch.randint(3, vocab, (1, 1), generator=gen) for _ in range(DECODE_STEPS)]
-
-
-def _check_steps(model, seq: torch.Tensor, steps: list[torch.Tensor],
-                 refs: list[torch.Tensor], where: str) -> None:
-    """nbserve's prefill and 16 decode steps (lone-stream and batched) against `refs`."""
-    for lone in (True, False):
-        cache = model.make_paged_cache(16, 8)
-        table = torch.arange(16)[None]
-        out = model.forward(seq, torch.arange(seq.shape[1])[None], table, cache)
-        torch.testing.assert_close(out[0], refs[0], atol=1e-4, rtol=0)
-        for i, nxt in enumerate(steps):
-            pos = seq.shape[1] + i
-            out = model.forward(nxt, torch.tensor([[pos]]), table, cache,
-                                max_pos=pos if lone else None)
-            at = f"{where} step {i} lone={lone}"
-            torch.testing.assert_close(out[0], refs[i + 1], atol=1e-4, rtol=0,
-                                       msg=lambda m, at=at: f"{at}: {m}")
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_prefill_and_16_decode_steps_match_transformers(case, moe_dirs) -> None:
     get, ref = moe_dirs
     model = get(case)[1].model
-    seq, steps = _inputs(model.vocab_size, 1)
-    _check_steps(model, seq, steps, _reference(ref(case), seq, steps), case)
+    seq, steps = inputs(model.vocab_size, 1)
+    check_steps(model, seq, steps, cached_reference(ref(case), seq, steps), case)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -127,65 +96,21 @@ def test_transformers_5_stacked_tensors_load_and_equal(case, moe_dirs) -> None:
     hf_legacy = dict(ref(case).named_parameters())
     for name, p in hf_fused.named_parameters():
         assert torch.equal(p, hf_legacy[name]), name
-    seq, steps = _inputs(legacy.model.vocab_size, 4)
+    seq, steps = inputs(legacy.model.vocab_size, 4)
     ours = dict(legacy.model.named_parameters())
     for name, p in fused.model.named_parameters():
         assert torch.equal(p, ours[name]), name
-    _check_steps(fused.model, seq, steps, _reference(ref(case), seq, steps), f"{case} fused")
+    check_steps(fused.model, seq, steps, cached_reference(ref(case), seq, steps), f"{case} fused")
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_batch_of_8_mixed_lengths_equals_each_alone(case, moe_dirs) -> None:
-    model = moe_dirs[0](case)[1].model
-    gen = torch.Generator().manual_seed(2)
-    lengths = [3, 30, 9, 17, 24, 5, 12, 40]
-    prompts = [torch.randint(3, model.vocab_size, (1, n), generator=gen) for n in lengths]
-    steps = torch.randint(3, model.vocab_size, (4, len(lengths), 1), generator=gen)
-    blocks = 8  # blocks of 8 positions per sequence
-
-    def run(rows: list[int]) -> list[torch.Tensor]:
-        cache = model.make_paged_cache(blocks * len(rows), 8)
-        tables = torch.arange(blocks * len(rows)).view(len(rows), blocks)
-        for t, r in zip(tables, rows):
-            model.forward(prompts[r], torch.arange(lengths[r])[None], t[None], cache)
-        outs = []
-        for s in range(steps.shape[0]):
-            pos = torch.tensor([[lengths[r] + s] for r in rows])
-            outs.append(model.forward(steps[s, rows], pos, tables, cache)[:, 0])
-        return [torch.stack([o[i] for o in outs]) for i in range(len(rows))]
-
-    together = run(list(range(len(lengths))))
-    for r in range(len(lengths)):
-        where = f"{case} row {r}"
-        torch.testing.assert_close(together[r], run([r])[0], atol=1e-4, rtol=0,
-                                   msg=lambda m, where=where: f"{where}: {m}")
+    check_batch_equals_alone(moe_dirs[0](case)[1].model, case)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_engine_serves_batched_like_alone(case, moe_dirs) -> None:
-    loaded = moe_dirs[0](case)[1]
-    prompts = ["Hello there", "The cat sat on the mat and then it slept for a while",
-               "a", "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12", "Why is the sky blue?",
-               "def add(a, b):", "Bonjour, comment", "One more prompt of a middling length"]
-    params = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-    async def collect(engine: Engine, prompt: str) -> list[int]:
-        ids: list[int] = []
-        async for ev in engine.generate(Request(prompt=prompt,
-                                                params=SamplingParams(**params))):
-            if isinstance(ev, Delta):
-                ids += ev.token_ids
-        return ids
-
-    async def both(engine: Engine) -> tuple[list, list]:
-        alone = [await collect(engine, p) for p in prompts]
-        together = await asyncio.gather(*[collect(engine, p) for p in prompts])
-        return alone, list(together)
-
-    with Engine(loaded, max_batch=8, max_context=128, prefill_chunk=8, quiet=True) as engine:
-        alone, together = asyncio.run(both(engine))
-    assert alone == together
-    assert all(len(a) == 12 for a in alone)
+    check_engine_batched_like_alone(moe_dirs[0](case)[1])
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -200,8 +125,8 @@ def test_an_adopted_transformers_model_runs_on_its_own_tensors(case) -> None:
         if ".experts." in name or name.endswith("mlp.gate.weight"):
             assert p.data_ptr() == hf_params[name].data_ptr(), name  # the very tensor
     assert any(isinstance(layer.mlp, SparseMoE) for layer in step.model.layers)
-    seq, steps = _inputs(step.vocab_size, 3)
-    _check_steps(step, seq, steps, _reference(hf, seq, steps), f"{case} adopted")
+    seq, steps = inputs(step.vocab_size, 3)
+    check_steps(step, seq, steps, cached_reference(hf, seq, steps), f"{case} adopted")
 
 
 def _hf_routing(hf, seq: torch.Tensor) -> list[torch.Tensor]:
@@ -226,7 +151,7 @@ def test_experts_run_grouped_over_their_own_weights(case, moe_dirs, monkeypatch)
         return real(x, weight, ends)
 
     monkeypatch.setattr(moe, "grouped_linear", spy)
-    seq = _inputs(model.vocab_size, 5)[0]
+    seq = inputs(model.vocab_size, 5)[0]
     out = model.forward(seq, torch.arange(PROMPT_LEN)[None], torch.arange(4)[None],
                         model.make_paged_cache(4, 8))
     with torch.no_grad():
@@ -267,7 +192,7 @@ def test_without_grouped_mm_only_experts_with_tokens_run(case, moe_dirs, monkeyp
         monkeypatch.setattr(block.experts, "grouped", False)
     for n in (1, PROMPT_LEN):  # one token: top_k of the experts run, the others do not
         calls.clear()
-        seq = _inputs(model.vocab_size, 6)[0][:, :n]
+        seq = inputs(model.vocab_size, 6)[0][:, :n]
         out = model.forward(seq, torch.arange(n)[None], torch.arange(4)[None],
                             model.make_paged_cache(4, 8))
         with torch.no_grad():
