@@ -2,8 +2,9 @@
 
 Which weights are shared and which are copied:
 - `adopt_transformers` on a `transformers` model of a native family (`models.registry`:
-  Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, Gemma 2/3, Phi-3/4, GPT-2, OLMo 2, SmolLM3), and `adopt` on a
-  nanoGPT or nanochat module: nbserve's own decoder takes over the module's parameter tensors
+  Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, Gemma 2/3, Phi-3/4, GPT-2, OLMo 2, SmolLM3),
+  and `adopt` on a nanoGPT or nanochat module: nbserve's own decoder takes over the module's
+  parameter tensors
   (same storage, same device, no copy).
 - `TransformersAdapter` (other `transformers` causal LMs) and `RecomputeAdapter` (a plain
   module whose `forward(idx)` returns logits) call the live module.
