@@ -152,3 +152,24 @@ def test_a_multimodal_gemma3_is_served_as_its_language_model(tmp_path) -> None:
         out = model.forward(seq, torch.arange(PROMPT_LEN)[None], torch.arange(4)[None],
                             model.make_paged_cache(4, 8))[0]
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+def test_dynamic_ntk_rope_past_the_trained_context_matches_transformers(tmp_path) -> None:
+    """Dynamic NTK scaling changes the frequencies once a sequence passes
+    max_position_embeddings (here 32: the 16 decode steps after a 24-token prompt cross it);
+    each row is roped by its own length, as transformers' cached generation does."""
+    from family_models import tiny_family_model
+
+    CASES["llama-dynamic"] = (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                              dict(CASES["llama-linear"][2], max_position_embeddings=32,
+                                   rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    try:
+        hf = tiny_family_model("llama-dynamic", make_tiny_tokenizer().get_vocab_size())
+    finally:
+        del CASES["llama-dynamic"]
+    hf.save_pretrained(tmp_path)
+    make_tiny_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    model = nbserve.load(str(tmp_path), dtype="float32", verbose=False).model
+    assert model.config.ropes[0].kind == "dynamic"
+    seq, steps = inputs(model.vocab_size, 5)
+    check_steps(model, seq, steps, cached_reference(hf, seq, steps), "dynamic")

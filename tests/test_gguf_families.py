@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from family_checks import cached_reference, check_steps, inputs
 from gguf_util import GPT4O_REGEX, LLAMA3_REGEX, QWEN2_REGEX, hf_dir_to_gguf
 from safetensors.torch import load_file, save_file
 from tiny_models import (
@@ -321,11 +322,11 @@ def test_load_gguf_computes_the_checkpoint(case_dirs, tmp_path, case):
     from nbserve.loading.gguf import load_gguf
 
     loaded = load_gguf(hf_dir_to_gguf(case_dirs[case], tmp_path / "m.gguf"))
-    ids = [1, 5, 70, 300, 12, 2, 9, 40, 41, 42, 43, 44, 45, 46, 47, 48, 7]
-    cache = loaded.model.make_cache(1, 32)
-    got = loaded.model(torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([0]),
-                       cache)
-    torch.testing.assert_close(got[0], _logits(case_dirs[case], ids), atol=1e-4, rtol=1e-4)
+    # prefill and 16 cached decode steps against transformers' own cached generation
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        case_dirs[case], dtype=torch.float32, attn_implementation="eager").eval()
+    seq, steps = inputs(loaded.model.vocab_size, 4)
+    check_steps(loaded.model, seq, steps, cached_reference(hf, seq, steps), f"{case} gguf")
 
 
 # --- the Gemma vocabulary ---------------------------------------------------------------------
