@@ -16,7 +16,8 @@
 #    beside the HBM-bandwidth bound, with CUDA graphs and without, the step time split, the
 #    time to first token of a 2,000-token prompt, the KV budget and the weights
 #    (benchmarks/gpu_bench.py).
-# Without a GPU it still runs end to end (the CUDA tests skip, the benchmark runs --tiny on CPU):
+# Without a GPU it still runs end to end (the CUDA tests skip, the benchmark runs --tiny on CPU,
+# and with no device memory to measure the steps run side by side, their logs printed after):
 # benchmarks/device_dry_run.sh runs it so here, in a fresh environment built like the image.
 # Logs and JSON go to $OUT when set (the device tool), else /tmp/nbserve-gpu-check.
 set -uo pipefail
@@ -57,19 +58,19 @@ if missing:
 PYEOF
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader 2>/dev/null || true
 
-echo "== 1. correctness: tests/test_cuda.py"
-timeout 150 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py 2>&1 \
-    | tee "$LOG_DIR/gpu_tests.log"
-tests_rc=${PIPESTATUS[0]}
-
-echo "== 2. the notebook lifecycle"
-timeout 60 "$PY" benchmarks/gpu_lifecycle.py --json "$LOG_DIR/gpu_lifecycle.json" 2>&1 \
-    | tee "$LOG_DIR/gpu_lifecycle.log"
-life_rc=${PIPESTATUS[0]}
-
-echo "== 3. decode throughput, with CUDA graphs and without"
+tests_cmd=(timeout 150 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py)
+life_cmd=(timeout 60 "$PY" benchmarks/gpu_lifecycle.py --json "$LOG_DIR/gpu_lifecycle.json")
 bench_rc=0
 if "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+    echo "== 1. correctness: tests/test_cuda.py"
+    "${tests_cmd[@]}" 2>&1 | tee "$LOG_DIR/gpu_tests.log"
+    tests_rc=${PIPESTATUS[0]}
+
+    echo "== 2. the notebook lifecycle"
+    "${life_cmd[@]}" 2>&1 | tee "$LOG_DIR/gpu_lifecycle.log"
+    life_rc=${PIPESTATUS[0]}
+
+    echo "== 3. decode throughput, with CUDA graphs and without"
     for graphs in on off; do
         timeout 110 "$PY" benchmarks/gpu_bench.py --config llama-3.2-1b --batch 1,16,64,256 \
             --new-tokens 128 --static-decode "$graphs" --json "$LOG_DIR/gpu_bench_$graphs.json" \
@@ -77,9 +78,24 @@ if "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
         rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || bench_rc=$rc
     done
 else
+    # No GPU: no device memory is measured, so the steps run side by side in two lanes (the
+    # lifecycle; the skipped CUDA tests, then the --tiny benchmark), each step's output to its
+    # log, printed in step order once both lanes are done.
+    "${life_cmd[@]}" > "$LOG_DIR/gpu_lifecycle.log" 2>&1 &
+    life_pid=$!
+    "${tests_cmd[@]}" > "$LOG_DIR/gpu_tests.log" 2>&1
+    tests_rc=$?
     timeout 150 "$PY" benchmarks/gpu_bench.py --device cpu --tiny --batch 1,16,64,256 \
-        --json "$LOG_DIR/gpu_bench_cpu.json" 2>&1 | tee "$LOG_DIR/gpu_bench_cpu.log"
-    bench_rc=${PIPESTATUS[0]}
+        --json "$LOG_DIR/gpu_bench_cpu.json" > "$LOG_DIR/gpu_bench_cpu.log" 2>&1
+    bench_rc=$?
+    wait "$life_pid"
+    life_rc=$?
+    echo "== 1. correctness: tests/test_cuda.py"
+    cat "$LOG_DIR/gpu_tests.log"
+    echo "== 2. the notebook lifecycle"
+    cat "$LOG_DIR/gpu_lifecycle.log"
+    echo "== 3. decode throughput (no GPU: --tiny on CPU)"
+    cat "$LOG_DIR/gpu_bench_cpu.log"
 fi
 
 echo "gpu_check: tests exit $tests_rc, lifecycle exit $life_rc, benchmark exit $bench_rc," \

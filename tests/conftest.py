@@ -70,28 +70,34 @@ def default_loaded() -> Any:
     return load("smollm2", verbose=False)
 
 
-# transformers' own reading of the default GGUF (float32), the reference for several modules:
-# about 20 s for the model and 12 s for the tokenizer, so once a run.
+# transformers' own reading of the default GGUF (float32) and of its tokenizer, the reference
+# for several modules: read together with the file parsed once (gguf_parse_once: transformers
+# parses it for the tokenizer, the config and the weights), once a run.
 @pytest.fixture(scope="session")
-def reference_model() -> Any:
+def transformers_reference() -> tuple[Any, Any]:
+    """(tokenizer, float32 model), both transformers' own from the default GGUF."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from gguf_parse_once import parsed_once
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nbserve.loading.default import default_model_path
 
     path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                dtype=torch.float32).eval()
+    with parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                     dtype=torch.float32).eval()
+    return tokenizer, model
 
 
 @pytest.fixture(scope="session")
-def reference_tokenizer() -> Any:
-    from transformers import AutoTokenizer
+def reference_model(transformers_reference: tuple[Any, Any]) -> Any:
+    return transformers_reference[1]
 
-    from nbserve.loading.default import default_model_path
 
-    path = default_model_path()
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+@pytest.fixture(scope="session")
+def reference_tokenizer(transformers_reference: tuple[Any, Any]) -> Any:
+    return transformers_reference[0]
 
 
 # The tiny engine behind a real uvicorn server, once per test module that asks for them.

@@ -97,14 +97,12 @@ def test_a_float16_kv_cache_keeps_the_greedy_answers(ours):
 
     def answers(kv_dtype: str | None) -> list[list[int]]:
         with Engine(ours, max_batch=4, max_context=512, quiet=True, kv_dtype=kv_dtype) as eng:
-            out = []
-            for chat in chats:
-                got: list[int] = []
-                for ev in eng.stream(Request(messages=[{"role": "user", "content": chat}],
-                                             params=SamplingParams(temperature=0,
-                                                                   max_tokens=48))):
-                    got += getattr(ev, "token_ids", [])
-                out.append(got)
+            # all four submitted at once (stream() submits): they decode as one batch
+            streams = [eng.stream(Request(messages=[{"role": "user", "content": chat}],
+                                          params=SamplingParams(temperature=0, max_tokens=48)))
+                       for chat in chats]
+            out = [[t for ev in stream for t in getattr(ev, "token_ids", [])]
+                   for stream in streams]
             assert eng.cache.dtype == (torch.float16 if kv_dtype else torch.float32)
             return out
 
