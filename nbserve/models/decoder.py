@@ -336,9 +336,8 @@ class MLP(nn.Module):
 def make_mlp(cfg: DecoderConfig, layer: int) -> nn.Module:
     """Layer `layer`'s MLP: a mixture of experts where `cfg.moe` puts one (models/moe.py),
     else the dense MLP. Either offers forward(x, norm), fuse(rebuild), holders(prefix)."""
-    if cfg.moe is not None:
-        from .moe import make_moe_mlp
-        return make_moe_mlp(cfg, layer)
+    if cfg.moe is not None:  # the experts' config makes them (the decoder imports no moe)
+        return cfg.moe.make_mlp(cfg, layer)
     return MLP(cfg)
 
 

@@ -62,6 +62,10 @@ class MoEConfig:
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"{self.top_k} experts per token out of {self.num_experts}")
 
+    def make_mlp(self, cfg: DecoderConfig, layer: int) -> nn.Module:
+        """What the decoder calls for each layer (`decoder.make_mlp`): `make_moe_mlp`."""
+        return make_moe_mlp(cfg, layer)
+
 
 def sparse_layers(n_layers: int, num_experts: int, decoder_sparse_step: int = 1,
                   mlp_only_layers: Iterable[int] = ()) -> frozenset[int]:

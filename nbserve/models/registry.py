@@ -7,49 +7,15 @@ new family is one model file plus one `register(Family(...))` entry (see docs/ar
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
-import torch
+from .family import Family
 
-Tensors = Iterable[tuple[str, torch.Tensor]]
-
-
-@dataclass(frozen=True, slots=True)
-class Family:
-    """One architecture family and the names it goes by.
-
-    hf_architectures: config.json `architectures` / transformers class names it serves.
-    model_types: config.json `model_type` values (used when `architectures` is absent).
-    gguf_architectures: GGUF `general.architecture` values, each with the HF architecture name
-    it reads as (the GGUF loader turns a file's metadata into a config.json-style dict).
-    read_config(config_dict, name) -> config: raises ValueError naming what it cannot serve.
-    build(config, tensors, device=, dtype=, **options) -> a StepModel from HF-named tensors;
-    options the loaders and adoption pass: transposed_head, fuse, pack, float_kernel.
-    adopt_module(module) -> a StepModel over a plain torch module's own tensors when the module
-    is of this family (nanoGPT's GPT, nanochat's GPT), else None.
-    """
-
-    name: str
-    hf_architectures: tuple[str, ...]
-    model_types: tuple[str, ...]
-    gguf_architectures: dict[str, str]
-    read_config: Callable[[dict[str, Any], str], Any]
-    build: Callable[..., Any]
-    description: str = ""
-    adopt_module: Callable[[Any], Any] | None = None
-
-    def config_of(self, config: dict[str, Any], name: str = "model") -> Any:
-        """`read_config`, a missing config.json key reported as a ValueError naming it."""
-        try:
-            return self.read_config(config, name)
-        except KeyError as exc:
-            raise ValueError(f"the config of {name} lacks {exc.args[0]!r}, which a "
-                             f"{self.description or self.name} model needs") from None
+__all__ = ["Family", "families", "register"]
 
 
 _FAMILIES: list[Family] = []
+_BUILTINS_DONE = False
 
 
 def register(family: Family) -> Family:
@@ -120,5 +86,12 @@ def for_module(module: Any) -> Any:
 
 
 def _register_builtins() -> None:
-    """Import the family files (each registers itself) once."""
-    from . import families as _families  # noqa: F401
+    """Register the built-in family files once (a user's `register` of the same name wins)."""
+    global _BUILTINS_DONE
+    if _BUILTINS_DONE:
+        return
+    _BUILTINS_DONE = True
+    from .families import BUILTIN
+
+    have = {f.name for f in _FAMILIES}
+    _FAMILIES[:0] = [f for f in BUILTIN if f.name not in have]

@@ -14,7 +14,7 @@ import torch
 
 from ..config import DecoderConfig, layer_types_of
 from ..decoder import DecoderModel, build_decoder
-from ..registry import Family, register
+from ..family import Family
 from ..rope import RopeSpec, read_rope
 
 ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu",
@@ -100,7 +100,7 @@ def build(cfg: DecoderConfig, tensors: Iterable[tuple[str, torch.Tensor]],
     return build_decoder(cfg, text_tensors(tensors), **options)
 
 
-FAMILY = register(Family(
+FAMILY = Family(
     name="gemma",
     hf_architectures=("Gemma2ForCausalLM", "Gemma3ForCausalLM", MULTIMODAL),
     model_types=("gemma2", "gemma3_text", "gemma3"),
@@ -108,4 +108,4 @@ FAMILY = register(Family(
     read_config=read_config,
     build=build,
     description="Gemma 2, Gemma 3 (text; of the multimodal ones, the language model)",
-))
+)

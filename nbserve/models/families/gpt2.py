@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config import DecoderConfig
 from ..decoder import DecoderModel, build_decoder
-from ..registry import Family, register
+from ..family import Family
 
 _LAYER = re.compile(r"^transformer\.h\.(\d+)\.(.+)$")
 _LAYER_NAMES = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
@@ -126,7 +126,7 @@ def _nanogpt_activation(module: nn.Module) -> str:
                      "implements nanoGPT's MLP (c_fc, GELU, c_proj)")
 
 
-FAMILY = register(Family(
+FAMILY = Family(
     name="gpt2",
     hf_architectures=("GPT2LMHeadModel",),
     model_types=("gpt2",),
@@ -135,4 +135,4 @@ FAMILY = register(Family(
     build=build,
     description="GPT-2, nanoGPT",
     adopt_module=adopt_nanogpt,
-))
+)

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..config import DecoderConfig, layer_types_of
 from ..decoder import build_decoder
-from ..registry import Family, register
+from ..family import Family
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Qwen2ForCausalLM": "qwen2"}
@@ -49,7 +49,7 @@ def read_config(cfg: dict[str, Any], name: str = "model") -> DecoderConfig:
         mlp_bias=bool(cfg.get("mlp_bias")))
 
 
-FAMILY = register(Family(
+FAMILY = Family(
     name="llama",
     hf_architectures=tuple(ARCHITECTURES),
     model_types=tuple(ARCHITECTURES.values()),
@@ -58,4 +58,4 @@ FAMILY = register(Family(
     read_config=read_config,
     build=build_decoder,
     description="Llama 2/3, Mistral, Qwen2/2.5, SmolLM",
-))
+)

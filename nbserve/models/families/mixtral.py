@@ -17,8 +17,8 @@ import torch
 
 from ..config import DecoderConfig
 from ..decoder import DecoderModel, build_decoder
+from ..family import Family
 from ..moe import MoEConfig, moe_tensors
-from ..registry import Family, register
 
 PROJECTIONS = {"w1": "gate", "w3": "up", "w2": "down"}
 
@@ -44,7 +44,7 @@ def build(cfg: DecoderConfig, tensors: Iterable[tuple[str, torch.Tensor]],
                          **options)
 
 
-FAMILY = register(Family(
+FAMILY = Family(
     name="mixtral",
     hf_architectures=("MixtralForCausalLM",),
     model_types=("mixtral",),
@@ -52,4 +52,4 @@ FAMILY = register(Family(
     read_config=read_config,
     build=build,
     description="Mixtral",
-))
+)

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..family import Family
 from ..nanochat import NanochatConfig, NanochatModel, build_nanochat, window_sizes
-from ..registry import Family, register
 
 _CONFIG_FIELDS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")
 _SIGNATURE = ("transformer.wte.weight", "transformer.h.0.attn.c_q.weight", "lm_head.weight")
@@ -50,7 +50,7 @@ def adopt_nanochat(module: nn.Module) -> NanochatModel | None:
     return build_nanochat(cfg, module.named_parameters(), share=True)
 
 
-FAMILY = register(Family(
+FAMILY = Family(
     name="nanochat",
     hf_architectures=(),
     model_types=(),
@@ -59,4 +59,4 @@ FAMILY = register(Family(
     build=build,
     description="nanochat",
     adopt_module=adopt_nanochat,
-))
+)

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..config import DecoderConfig
 from ..decoder import build_decoder
-from ..registry import Family, register
+from ..family import Family
 
 
 def read_config(cfg: dict[str, Any], name: str) -> DecoderConfig:
@@ -15,7 +15,7 @@ def read_config(cfg: dict[str, Any], name: str) -> DecoderConfig:
                                  attention_bias=bool(cfg.get("attention_bias")))
 
 
-FAMILY = register(Family(
+FAMILY = Family(
     name="olmo2",
     hf_architectures=("Olmo2ForCausalLM",),
     model_types=("olmo2",),
@@ -23,4 +23,4 @@ FAMILY = register(Family(
     read_config=read_config,
     build=build_decoder,
     description="OLMo 2",
-))
+)

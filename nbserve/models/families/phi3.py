@@ -9,7 +9,7 @@ from typing import Any
 
 from ..config import DecoderConfig
 from ..decoder import build_decoder
-from ..registry import Family, register
+from ..family import Family
 
 
 def read_config(cfg: dict[str, Any], name: str) -> DecoderConfig:
@@ -18,7 +18,7 @@ def read_config(cfg: dict[str, Any], name: str) -> DecoderConfig:
                                  attention_bias=bool(cfg.get("attention_bias")))
 
 
-FAMILY = register(Family(
+FAMILY = Family(
     name="phi3",
     hf_architectures=("Phi3ForCausalLM",),
     model_types=("phi3",),
@@ -26,4 +26,4 @@ FAMILY = register(Family(
     read_config=read_config,
     build=build_decoder,
     description="Phi-3, Phi-4-mini",
-))
+)

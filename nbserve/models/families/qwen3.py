@@ -7,7 +7,7 @@ from typing import Any
 
 from ..config import DecoderConfig
 from ..decoder import build_decoder
-from ..registry import Family, register
+from ..family import Family
 from .llama import qwen_windows
 
 
@@ -16,7 +16,7 @@ def read_config(cfg: dict[str, Any], name: str) -> DecoderConfig:
                                  attention_bias=bool(cfg.get("attention_bias")))
 
 
-FAMILY = register(Family(
+FAMILY = Family(
     name="qwen3",
     hf_architectures=("Qwen3ForCausalLM",),
     model_types=("qwen3",),
@@ -24,4 +24,4 @@ FAMILY = register(Family(
     read_config=read_config,
     build=build_decoder,
     description="Qwen3",
-))
+)

@@ -14,8 +14,8 @@ import torch
 
 from ..config import DecoderConfig
 from ..decoder import DecoderModel, build_decoder
+from ..family import Family
 from ..moe import MoEConfig, moe_tensors, sparse_layers
-from ..registry import Family, register
 
 PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
@@ -42,7 +42,7 @@ def build(cfg: DecoderConfig, tensors: Iterable[tuple[str, torch.Tensor]],
     return build_decoder(cfg, moe_tensors(tensors, cfg, PROJECTIONS), **options)
 
 
-FAMILY = register(Family(
+FAMILY = Family(
     name="qwen3_moe",
     hf_architectures=("Qwen3MoeForCausalLM",),
     model_types=("qwen3_moe",),
@@ -50,4 +50,4 @@ FAMILY = register(Family(
     read_config=read_config,
     build=build,
     description="Qwen3-MoE",
-))
+)

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..config import DecoderConfig
 from ..decoder import build_decoder
-from ..registry import Family, register
+from ..family import Family
 from .llama import qwen_windows
 
 
@@ -25,7 +25,7 @@ def read_config(cfg: dict[str, Any], name: str) -> DecoderConfig:
                                  mlp_bias=bool(cfg.get("mlp_bias")))
 
 
-FAMILY = register(Family(
+FAMILY = Family(
     name="smollm3",
     hf_architectures=("SmolLM3ForCausalLM",),
     model_types=("smollm3",),
@@ -33,4 +33,4 @@ FAMILY = register(Family(
     read_config=read_config,
     build=build_decoder,
     description="SmolLM3",
-))
+)
