@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -215,24 +216,44 @@ def test_a_client_that_stops_reading_a_prompt_list_is_cancelled(loaded: Any) -> 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-def test_twenty_prompts_against_the_default_app_py() -> None:
-    """`python app.py --port 0` (16 slots): a list of 20 prompts gets 20 choices, streamed
-    and not."""
+@pytest.fixture(scope="module", autouse=True)
+def default_app(request: pytest.FixtureRequest) -> Iterator[Future[Any] | None]:
+    """`python app.py --port 0` on the default model (16 slots), started with the module when a
+    selected test of it asks for `default_app_url`: the server loads (seconds, in its own
+    process) while the tiny-model tests above run; stopped with the module."""
+    if not any("default_app_url" in item.fixturenames for item in request.session.items
+               if getattr(item, "module", None) is request.module):
+        yield None
+        return
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import soak
 
-    proc, url = soak.start_server("smollm2", ui=True, extra=[])
-    try:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
-                               timeout=600)
-        prompts = [f"The number {i} is" for i in range(20)]
-        r = client.completions.create(model="", prompt=prompts, max_tokens=24, temperature=0)
-        assert [c.index for c in r.choices] == list(range(20))
-        assert all(c.text and c.finish_reason in ("stop", "length") for c in r.choices)
-        texts, finish = streamed(client, model="", prompt=prompts, max_tokens=24,
-                                 temperature=0)
-        assert sorted(finish) == sorted(texts) == list(range(20))
-        assert all(texts.values())
-    finally:
-        soak.stop_server(proc)
+    with ThreadPoolExecutor(1) as pool:
+        started = pool.submit(soak.start_server, "smollm2", True, [])
+        try:
+            yield started
+        finally:
+            if started.exception(timeout=600) is None:
+                soak.stop_server(started.result()[0])
+
+
+@pytest.fixture
+def default_app_url(default_app: Future[Any] | None) -> str:
+    """The base URL of `default_app`, once it serves (its start's error, if it failed)."""
+    assert default_app is not None
+    return default_app.result(timeout=600)[1]
+
+
+@pytest.mark.slow
+def test_twenty_prompts_against_the_default_app_py(default_app_url: str) -> None:
+    """`python app.py --port 0` (16 slots): a list of 20 prompts gets 20 choices, streamed
+    and not."""
+    client = openai.OpenAI(base_url=default_app_url + "/v1", api_key="unused", max_retries=0,
+                           timeout=600)
+    prompts = [f"The number {i} is" for i in range(20)]
+    r = client.completions.create(model="", prompt=prompts, max_tokens=24, temperature=0)
+    assert [c.index for c in r.choices] == list(range(20))
+    assert all(c.text and c.finish_reason in ("stop", "length") for c in r.choices)
+    texts, finish = streamed(client, model="", prompt=prompts, max_tokens=24, temperature=0)
+    assert sorted(finish) == sorted(texts) == list(range(20))
+    assert all(texts.values())
