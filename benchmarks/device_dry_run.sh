@@ -11,11 +11,10 @@
 # machine's Python (the device's is 3.12; the names are the same), goes in with --no-index
 # into a folder on PYTHONPATH, as on the device, and gpu_check.sh runs its CPU part there.
 #
-# Time: while device_wheels.py downloads the carried set, two pip runs fill the venv at once,
-# with packages that do not overlap: torch alone (--no-deps), and pip, setuptools, torch's own
-# requirements and the image packages that nbserve and the check name directly (the ones the
-# carried set's requirements reach follow). pip runs from this Python (`pip --python`, pip 22.3
-# or later) and byte-compiles nothing at install; Python may write bytecode as it imports
+# Time: while device_wheels.py downloads the carried set, the venv gets pip, setuptools, torch
+# and the image packages that nbserve and the check name directly (the ones the carried set's
+# own requirements reach follow); pip runs from this Python (`pip --python`, pip 22.3 or
+# later) and byte-compiles nothing at install; Python may write bytecode as it imports
 # (PYTHONDONTWRITEBYTECODE unset), so a module is compiled by the first of the check's
 # processes that imports it, not by every one; the folder is removed in the background.
 set -euo pipefail
@@ -27,48 +26,32 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 unset PYTHONDONTWRITEBYTECODE
 ver="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 pip_in() { "$PY" -m pip --python "$work/venv/bin/python" "$@"; }
-# the image's versions at most; the image packages that nbserve and the check require directly,
-# and torch's own requirements as this Python's torch names them (none without one: the full
-# install below adds whatever torch 2.13.0 needs)
+# the image's versions at most, and the image packages among the direct requirements
 "$PY" - "$work" "$ver" <<'PYEOF'
 import sys
-from importlib.metadata import PackageNotFoundError, requires
 from pathlib import Path
 
 sys.path.insert(0, "benchmarks")
 from device_wheels import (IMAGE, IMAGE_VERSIONS, LEFT_OUT, applies, marker_env,
                            project_requirements)
-from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 work, env = Path(sys.argv[1]), marker_env(sys.argv[2])
-try:
-    torch_needs = [Requirement(r) for r in requires("torch") or []]
-except PackageNotFoundError:
-    torch_needs = []
-reqs = [*project_requirements(LEFT_OUT), *torch_needs]
-names = {canonicalize_name(r.name) for r in reqs if applies(r, env)} & IMAGE
-(work / "early.txt").write_text("".join(f"{n}\n" for n in sorted(names)))
+direct = {canonicalize_name(r.name) for r in project_requirements(LEFT_OUT) if applies(r, env)}
+(work / "direct.txt").write_text("".join(f"{n}\n" for n in sorted(direct & IMAGE)))
 versions = "".join(f"{n}<={v}\n" for n, v in IMAGE_VERSIONS.items())
 (work / "early-versions.txt").write_text(versions)  # device_wheels.py writes the same later
 PYEOF
-"$PY" -m venv --without-pip "$work/venv"
-# two installs into the venv at once, of packages that do not overlap: torch alone, the rest
-pip_in install -q --no-compile --no-deps torch==2.13.0 > "$work/torch.log" 2>&1 &
-torch_pid=$!
 # shellcheck disable=SC2046 -- one package name a line
-pip_in install -q --no-compile -c "$work/early-versions.txt" pip setuptools \
-    $(cat "$work/early.txt") > "$work/early.log" 2>&1 &
+( "$PY" -m venv --without-pip "$work/venv" \
+    && pip_in install -q --no-compile -c "$work/early-versions.txt" pip setuptools \
+        torch==2.13.0 $(cat "$work/direct.txt") ) > "$work/early.log" 2>&1 &
 early=$!
-wheels_rc=0 torch_rc=0 early_rc=0
+wheels_rc=0
 "$PY" benchmarks/device_wheels.py --python-version "$ver" --dest "$work/whl" \
     --image-list "$work/image.txt" --constraints "$work/image-versions.txt" || wheels_rc=$?
-wait "$torch_pid" || torch_rc=$?
-wait "$early" || early_rc=$?
-[ "$torch_rc" -eq 0 ] || { cat "$work/torch.log"; echo "device_dry_run: torch did not install"; }
-[ "$early_rc" -eq 0 ] || { cat "$work/early.log"; echo "device_dry_run: the first install failed"; }
-[ "$wheels_rc" -eq 0 ] || echo "device_dry_run: device_wheels.py failed"
-[ "$wheels_rc" -eq 0 ] && [ "$torch_rc" -eq 0 ] && [ "$early_rc" -eq 0 ] || exit 1
+wait "$early" || { cat "$work/early.log"; echo "device_dry_run: the early install failed"; exit 1; }
+[ "$wheels_rc" -eq 0 ] || { echo "device_dry_run: device_wheels.py failed"; exit "$wheels_rc"; }
 # shellcheck disable=SC2046 -- one package name a line
 pip_in install -q --no-compile -c "$work/image-versions.txt" torch==2.13.0 $(cat "$work/image.txt")
 # what the registry's releases of those pulled in beyond the image goes again
