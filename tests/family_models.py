@@ -78,9 +78,11 @@ CASES: dict[str, tuple[Callable[..., Any], Callable[..., Any], dict[str, Any]]] 
 WINDOWED = ("qwen3-window", "mistral-window", "gemma2", "gemma3")
 
 
-def tiny_family_model(case: str, vocab_size: int, seed: int = 0) -> transformers.PreTrainedModel:
-    """A random tiny model of `case` (see CASES), float32, eval mode, eager attention."""
-    config_cls, model_cls, kwargs = CASES[case]
+def tiny_family_model(case: str, vocab_size: int, seed: int = 0,
+                      cases: dict[str, Any] | None = None) -> transformers.PreTrainedModel:
+    """A random tiny model of `case` (of `cases`, default CASES), float32, eval mode, eager
+    attention."""
+    config_cls, model_cls, kwargs = (CASES if cases is None else cases)[case]
     config = config_cls(vocab_size=vocab_size, **kwargs)
     config._attn_implementation = "eager"
     with torch.random.fork_rng(devices=[]):

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import transformers
-from family_models import MAX_POS, WINDOW
+from family_models import MAX_POS, WINDOW, tiny_family_model
 from safetensors.torch import save_file
 from tiny_models import IM_END_ID, IM_START_ID, SMOLLM2_TEMPLATE, make_tiny_tokenizer
 
@@ -57,19 +57,12 @@ LEGACY = {"qwen3-moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 
 
 def tiny_moe_model(case: str, vocab_size: int, seed: int = 0) -> transformers.PreTrainedModel:
-    """A random tiny model of `case`, float32, eval mode, eager attention."""
-    config_cls, model_cls, kwargs = CASES[case]
-    config = config_cls(vocab_size=vocab_size, **kwargs)
-    config._attn_implementation = "eager"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_cls(config).eval()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if p.dim() == 1:  # non-trivial norm weights (they start at 1)
-                    p.add_(torch.randn_like(p) * 0.1)
-                elif name.endswith("mlp.gate.weight"):
-                    p.mul_(ROUTER_SCALE)
+    """A random tiny model of `case` (tests/family_models.py's builder), routers scaled up."""
+    model = tiny_family_model(case, vocab_size, seed, cases=CASES)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(ROUTER_SCALE)
     return model
 
 
