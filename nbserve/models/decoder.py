@@ -666,13 +666,14 @@ class DecoderModel(WeightFormats):
             x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # (B, H)
         return self._logits(x)
 
-    def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         """Token embeddings, scaled (Gemma) and with learned positions added (GPT-2)."""
         x = self.embed(ids)
         scale = self.config.embed_scale
         if scale is not None:  # in the model's dtype, as the reference rounds it
             x = x * torch.tensor(scale, dtype=x.dtype)
         if self.config.learned_positions:
+            assert positions is not None
             x = x + F.embedding(positions, self.model.embed_positions.weight)
         return x
 
@@ -715,7 +716,8 @@ class DecoderModel(WeightFormats):
         values, through `DecoderLayer.lone_step`, without the batch bookkeeping that costs a
         noticeable share of a one-token step (benchmarks/README.md)."""
         ropes = self._lone_ropes(pos)
-        x = self._embed(ids.view(1), ids.new_full((1,), pos))  # (1, H)
+        learned = self.config.learned_positions  # a position tensor only where it is read
+        x = self._embed(ids.view(1), ids.new_full((1,), pos) if learned else None)  # (1, H)
         identity = self._identity_rope(1)
         seq = LoneInputs(table, pos, cache.block_size,
                          None if identity is None else (identity[0][0], identity[1][0]))
