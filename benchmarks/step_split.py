@@ -42,17 +42,34 @@ def timed(part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def instrument() -> None:
-    """Wrap the matmul and attention paths of nbserve's models with timers."""
-    from nbserve.models import linear, llama, quant
+    """Wrap the matmul and attention paths of nbserve's models with timers, and have the
+    lone step's single C call (models/decode_stack.py) time its own matmuls and attention."""
+    import ctypes
+
+    from nbserve.models import decoder as llama
+    from nbserve.models import linear, quant
+    from nbserve.models.decode_stack import DecodeStack
+
+    DecodeStack.spent = (ctypes.c_double * 2)()
 
     quant.KernelLinear.__call__ = timed("matmul", quant.KernelLinear.__call__)  # type: ignore
     linear.PackedCopy.__call__ = timed("matmul", linear.PackedCopy.__call__)  # type: ignore
     linear.HalfCopy.__call__ = timed("matmul", linear.HalfCopy.__call__)  # type: ignore
     linear.split_linear = timed("matmul", linear.split_linear)
-    for name in ("paged_lone_attention", "paged_decode_attention", "paged_decode_step"):
+    for name in ("paged_lone_attention", "paged_decode_step"):
         setattr(llama, name, timed("attention", getattr(llama, name)))
     llama.Attention._decode_attention = timed(  # type: ignore[method-assign]
         "attention", llama.Attention._decode_attention)
+
+
+def absorb() -> None:
+    """Move the lone stack's own timings into SPENT."""
+    from nbserve.models.decode_stack import DecodeStack
+
+    if DecodeStack.spent is not None:
+        SPENT["matmul"] += DecodeStack.spent[0]
+        SPENT["attention"] += DecodeStack.spent[1]
+        DecodeStack.spent[0] = DecodeStack.spent[1] = 0.0
 
 
 def split_one(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
@@ -64,6 +81,7 @@ def split_one(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[st
 
     def mark(name: str) -> None:
         if name not in marks:
+            absorb()
             marks[name] = (time.perf_counter(), engine.stats(), Counter(SPENT))
 
     async def one(i: int, ids: list[int]) -> None:
@@ -101,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default=None, help="nbserve's weights (default: the loader's)")
     ap.add_argument("--streams", default="1,16", help="comma-separated concurrent streams")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--no-stack", action="store_true",
+                    help="run a lone step's layers one by one (no single C call)")
     args = ap.parse_args(argv)
     from engine_bench import chat_prompts
     from serve_bench import cpu_line, kernel_line
@@ -112,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     print(kernel_line())
     instrument()
     loaded = nbserve.load(args.model, dtype=args.dtype)
+    if args.no_stack:
+        loaded.model.__dict__["_decode_stack"] = None
     levels = [int(x) for x in args.streams.split(",") if x.strip()]
     prompts = chat_prompts(loaded.tokenizer, loaded.template, max(levels))
     with Engine(loaded, max_batch=max(levels), max_context=1024, quiet=True) as engine:

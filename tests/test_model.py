@@ -163,7 +163,7 @@ def test_a_lone_decode_step_takes_the_short_path_to_the_same_values(tiny_llama_d
     """Bit for bit: in torch; and with nbserve's C kernels (float32, quantized), where the lone
     step's attention and a batch of one's run the same paged-attention kernel."""
     import nbserve
-    from nbserve.models.decoder import DecoderLayer, kernels_available
+    from nbserve.models.decoder import DecoderLayer, DecoderModel, kernels_available
 
     if dtype == "quantized" and not kernels_available():
         pytest.skip("dtype='quantized' needs nbserve's C kernels (a C compiler)")
@@ -175,10 +175,16 @@ def test_a_lone_decode_step_takes_the_short_path_to_the_same_values(tiny_llama_d
     prompt = torch.tensor([[3, 17, 5, 9, 11, 2]])
     for cache in caches:
         model.forward(prompt, torch.arange(6)[None], torch.tensor([2]), cache)
-    lone_calls = []
-    real = DecoderLayer.lone_step
+    lone_calls = []  # the short path: the layers' lone steps, or all of them in one C call
+    real, real_stack = DecoderLayer.lone_step, DecoderModel._stacked_lone_step
     monkeypatch.setattr(DecoderLayer, "lone_step",
                         lambda self, *a: lone_calls.append(1) or real(self, *a))
+
+    def stack(self, *a):
+        out = real_stack(self, *a)
+        lone_calls.extend([1] * (self.config.num_hidden_layers if out is not None else 0))
+        return out
+    monkeypatch.setattr(DecoderModel, "_stacked_lone_step", stack)
     token = torch.tensor([[7]])
     for pos in range(6, 11):
         short = model.forward(token, torch.tensor([[pos]]), torch.tensor([2]), caches[0],

@@ -168,14 +168,17 @@ def test_a_gguf_is_multiplied_by_its_own_blocks(q4_gguf, monkeypatch):
     for (holder, names), (dense, _) in zip(holders, full._named_holders()):
         assert torch.equal(holder.kernel.weight.dequantize(), dense.weight), names
     ids = [3, 17, 5, 9, 11, 2] * 3
-    (pre_f, one_f), (pre_q, one_q) = _lone_steps(full, ids), _lone_steps(model, ids)
+    pre_f, (pre_q, one_q) = _lone_steps(full, ids)[0], _lone_steps(model, ids)
     pre_p, one_p = _lone_steps(plain, ids)
     assert torch.equal(pre_f, pre_p)  # 18 rows of the float32 model: oneDNN either way
     for got, want in ((pre_q, pre_p), (one_q, one_p)):  # 18 rows: the panels; 1: a row kernel
         assert not torch.equal(got, want)  # the blocks ran, in another summation order
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     if build.quant_kernels().nbq_simd_width() == 16:  # AVX-512 rebuilds the float32 weights
-        assert torch.equal(one_q, one_f)  # exactly and sums as the float kernel: lossless
+        # exactly and sums as the float kernel: lossless in the row kernels (two lone steps;
+        # a prefill of 18 rows runs on the panels here and on oneDNN for float32)
+        for got, want in zip(_lone_steps(model, ids[:1]), _lone_steps(full, ids[:1])):
+            assert torch.equal(got, want)
 
 
 def test_a_gguf_of_q4_q8_blocks_keeps_them_by_default_on_cpu(q4_gguf, tiny_llama_dir, tmp_path,

@@ -79,8 +79,10 @@ def test_a_bucketed_step_equals_the_dynamic_one(tiny, lengths) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for layer in range(len(cache.k)):
         real = slice(0, cache.n_blocks)  # every block but the pad block
-        torch.testing.assert_close(twin.k[layer][real], cache.k[layer][real], rtol=0, atol=1e-6)
-        torch.testing.assert_close(twin.v[layer][real], cache.v[layer][real], rtol=0, atol=1e-6)
+        # up to rounding: the dynamic lone step attends in the C kernel, the bucketed one in
+        # torch (layer 0's outputs differ in summation order, so do layer 1's inputs)
+        torch.testing.assert_close(twin.k[layer][real], cache.k[layer][real], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(twin.v[layer][real], cache.v[layer][real], rtol=1e-5, atol=1e-6)
     assert static.describe()["steps"] == 1 and static.describe()["replays"] == 0
 
 

@@ -15,6 +15,7 @@ lone-stream step) serve every layer whose options they implement; a layer with w
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
@@ -24,6 +25,7 @@ from torch import nn
 
 from ..cpu.kernels.build import kernels_available
 from .config import DecoderConfig
+from .decode_stack import DecodeStack
 from .kv_cache import PagedKVCache
 from .linear import (
     FusedProjection,
@@ -657,11 +659,16 @@ class DecoderModel(WeightFormats):
         more, masked by position (`StaticDecode` rounds it up, to run at fixed shapes).
         `kernel`: decode attention in the C kernels (CPU)."""
         identity = self._identity_rope(ids.shape[0]) if kernel and ids.shape[1] == 1 else None
-        step = StepInputs(positions, tables, kv_len - 1, cache, kernel, padded, identity)
         ropes = self._batch_ropes(positions, kv_len)
         x = self._embed(ids, positions)  # (B, T, H)
-        for layer in self.model.decoder_layers:
-            x = layer(x, ropes, step, cache)
+        stacked = self._stacked_batch_step(x, positions, tables, cache, kv_len, ropes,
+                                           identity) if kernel and ids.shape[1] == 1 else None
+        if stacked is not None:
+            x = stacked
+        else:
+            step = StepInputs(positions, tables, kv_len - 1, cache, kernel, padded, identity)
+            for layer in self.model.decoder_layers:
+                x = layer(x, ropes, step, cache)
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # (B, H)
         return self._logits(x)
@@ -721,10 +728,61 @@ class DecoderModel(WeightFormats):
         identity = self._identity_rope(1)
         seq = LoneInputs(table, pos, cache.block_size,
                          None if identity is None else (identity[0][0], identity[1][0]))
-        for layer in self.model.decoder_layers:
-            x = layer.lone_step(x, ropes, pos, seq, cache)
+        stacked = self._stacked_lone_step(x, ropes, pos, seq, cache)
+        if stacked is not None:
+            x = stacked
+        else:
+            for layer in self.model.decoder_layers:
+                x = layer.lone_step(x, ropes, pos, seq, cache)
         logits = self._logits(x)
         return logits.view(1, 1, -1) if keep_time_dim else logits
+
+
+    def _stack_of_layers(self) -> DecodeStack | None:
+        """The model's layers as one C call (models/decode_stack.py), or None where they do
+        not fit it; decided once per model (its shape does not change), its pointers checked
+        at every step."""
+        stack = self.__dict__.get("_decode_stack", False)
+        if stack is False:
+            stack = DecodeStack.for_model(self)
+            self.__dict__["_decode_stack"] = stack
+        return stack
+
+    def _stacked_lone_step(self, x: torch.Tensor, ropes: Sequence[Rope], pos: int,
+                           seq: LoneInputs, cache: PagedKVCache) -> torch.Tensor | None:
+        """Every layer's lone step in one C call where the model's layers and this step
+        allow it (the same values); None: run them one by one."""
+        stack = self._stack_of_layers()
+        if stack is None or not stack.serves(pos, cache):
+            return None
+        rope = seq.identity_rope if stack.rope_id is None else ropes[stack.rope_id]
+        if rope is None:
+            return None
+        rows = (rope[0].view(1, -1), rope[1].view(1, -1))
+        return stack(x, ctypes.c_int32(pos), seq.table_i32, cache, rows)
+
+    def _stacked_batch_step(self, x: torch.Tensor, positions: torch.Tensor,
+                            tables: torch.Tensor, cache: PagedKVCache, kv_len: int,
+                            ropes: Sequence[Rope],
+                            identity: tuple[torch.Tensor, torch.Tensor] | None
+                            ) -> torch.Tensor | None:
+        """A decode batch's layers (x (B, 1, H), one token a row) in one C call, or None."""
+        stack = self._stack_of_layers()
+        if stack is None or not stack.serves(kv_len - 1, cache):
+            return None
+        b, d = x.shape[0], self.config.head_dim
+        rope = identity if stack.rope_id is None else \
+            (ropes[stack.rope_id][0].reshape(b, d), ropes[stack.rope_id][1].reshape(b, d))
+        if rope is None:
+            return None
+        width = -(-kv_len // cache.block_size)
+        if tables.shape[1] < width:  # as StepInputs: positions past a row's blocks read pad
+            pad = tables.new_full((b, width - tables.shape[1]), cache.pad_block)
+            tables = torch.cat((tables, pad), dim=1)
+        out = stack(x, positions[:, 0].to(torch.int32).contiguous(),
+                    tables.to(torch.int32).contiguous(), cache,
+                    (rope[0].contiguous(), rope[1].contiguous()))
+        return None if out is None else out.view(b, 1, -1)
 
 
 LlamaModel = DecoderModel  # the Llama family is the decoder with its defaults

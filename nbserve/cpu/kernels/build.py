@@ -25,7 +25,7 @@ import warnings
 from pathlib import Path
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("quant_matmul.c", "paged_attention.c")]
+           for name in ("quant_matmul.c", "paged_attention.c", "decode_stack.c")]
 HEADERS = [Path(__file__).with_name("paged_attention_body.h")]  # in the cache key, not built
 # -ffp-contract=off: a * b + c stays two roundings, as in torch's separate ops (no silent FMA)
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11", "-ffp-contract=off"]
@@ -173,5 +173,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         step.argtypes = [ptr, i32, i32, i32, i32, ptr, ptr, ptr, ptr, i32, ptr, i32, ptr, ptr,
                          i32]
         lone.restype = decode.restype = step.restype = i32
+    lib.nbq_decode_stack.argtypes = [ptr, i32, i32, i32, i32, i32, i32, f32, i32, i32, ptr,
+                                     i32, ptr, ptr, ptr, ptr, i32, ptr]
+    lib.nbq_decode_stack.restype = i32
     lib.nbq_simd_width.restype = lib.nbq_row_path_max.restype = i32
     return lib

@@ -1,0 +1,133 @@
+/* A decode step (one new token for each of `rows` sequences) through every layer of a
+ * Llama-shaped decoder in one call: per layer, RMSNorm + fused q/k/v matmul, rope + cache
+ * write + attention over the paged cache, o projection, residual add, RMSNorm + fused gate/up
+ * matmul, silu(gate) * up + down projection, residual add.
+ *
+ * It runs the very kernels the per-layer Python path calls (nbq_*_matmul from
+ * quant_matmul.c, nbq_paged_decode_step from paged_attention.c) on the same inputs, and adds
+ * the residuals as torch does (one float32 addition each), so its hidden states are bit for
+ * bit the Python path's; what it removes is the Python and op dispatch between the kernels,
+ * a large share of a small model's step outside the matmuls.
+ *
+ * Every layer's weights are described once by an nbq_layer (nbserve/models/decode_stack.py
+ * builds the array); the step's inputs are the hidden states x (rows x hidden floats, updated
+ * in place), each row's position and block table row (tables + r * table_stride), and each
+ * row's rope row (cos, sin_signed: rows x d) that all layers share. `spent`, when not NULL,
+ * gets the seconds of the matmuls and of the attention calls added to spent[0] and spent[1]
+ * (benchmarks/step_split.py). Returns 0, -1 when out of memory, -2 for invalid arguments
+ * (shapes that do not fit, the attention kernel's checks); x is then unspecified.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <time.h>
+
+typedef uint16_t half_t;
+
+int nbq_q4_matmul(const float *x, int rows, int k, const uint8_t *codes, const half_t *d,
+                  const half_t *m, int n, float *y, int threads, const float *norm, float eps,
+                  int gated);
+int nbq_q8_matmul(const float *x, int rows, int k, const int8_t *codes, const half_t *d, int n,
+                  float *y, int threads, const float *norm, float eps, int gated);
+int nbq_f32_matmul(const float *x, int rows, int k, const float *w, int n, float *y,
+                   int threads, const float *norm, float eps, int gated);
+int nbq_paged_decode_step(const float *heads, int batch, int hq, int hkv, int d,
+                          const float *cos, const float *sin_signed, float *keys, float *values,
+                          int block_size, const int32_t *tables, int table_stride,
+                          const int32_t *positions, float *out, int threads);
+int nbq_paged_decode_step_f16(const float *heads, int batch, int hq, int hkv, int d,
+                              const float *cos, const float *sin_signed, _Float16 *keys,
+                              _Float16 *values, int block_size, const int32_t *tables,
+                              int table_stride, const int32_t *positions, float *out,
+                              int threads);
+
+enum { W_Q4 = 0, W_Q8 = 1, W_F32 = 2 };
+
+/* One weight: kind W_Q4 (codes, d, m), W_Q8 (codes, d) or W_F32 (codes: the float32 rows);
+ * n outputs of k inputs. */
+typedef struct {
+    int32_t kind, n, k, pad;
+    const void *codes;
+    const half_t *d, *m;
+} nbq_weight;
+
+typedef struct {
+    nbq_weight qkv, o, gate_up, down;
+    const float *attn_norm, *mlp_norm;  /* RMSNorm weights (hidden floats) */
+    void *keys, *values;                /* this layer's cache: (blocks, hkv, block_size, d) */
+} nbq_layer;
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* y = w @ prepare(x) for `rows` input rows (norm / gated as in quant_matmul.c) */
+static int project(const nbq_weight *w, const float *x, int rows, float *y, int threads,
+                   const float *norm, float eps, int gated) {
+    switch (w->kind) {
+    case W_Q4:
+        return nbq_q4_matmul(x, rows, w->k, w->codes, w->d, w->m, w->n, y, threads, norm, eps,
+                             gated);
+    case W_Q8:
+        return nbq_q8_matmul(x, rows, w->k, w->codes, w->d, w->n, y, threads, norm, eps,
+                             gated);
+    case W_F32:
+        return nbq_f32_matmul(x, rows, w->k, w->codes, w->n, y, threads, norm, eps, gated);
+    default:
+        return -2;
+    }
+}
+
+int nbq_decode_stack(const nbq_layer *layers, int n_layers, int rows, int hidden, int hq,
+                     int hkv, int d, float eps, int kv_f16, int block_size,
+                     const int32_t *tables, int table_stride, const int32_t *positions,
+                     const float *cos, const float *sin_signed, float *x, int threads,
+                     double *spent) {
+    if (n_layers < 0 || rows < 0 || hidden <= 0 || hq <= 0 || hkv <= 0 || d <= 0) return -2;
+    if (rows == 0) return 0;
+    const int qkv_width = (hq + 2 * hkv) * d;
+    int width = qkv_width;  /* the widest output a layer writes: q/k/v or gate/up */
+    for (int l = 0; l < n_layers; l++) {
+        const nbq_layer *L = layers + l;
+        if (L->qkv.n != qkv_width || L->qkv.k != hidden || L->o.k != hq * d ||
+            L->o.n != hidden || L->gate_up.k != hidden || L->down.n != hidden ||
+            L->gate_up.n != 2 * L->down.k)
+            return -2;
+        width = L->gate_up.n > width ? L->gate_up.n : width;
+    }
+    const size_t cells = (size_t)rows * hidden;
+    float *wide = malloc(sizeof(float) * (size_t)rows * width);
+    float *attn = malloc(sizeof(float) * (size_t)rows * hq * d);
+    float *h = malloc(sizeof(float) * cells);
+    int failed = !wide || !attn || !h ? -1 : 0;
+    double t0 = spent ? now() : 0, t1;
+    for (int l = 0; l < n_layers && !failed; l++) {
+        const nbq_layer *L = layers + l;
+        failed = project(&L->qkv, x, rows, wide, threads, L->attn_norm, eps, 0);
+        if (spent) { t1 = now(); spent[0] += t1 - t0; t0 = t1; }
+        if (failed) break;
+        failed = kv_f16
+            ? nbq_paged_decode_step_f16(wide, rows, hq, hkv, d, cos, sin_signed, L->keys,
+                                        L->values, block_size, tables, table_stride,
+                                        positions, attn, threads)
+            : nbq_paged_decode_step(wide, rows, hq, hkv, d, cos, sin_signed, L->keys,
+                                    L->values, block_size, tables, table_stride, positions,
+                                    attn, threads);
+        if (spent) { t1 = now(); spent[1] += t1 - t0; t0 = t1; }
+        if (failed) break;
+        failed = project(&L->o, attn, rows, h, threads, NULL, 0.f, 0);
+        if (failed) break;
+        for (size_t j = 0; j < cells; j++) x[j] = x[j] + h[j];
+        failed = project(&L->gate_up, x, rows, wide, threads, L->mlp_norm, eps, 0);
+        if (failed) break;
+        failed = project(&L->down, wide, rows, h, threads, NULL, 0.f, 1);
+        if (failed) break;
+        for (size_t j = 0; j < cells; j++) x[j] = x[j] + h[j];
+        if (spent) { t1 = now(); spent[0] += t1 - t0; t0 = t1; }  /* with the residual adds */
+    }
+    free(wide);
+    free(attn);
+    free(h);
+    return failed;
+}

@@ -1,0 +1,215 @@
+"""A decode step (a lone one, or a batch's) through all of a decoder's layers in one C call
+(`nbq_decode_stack`, cpu/kernels/decode_stack.c), for the models whose layers are
+Llama-shaped and run on nbserve's C kernels: the same kernels on the same values as the
+per-layer path (`DecoderLayer.lone_step`, `DecoderLayer.forward`: bit-for-bit the same hidden
+states), without the Python and op dispatch between them.
+
+`DecodeStack.for_model` says once per model whether its layers qualify (and why not, for
+tests); the per-step call checks what can change between steps (the position against the
+layers' windows, the cache, the weights' pointers) and answers None where the step must take
+the per-layer path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..cpu.kernels.build import quant_kernels
+from .paged_attention import paged_cache_serves
+
+KINDS = {"q4": 0, "q8": 1, "f32": 2}
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
+                ("pad", ctypes.c_int32), ("codes", ctypes.c_void_p), ("d", ctypes.c_void_p),
+                ("m", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight),
+                ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p),
+                ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p)]
+
+
+def unfit_reason(model: Any) -> str | None:
+    """Why `model`'s layers cannot run as one C call (None: they can, weights permitting)."""
+    cfg = model.config
+    checks = [
+        (cfg.norm == "rms" and not cfg.norm_offset, "a norm other than plain RMSNorm"),
+        (cfg.norm_layout == "pre", f"the {cfg.norm_layout!r} norm layout"),
+        (not cfg.qk_norm, "q/k norms"),
+        (cfg.gated_mlp and cfg.hidden_act == "silu", "an MLP other than SwiGLU"),
+        (not (cfg.attention_bias or cfg.o_bias or cfg.mlp_bias), "biases"),
+        (cfg.moe is None, "experts"),
+        (cfg.attn_softcap is None, "an attention softcap"),
+        (len(set(cfg.layer_rope)) == 1, "layers with different RoPEs"),
+    ]
+    for ok, what in checks:
+        if not ok:
+            return what
+    for layer in model.model.decoder_layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.partial_rope or attn.q_factor != 1.0:
+            return "a partial RoPE or a query scale other than 1/sqrt(head_dim)"
+        if attn.qkv is None or getattr(mlp, "gate_up", None) is None:
+            return "unfused q/k/v or gate/up projections"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous():
+                return "norm weights that are not contiguous float32"
+    return None
+
+
+@dataclass
+class _Built:
+    """The ctypes description of the layers over one cache, and what it was built from."""
+
+    array: Any
+    layers: list[Any]
+    cache: tuple[int, int]  # (id, first key pointer)
+    kernels: list[tuple[Any, Any]]  # (holder, its kernel)
+    weights: list[tuple[torch.Tensor, int]]  # float32 kernels': (weight, pointer)
+    norms: list[tuple[Any, torch.Tensor, int]]  # (norm, weight, pointer)
+    max_rows: int | None  # the most rows every kernel takes (None: any)
+
+    def current(self, model: Any, cache: Any) -> bool:
+        """Whether every object and pointer it was built from is still in place (cheap, once
+        a step)."""
+        if self.cache != (id(cache), cache.k[0].data_ptr()):
+            return False
+        if any(a is not b for a, b in zip(model.model.decoder_layers, self.layers)):
+            return False
+        for holder, kernel in self.kernels:
+            if holder.kernel is not kernel:
+                return False
+        for weight, ptr in self.weights:  # a float32 weight given new storage (`.data =`)
+            if weight.data_ptr() != ptr:
+                return False
+        for norm, weight, ptr in self.norms:  # a norm given a new parameter, or new storage
+            if norm._parameters["weight"] is not weight or weight.data_ptr() != ptr:
+                return False
+        return True
+
+
+class DecodeStack:
+    """A model's layers as one C call. The description is built per cache (engines that share
+    a model, as a Pool's CPU replicas may, each step over their own cache, concurrently) and
+    rebuilt when anything it points at changes (weights replaced, `.to()`, a new cache).
+
+    `spent`: when set (a ctypes array of two doubles), each call adds the seconds of its
+    matmuls and of its attention calls to it (benchmarks/step_split.py sets it)."""
+
+    spent: Any = None
+    KEEP = 8  # descriptions kept (one per cache in use)
+
+    def __init__(self, model: Any):
+        self.model = model
+        cfg = model.config
+        layers = list(model.model.decoder_layers)
+        self.hidden, self.eps = cfg.hidden_size, float(cfg.rms_norm_eps)
+        attn = layers[0].self_attn
+        self.hq, self.hkv, self.d = attn.hq, attn.hkv, attn.d
+        self.rope_id = attn.rope_id
+        self.min_window = min((layer.self_attn.window for layer in layers
+                               if layer.self_attn.window is not None), default=None)
+        self._built: dict[int, _Built] = {}  # by id(cache)
+
+    def __getstate__(self) -> dict[str, Any]:  # copies and pickles rebuild the descriptions
+        return {**self.__dict__, "_built": {}}
+
+    @classmethod
+    def for_model(cls, model: Any) -> DecodeStack | None:
+        """A stack for `model`, or None where its layers must run one by one. Whether its
+        matmuls run on the C kernels is checked at each step (they can come and go)."""
+        if unfit_reason(model) is not None:
+            return None
+        return cls(model)
+
+    @staticmethod
+    def _holders(layer: Any) -> tuple[Any, Any, Any, Any]:
+        attn, mlp = layer.self_attn, layer.mlp
+        return attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj
+
+    def _described(self, cache: Any) -> _Built | None:
+        """The current description over `cache` (built now if it is missing or stale); None
+        where a matmul has no bias-free kernel, so that the per-layer path serves."""
+        built = self._built.get(id(cache))
+        if built is not None and built.current(self.model, cache):
+            return built
+        built = self._build(cache)
+        if built is not None:
+            if len(self._built) >= self.KEEP:
+                self._built = {}
+            self._built[id(cache)] = built  # one assignment: a concurrent step sees old or new
+        return built
+
+    def _build(self, cache: Any) -> _Built | None:
+        layers = list(self.model.model.decoder_layers)
+        array = (_Layer * len(layers))()
+        kernels, weights, norms = [], [], []
+        for i, layer in enumerate(layers):
+            entry = array[i]
+            for name, holder in zip(("qkv", "o", "gate_up", "down"), self._holders(layer)):
+                kernel = getattr(holder, "kernel", None)
+                if kernel is None or kernel.bias is not None:
+                    return None
+                kernels.append((holder, kernel))
+                w = getattr(entry, name)
+                w.kind, w.n, w.k = KINDS[kernel.kind], kernel.out_features, kernel.in_features
+                if kernel.kind == "f32":  # the model's own tensor: watched for a new pointer
+                    w.codes = kernel.weight.data_ptr()
+                    weights.append((kernel.weight, w.codes))
+                else:
+                    w.codes, w.d, w.m = kernel._pointers
+            for field, norm in (("attn_norm", layer.input_layernorm),
+                                ("mlp_norm", layer.post_attention_layernorm)):
+                weight = norm.weight
+                setattr(entry, field, weight.data_ptr())
+                norms.append((norm, weight, weight.data_ptr()))
+            keys, values = cache.k[layer.self_attn.layer], cache.v[layer.self_attn.layer]
+            entry.keys, entry.values = keys.data_ptr(), values.data_ptr()
+        limits = [kernel.max_rows for _, kernel in kernels if kernel.max_rows is not None]
+        return _Built(array, layers, (id(cache), cache.k[0].data_ptr()), kernels, weights,
+                      norms, min(limits) if limits else None)
+
+    def serves(self, max_pos: int, cache: Any) -> bool:
+        """Whether a step whose rows reach `max_pos` can run as one call on `cache`."""
+        if self.min_window is not None and max_pos + 1 > self.min_window:
+            return False  # past a window the layers attend from its start: the torch path
+        return paged_cache_serves(cache.k[0], cache.v[0]) and \
+            cache.head_dim == self.d and cache.n_kv_heads == self.hkv
+
+    def __call__(self, x: torch.Tensor, positions: Any, tables_i32: torch.Tensor, cache: Any,
+                 rope: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The hidden states (rows, H) after every layer for x (rows, H), or None where this
+        step cannot run here (the caller then runs the layers one by one). `positions`: an
+        int32 tensor (rows,), or a ctypes int32 for a lone step; `tables_i32` (rows, S) int32,
+        contiguous (a lone step's 1-D table is one row); rope: cos and sin_signed (rows, D)."""
+        built = self._described(cache)
+        if built is None:
+            return None
+        rows = x.numel() // self.hidden
+        if built.max_rows is not None and rows > built.max_rows:
+            return None  # a float32 kernel takes a few rows; more take the model's other paths
+        cos, sin_signed = rope
+        if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (cos, sin_signed)):
+            return None
+        out = x.reshape(rows, self.hidden).to(torch.float32, copy=True).contiguous()
+        where = ctypes.byref(positions) if isinstance(positions, ctypes.c_int32) \
+            else positions.data_ptr()
+        failed = quant_kernels().nbq_decode_stack(
+            built.array, len(built.layers), rows, self.hidden, self.hq, self.hkv, self.d,
+            self.eps, int(cache.k[0].dtype == torch.float16), cache.block_size,
+            tables_i32.data_ptr(), tables_i32.shape[-1], where, cos.data_ptr(),
+            sin_signed.data_ptr(), out.data_ptr(), torch.get_num_threads(), DecodeStack.spent)
+        if failed == -1:
+            raise MemoryError("decode stack: out of memory for its scratch buffers")
+        if failed:
+            raise ValueError("decode stack: invalid arguments (a negative block table entry, "
+                             "a position past its table row, or shapes that do not fit)")
+        return out
