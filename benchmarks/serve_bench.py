@@ -257,8 +257,8 @@ def split_rounds(n: int, concurrency: int, rounds: int) -> list[int]:
 
 
 def requests_for(args: argparse.Namespace, concurrency: int) -> int:
-    """Requests to send at one concurrency level."""
-    return args.requests_per_level or max(4, concurrency)
+    """Requests to send at one concurrency level (at least one a stream)."""
+    return max(args.requests_per_level or 4, concurrency)
 
 
 def make_client(base: str, levels: list[int], headers: dict[str, str] | None = None,
@@ -421,6 +421,85 @@ async def measure_peer(spec: Any, args: argparse.Namespace, levels: list[int],
     return results
 
 
+async def measure_peers_together(specs: list[Any], args: argparse.Namespace,
+                                 levels: list[int], stop_ids: list[int], workdir: Path,
+                                 width: int) -> Results:
+    """The peers side by side: at each level every peer that serves it is up, and their
+    rounds alternate (`measure_level`), so that the drift of a shared machine (other tenants,
+    clocks) hits them alike. A peer starts at the first level it serves and stops after its
+    last (llama-server's -np 16 spec, then its -np 64 one). Each one's resident memory is
+    watched on its own."""
+    import contextlib
+
+    import httpx
+    from peers import PeerError, RssPeak, log_tail, rss_mib, start_peer, stop_peer
+
+    results: Results = {}
+    up: dict[int, tuple[Any, Any, str, dict[str, float]]] = {}  # spec index -> peer, client..
+    stacks: dict[int, contextlib.AsyncExitStack] = {}
+    broken: set[int] = set()
+
+    async def stop(i: int) -> None:
+        await stacks.pop(i).aclose()
+        await asyncio.to_thread(stop_peer, up.pop(i)[0])
+
+    try:
+        for c in levels:
+            need = [i for i, spec in enumerate(specs)
+                    if spec.levels[0] <= c <= spec.levels[1] and i not in broken]
+            for i in [i for i in up if i not in need]:
+                await stop(i)
+            for i in need:
+                if i in up:
+                    continue
+                spec = specs[i]
+                print(f"peer {spec.name}: starting {' '.join(spec.argv[1:])} (timeout "
+                      f"{args.peer_timeout:.0f} s)", flush=True)
+                try:
+                    peer = await asyncio.to_thread(start_peer, spec, args.peer_timeout, workdir)
+                except PeerError as exc:
+                    print(f"peer {spec.name}: skipped: {exc}", flush=True)
+                    broken.add(i)
+                    continue
+                stack = contextlib.AsyncExitStack()
+                client = await stack.enter_async_context(
+                    make_client(peer.base, levels, timeout=args.peer_timeout))
+                model = await served_model(client)
+                bias = await warm_up(client, model, {str(t): -100.0 for t in stop_ids})
+                await asyncio.sleep(1.0)  # idle: what the first answers left resident
+                idle = rss_mib(peer.proc.pid)
+                print(f"peer {spec.name}: ready in {peer.ready_s:.1f} s at {peer.base}, "
+                      f"model {model!r}; resident once warmed up, idle: "
+                      f"{'?' if idle is None else f'{idle:.0f}'} MiB", flush=True)
+                up[i], stacks[i] = (peer, client, model, bias), stack
+            live = [i for i in need if i in up]
+            runs = {specs[i].name: (lambda tag, i=i: http_one(
+                up[i][1], up[i][2], args.max_tokens, up[i][3], tag)) for i in live}
+            if not runs:
+                continue
+            watches = {i: RssPeak(up[i][0].proc.pid) for i in live}
+            for watch in watches.values():
+                watch.__enter__()
+            try:
+                level = await measure_level(c, requests_for(args, c), args.rounds, runs)
+            except (RuntimeError, OSError, ValueError, KeyError, httpx.HTTPError) as exc:
+                print(f"peers at {c} streams: skipped: {type(exc).__name__}: {exc}; logs: "
+                      + "; ".join(log_tail(up[i][0].log) for i in live), flush=True)
+                continue
+            finally:
+                for watch in watches.values():
+                    watch.__exit__(None, None, None)
+            for i in live:
+                res = level[specs[i].name]
+                res.rss_mib = watches[i].peak or None
+                results.setdefault(specs[i].name, {})[c] = res
+                report(res, width=width)
+    finally:
+        for i in list(up):
+            await stop(i)
+    return results
+
+
 async def measure_peers(args: argparse.Namespace, levels: list[int], stop_ids: list[int],
                         width: int) -> Results:
     """Each requested peer in turn (a peer of several specs, as llama-server, runs each);
@@ -433,6 +512,13 @@ async def measure_peers(args: argparse.Namespace, levels: list[int], stop_ids: l
         specs = peer_specs(args.peers, args.model, workdir, max(args.max_context, 2048),
                            args.peer_timeout, args.llama_cpp_python,
                            args.llama_server_flavour)
+        if args.together:
+            for name, spec in specs:
+                if isinstance(spec, PeerError):
+                    print(f"peer {name}: skipped: {spec}", flush=True)
+            return await measure_peers_together(
+                [spec for _, spec in specs if not isinstance(spec, PeerError)], args, levels,
+                stop_ids, workdir, width)
         for name, spec in specs:
             if isinstance(spec, PeerError):
                 print(f"peer {name}: skipped: {spec}", flush=True)
@@ -610,7 +696,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", "--levels", dest="concurrency", default="1,4,16,64",
                    help="comma-separated concurrency levels")
     p.add_argument("--requests-per-level", type=int, default=None,
-                   help="requests per level (default: max(4, concurrency))")
+                   help="requests per level, at least the concurrency (default 4)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2,
                    help="alternating engine/HTTP rounds per level (less drift between them)")
@@ -619,6 +705,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peers", default=",".join(PEER_NAMES),
                    help=f"peers to load-test when installed (default: {','.join(PEER_NAMES)})")
     p.add_argument("--no-peers", action="store_true", help="nbserve only")
+    p.add_argument("--together", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the peers side by side, their rounds alternating at each level "
+                        "(default; --no-together: one peer after the other)")
     p.add_argument("--dtype", default=None,
                    help="nbserve's weights (default: the loader's: quantized for a GGUF of "
                    "Q4/Q8 blocks, else float32 on CPU): float32, quantized, mixed16, bfloat16, "

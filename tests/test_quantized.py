@@ -335,6 +335,14 @@ def test_quantized_keeps_no_float32_copy_of_a_matmul_weight(q4_gguf, monkeypatch
     real = [n for n, p in model.named_parameters() if p.device.type != "meta"]
     assert all(n.endswith(("norm.weight", ".bias")) for n in real), real
     assert model.device.type == "cpu" and model.dtype == torch.float32  # read off the norms
+    walks = []  # asked several times a step: the parameters are walked once, not each time
+    real_parameters = type(model).parameters
+    monkeypatch.setattr(type(model), "parameters",
+                        lambda self, *a, **k: walks.append(1) or real_parameters(self, *a, **k))
+    for _ in range(5):
+        assert model.device.type == "cpu" and model.dtype == torch.float32
+    assert len(walks) <= 1
+    monkeypatch.undo()
     blocks = sum(holder.kernel.nbytes for holder, _ in model._named_holders())
     assert model.derived_bytes() == blocks  # the blocks and nothing else
     monkeypatch.setattr("nbserve.loading._release_unread_weights", lambda loaded: None)

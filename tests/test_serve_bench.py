@@ -272,3 +272,51 @@ def test_a_connection_the_server_dropped_is_retried() -> None:
 
     sample = asyncio.run(run())
     assert len(calls) == 2 and sample.tokens == 1 and sample.ttft is not None
+
+
+FAKE_SERVER = r'''
+import http.server, json, sys, time
+name, port, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *a): pass
+    def _send(self, body, kind):
+        self.send_response(200)
+        self.send_header("content-type", kind)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def do_GET(self):
+        self._send(json.dumps({"data": [{"id": name}]}).encode(), "application/json")
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        with open(log, "a") as f:
+            f.write(f"{name} {body['max_tokens']}\n")
+        time.sleep(0.02)
+        chunks = [{"choices": [{"delta": {"content": "x"}}]}] * body["max_tokens"]
+        chunks.append({"choices": [], "usage": {"completion_tokens": body["max_tokens"]}})
+        sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        self._send(sse.encode(), "text/event-stream")
+
+http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+def test_peers_side_by_side_alternate_their_rounds(tmp_path: Path, capsys) -> None:
+    """--together: every peer that serves a level is up at once and their rounds alternate
+    (drift hits them alike); a peer starts at its first level and stops after its last."""
+    script, log = tmp_path / "fake.py", tmp_path / "requests.log"
+    script.write_text(FAKE_SERVER)
+    specs = [PeerSpec(name, [sys.executable, str(script), name, "{port}", str(log)],
+                      levels=levels) for name, levels in (("a", (1, 1 << 30)), ("b", (1, 1)))]
+    args = sb.parse_args(["--levels", "1,2", "--requests-per-level", "4", "--rounds", "2",
+                          "--max-tokens", "3", "--peer-timeout", "20"])
+    results = asyncio.run(sb.measure_peers_together(specs, args, [1, 2], [], tmp_path, 7))
+    assert sorted(results["a"]) == [1, 2] and sorted(results["b"]) == [1]
+    assert all(r.requests == 4 for r in [*results["a"].values(), *results["b"].values()])
+    served = [line.split() for line in log.read_text().splitlines()]
+    load = [name for name, tokens in served if tokens == "3"]  # the warm-ups ask for 8
+    assert load == ["a", "a", "b", "b", "a", "a", "b", "b", "a", "a", "a", "a"]
+    out = capsys.readouterr().out
+    assert out.count("peer a: starting") == 1 and out.count("peer b: starting") == 1

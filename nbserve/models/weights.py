@@ -75,7 +75,11 @@ class WeightFormats(nn.Module):
         weight = self.embedding_weight()
         if weight.device.type != "meta":
             return weight
-        return next((p for p in self.parameters() if p.device.type != "meta"), weight)
+        found = self.__dict__.get("_resident")  # a walk over the parameters is slow, and
+        if found is None or found.device.type == "meta":  # this is asked several times a step
+            found = next((p for p in self.parameters() if p.device.type != "meta"), weight)
+            self.__dict__["_resident"] = found
+        return found
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The token embedding of `ids` (any shape), (*ids.shape, H): a lookup in the weight,
@@ -354,6 +358,7 @@ class WeightFormats(nn.Module):
         released again once the copies that stand in for them are rebuilt."""
         self.restore_dense_weights()
         self.refresh_fused()
+        self.__dict__.pop("_resident", None)
         cpu32 = self.device.type == "cpu" and self.dtype == torch.float32
         if self._wants["transposed_head"]:
             self._head_t = self.lm_head.weight.t().contiguous() if cpu32 else None
