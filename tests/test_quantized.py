@@ -100,6 +100,21 @@ def test_q8_0_from_float_is_within_half_a_step():
     assert QuantBlocks.from_float(torch.zeros(2, 32)).dequantize().abs().sum() == 0
 
 
+@pytest.mark.skipif(not X86, reason="x86 only")
+@pytest.mark.parametrize("kind", ["q4", "q8", "f32"])
+def test_the_panels_give_the_same_bits_in_16_lanes_as_in_8(kind):
+    """The panels' vectors hold 16 input rows with AVX-512, 8 with AVX2: each lane sums its
+    own row in the same order, so the two builds agree bit for bit (where the CPU has
+    AVX-512; elsewhere both builds are the AVX2 one and the test shows nothing)."""
+    native, avx2 = build.quant_kernels(), build.quant_kernels(["-mavx2", "-mfma", "-mf16c"])
+    weight = _random_blocks(kind if kind != "f32" else "q4", 75, 160, seed=5)
+    if kind == "f32":
+        weight = weight.dequantize()
+    x = torch.randn(41, 160)  # two tiles of 16 (or five of 8) and a part tile
+    a, b = KernelLinear(weight, kernels=native)(x), KernelLinear(weight, kernels=avx2)(x)
+    assert x.shape[0] > native.nbq_row_path_max() and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("arch", PATHS)
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 def test_a_rows_product_does_not_depend_on_the_other_rows(arch, kind):

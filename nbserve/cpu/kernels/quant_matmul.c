@@ -323,27 +323,49 @@ static const float *prepare(const float *x, int rows, int k, const float *norm, 
 
 /* ---------------------------------------------------------------- steps of many rows
  * Past ROW_PATH_MAX input rows: the input is laid out k-major once (xt, k x R rounded up to
- * 8 lanes, zeros past R); then each thread takes the weights NW rows (outputs) at a time,
+ * LANES, zeros past R); then each thread takes the weights NW rows (outputs) at a time,
  * dequantizes them into float32 exactly as GGUF's dequantization does (d * q, then + m), and
- * runs a register-blocked kernel over them: NW outputs x 16 input rows of accumulators, per k
- * one weight broadcast against two vectors of 8 input rows (the shape of BLAS micro-kernels).
+ * runs a register-blocked kernel over them: NW outputs x 2 LANES input rows of accumulators,
+ * per k one weight broadcast against two vectors of LANES input rows (the shape of BLAS
+ * micro-kernels).
  * The weights are read and decoded once per step whatever the row count. Every output sums
  * each chunk of KC k in order, one FMA each, then adds the chunk sums in order, in its own
- * lane, so a row's result does not depend on the other rows of the step. Written with GCC vector types: one source serves the AVX2, AVX-512
- * (as 8-lane code) and plain builds. */
+ * lane, so a row's result does not depend on the other rows of the step. Written with GCC
+ * vector types: one source serves the AVX-512 (16 lanes), AVX2 and plain (8) builds. */
 #define NW 6  /* the cases in weight_panel follow NW */
 #define PANEL 48  /* weight rows dequantized at a time (a multiple of NW) */
-#define LANES 8
 #define KC 128  /* k chunk: each output adds up sums of KC products (closer to float64 than
                     one chain over all k, and as fast) */
+/* A vector of input lanes: 16 where the CPU has AVX-512 (twice the multiply-adds an
+ * instruction), else 8. Each lane is one input row's own sum, in the same order either way,
+ * so the lane width changes the speed, never a value. */
+#if defined(__AVX512F__)
+#define LANES 16
+typedef float v8f __attribute__((vector_size(64)));
+typedef float v8f_u __attribute__((vector_size(64), aligned(4)));  /* unaligned loads */
+#else
+#define LANES 8
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v8f_u __attribute__((vector_size(32), aligned(4)));  /* unaligned loads */
+#endif
 
 INLINE v8f load8(const float *p) { return *(const v8f_u *)p; }
 INLINE void store8(float *p, v8f v) { *(v8f_u *)p = v; }
 
+INLINE v8f splat(float v) {  /* v in every lane */
+#if defined(__AVX512F__)
+    return (v8f)_mm512_set1_ps(v);
+#elif defined(__AVX__)
+    return (v8f)_mm256_set1_ps(v);
+#else
+    return (v8f){v, v, v, v, v, v, v, v};
+#endif
+}
+
 INLINE v8f fma8(v8f a, v8f b, v8f c) {
-#if defined(__FMA__) && defined(__AVX__)
+#if defined(__AVX512F__)
+    return (v8f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__) && defined(__AVX__)
     return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 #else
     return a * b + c;
@@ -409,8 +431,7 @@ INLINE void micro(const float *w, int nw, int k, int j0, int j1, const float *xt
         v8f xv[2];
         for (int h = 0; h < V; h++) xv[h] = load8(xj + LANES * h);
         for (int c = 0; c < nw; c++) {
-            float wc = w[(size_t)c * k + j];
-            v8f b = {wc, wc, wc, wc, wc, wc, wc, wc};
+            v8f b = splat(w[(size_t)c * k + j]);
             for (int h = 0; h < V; h++) acc[c][h] = fma8(b, xv[h], acc[c][h]);
         }
     }
