@@ -374,12 +374,28 @@ async def measure_nbserve(args: argparse.Namespace, levels: list[int], width: in
 # ----------------------------------------------------------------------------- peers
 
 
+async def warm_up_peer(client: Any, peer: Any, stop_ids: list[int]
+                       ) -> tuple[str, dict[str, float]]:
+    """A started peer's served model and the logit_bias it takes (`warm_up`), with a line on
+    how long it took to start and what it holds resident once warmed up and idle."""
+    from peers import rss_mib
+
+    model = await served_model(client)
+    bias = await warm_up(client, model, {str(t): -100.0 for t in stop_ids})
+    await asyncio.sleep(1.0)  # idle: what the first answers left resident
+    idle = rss_mib(peer.proc.pid)
+    print(f"peer {peer.name}: ready in {peer.ready_s:.1f} s at {peer.base}, model {model!r}; "
+          f"resident once warmed up, idle: {'?' if idle is None else f'{idle:.0f}'} MiB",
+          flush=True)
+    return model, bias
+
+
 async def measure_peer(spec: Any, args: argparse.Namespace, levels: list[int],
                        stop_ids: list[int], workdir: Path, width: int) -> dict[int, LevelResult]:
     """Start one peer, run the same HTTP load on it (the levels its spec serves), stop it; {}
     (and a line) when skipped. Its resident memory is watched throughout."""
     import httpx
-    from peers import PeerError, RssPeak, log_tail, rss_mib, start_peer, stop_peer
+    from peers import PeerError, RssPeak, log_tail, start_peer, stop_peer
 
     low, high = spec.levels
     levels = [c for c in levels if low <= c <= high]
@@ -395,13 +411,7 @@ async def measure_peer(spec: Any, args: argparse.Namespace, levels: list[int],
     results: dict[int, LevelResult] = {}
     try:
         async with make_client(peer.base, levels, timeout=args.peer_timeout) as client:
-            model = await served_model(client)
-            bias = await warm_up(client, model, {str(t): -100.0 for t in stop_ids})
-        await asyncio.sleep(1.0)  # idle: what the first answers left resident
-        idle = rss_mib(peer.proc.pid)
-        print(f"peer {spec.name}: ready in {peer.ready_s:.1f} s at {peer.base}, "
-              f"model {model!r}; resident once warmed up, idle: "
-              f"{'?' if idle is None else f'{idle:.0f}'} MiB", flush=True)
+            model, bias = await warm_up_peer(client, peer, stop_ids)
         # a new client: a server may close connections left idle (llama-server does)
         async with make_client(peer.base, levels, timeout=args.peer_timeout) as client:
             for c in levels:
@@ -432,7 +442,7 @@ async def measure_peers_together(specs: list[Any], args: argparse.Namespace,
     import contextlib
 
     import httpx
-    from peers import PeerError, RssPeak, log_tail, rss_mib, start_peer, stop_peer
+    from peers import PeerError, RssPeak, log_tail, start_peer, stop_peer
 
     results: Results = {}
     up: dict[int, tuple[Any, Any, str, dict[str, float]]] = {}  # spec index -> peer, client..
@@ -464,13 +474,7 @@ async def measure_peers_together(specs: list[Any], args: argparse.Namespace,
                 stack = contextlib.AsyncExitStack()
                 client = await stack.enter_async_context(
                     make_client(peer.base, levels, timeout=args.peer_timeout))
-                model = await served_model(client)
-                bias = await warm_up(client, model, {str(t): -100.0 for t in stop_ids})
-                await asyncio.sleep(1.0)  # idle: what the first answers left resident
-                idle = rss_mib(peer.proc.pid)
-                print(f"peer {spec.name}: ready in {peer.ready_s:.1f} s at {peer.base}, "
-                      f"model {model!r}; resident once warmed up, idle: "
-                      f"{'?' if idle is None else f'{idle:.0f}'} MiB", flush=True)
+                model, bias = await warm_up_peer(client, peer, stop_ids)
                 up[i], stacks[i] = (peer, client, model, bias), stack
             live = [i for i in need if i in up]
             runs = {specs[i].name: (lambda tag, i=i: http_one(

@@ -31,8 +31,22 @@ def q4_gguf(tiny_llama_dir, tmp_path_factory):
                           tensor_types=types)
 
 
+def _count_served(monkeypatch) -> list[int]:
+    """A one-item list counting the calls of the stack that answered a hidden state (the
+    steps it served), from now on."""
+    served = [0]
+    original = DecodeStack.__call__
+
+    def counting(stack, *args, **kwargs):
+        out = original(stack, *args, **kwargs)
+        served[0] += out is not None
+        return out
+    monkeypatch.setattr(DecodeStack, "__call__", counting)
+    return served
+
+
 def _decode(model, steps: int, stacked: bool, kv_dtype=None, block_size: int = 4,
-            monkeypatch=None, keep: bool = False) -> tuple[list[torch.Tensor], int]:
+            *, monkeypatch, keep: bool = False) -> tuple[list[torch.Tensor], int]:
     """Logits of `steps` lone greedy decode steps from position 0 (crossing cache blocks), with
     the stack on or off (`keep`: the model's stack as it is); and how many steps it served."""
     cache = model.make_paged_cache(32, block_size, kv_dtype)
@@ -41,24 +55,13 @@ def _decode(model, steps: int, stacked: bool, kv_dtype=None, block_size: int = 4
         model.__dict__["_decode_stack"] = None  # None: the layers one by one
     elif not keep:
         model.__dict__.pop("_decode_stack", None)  # decided again at the first step
-    served = 0
-    original = DecodeStack.__call__
-
-    def counting(stack, *args, **kwargs):
-        nonlocal served
-        out = original(stack, *args, **kwargs)
-        served += out is not None
-        return out
-    if monkeypatch is not None:
-        monkeypatch.setattr(DecodeStack, "__call__", counting)
+    served = _count_served(monkeypatch)
     logits, token = [], torch.tensor([IDS[0]])
     for pos in range(steps):
         out = model._lone_step(token, pos, table, cache, False)
         logits.append(out.clone())
         token = torch.tensor([IDS[pos + 1]]) if pos + 1 < len(IDS) else out.argmax(-1).view(1)
-    if monkeypatch is not None:
-        monkeypatch.setattr(DecodeStack, "__call__", original)
-    return logits, served
+    return logits, served[0]
 
 
 def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -151,15 +154,7 @@ def _batch_decode(model, rows: int, stacked: bool, monkeypatch) -> tuple[list, i
     model.__dict__.pop("_decode_stack", None)
     if not stacked:
         model.__dict__["_decode_stack"] = None
-    served = 0
-    original = DecodeStack.__call__
-
-    def counting(stack, *args, **kwargs):
-        nonlocal served
-        out = original(stack, *args, **kwargs)
-        served += out is not None
-        return out
-    monkeypatch.setattr(DecodeStack, "__call__", counting)
+    served = _count_served(monkeypatch)
     cache = model.make_paged_cache(rows * 8, 4, None)
     tables = torch.arange(rows * 8).view(rows, 8)
     lengths = [3 + (r * 5) % 11 for r in range(rows)]
@@ -174,8 +169,7 @@ def _batch_decode(model, rows: int, stacked: bool, monkeypatch) -> tuple[list, i
                             logit_index=torch.zeros(rows, dtype=torch.long))
         logits.append(out.clone())
         token, positions = out.argmax(-1, keepdim=True), positions + 1
-    monkeypatch.setattr(DecodeStack, "__call__", original)
-    return logits, served
+    return logits, served[0]
 
 
 @pytest.mark.parametrize("rows", [3, 12], ids=["row-kernels", "panels"])

@@ -408,6 +408,16 @@ class Backbone(nn.Module):
         return cast("Sequence[DecoderLayer]", self.layers)
 
 
+def padded_tables(tables: torch.Tensor, kv_len: int, cache: PagedKVCache) -> torch.Tensor:
+    """Block tables (B, S) wide enough for reads of `kv_len` positions: positions past every
+    row's blocks read the pad block."""
+    width = -(-kv_len // cache.block_size)
+    if tables.shape[1] >= width:
+        return tables
+    pad = tables.new_full((tables.shape[0], width - tables.shape[1]), cache.pad_block)
+    return torch.cat((tables, pad), dim=1)
+
+
 class StepInputs:
     """Per-forward values shared by every layer: where each token's keys and values go
     (block, offset), the block tables, the masks (causal, and per sliding window), the cache
@@ -425,10 +435,7 @@ class StepInputs:
         self.positions = positions
         self.kv_len = max_pos + 1
         bs = cache.block_size
-        width = -(-self.kv_len // bs)
-        if tables.shape[1] < width:  # pad positions past every row's blocks: the pad block
-            pad = tables.new_full((tables.shape[0], width - tables.shape[1]), cache.pad_block)
-            tables = torch.cat((tables, pad), dim=1)
+        tables = padded_tables(tables, self.kv_len, cache)
         self.tables = tables
         self.blocks = tables.gather(1, torch.div(positions, bs, rounding_mode="floor"))
         self.offsets = positions % bs
@@ -737,7 +744,6 @@ class DecoderModel(WeightFormats):
         logits = self._logits(x)
         return logits.view(1, 1, -1) if keep_time_dim else logits
 
-
     def _stack_of_layers(self) -> DecodeStack | None:
         """The model's layers as one C call (models/decode_stack.py), or None where they do
         not fit it; decided once per model (its shape does not change), its pointers checked
@@ -775,10 +781,7 @@ class DecoderModel(WeightFormats):
             (ropes[stack.rope_id][0].reshape(b, d), ropes[stack.rope_id][1].reshape(b, d))
         if rope is None:
             return None
-        width = -(-kv_len // cache.block_size)
-        if tables.shape[1] < width:  # as StepInputs: positions past a row's blocks read pad
-            pad = tables.new_full((b, width - tables.shape[1]), cache.pad_block)
-            tables = torch.cat((tables, pad), dim=1)
+        tables = padded_tables(tables, kv_len, cache)
         out = stack(x, positions[:, 0].to(torch.int32).contiguous(),
                     tables.to(torch.int32).contiguous(), cache,
                     (rope[0].contiguous(), rope[1].contiguous()))
