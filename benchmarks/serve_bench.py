@@ -374,6 +374,19 @@ async def measure_nbserve(args: argparse.Namespace, levels: list[int], width: in
 # ----------------------------------------------------------------------------- peers
 
 
+async def start_announced(spec: Any, args: argparse.Namespace, workdir: Path) -> Any:
+    """Start a peer with a line saying how; None (and a line saying why) when it cannot."""
+    from peers import PeerError, start_peer
+
+    print(f"peer {spec.name}: starting {' '.join(spec.argv[1:])} (timeout "
+          f"{args.peer_timeout:.0f} s)", flush=True)
+    try:
+        return await asyncio.to_thread(start_peer, spec, args.peer_timeout, workdir)
+    except PeerError as exc:
+        print(f"peer {spec.name}: skipped: {exc}", flush=True)
+        return None
+
+
 async def warm_up_peer(client: Any, peer: Any, stop_ids: list[int]
                        ) -> tuple[str, dict[str, float]]:
     """A started peer's served model and the logit_bias it takes (`warm_up`), with a line on
@@ -395,18 +408,14 @@ async def measure_peer(spec: Any, args: argparse.Namespace, levels: list[int],
     """Start one peer, run the same HTTP load on it (the levels its spec serves), stop it; {}
     (and a line) when skipped. Its resident memory is watched throughout."""
     import httpx
-    from peers import PeerError, RssPeak, log_tail, start_peer, stop_peer
+    from peers import RssPeak, log_tail, stop_peer
 
     low, high = spec.levels
     levels = [c for c in levels if low <= c <= high]
     if not levels:
         return {}
-    print(f"peer {spec.name}: starting {' '.join(spec.argv[1:])} (timeout "
-          f"{args.peer_timeout:.0f} s)", flush=True)
-    try:
-        peer = await asyncio.to_thread(start_peer, spec, args.peer_timeout, workdir)
-    except PeerError as exc:
-        print(f"peer {spec.name}: skipped: {exc}", flush=True)
+    peer = await start_announced(spec, args, workdir)
+    if peer is None:
         return {}
     results: dict[int, LevelResult] = {}
     try:
@@ -442,7 +451,7 @@ async def measure_peers_together(specs: list[Any], args: argparse.Namespace,
     import contextlib
 
     import httpx
-    from peers import PeerError, RssPeak, log_tail, start_peer, stop_peer
+    from peers import RssPeak, log_tail, stop_peer
 
     results: Results = {}
     up: dict[int, tuple[Any, Any, str, dict[str, float]]] = {}  # spec index -> peer, client..
@@ -463,12 +472,8 @@ async def measure_peers_together(specs: list[Any], args: argparse.Namespace,
                 if i in up:
                     continue
                 spec = specs[i]
-                print(f"peer {spec.name}: starting {' '.join(spec.argv[1:])} (timeout "
-                      f"{args.peer_timeout:.0f} s)", flush=True)
-                try:
-                    peer = await asyncio.to_thread(start_peer, spec, args.peer_timeout, workdir)
-                except PeerError as exc:
-                    print(f"peer {spec.name}: skipped: {exc}", flush=True)
+                peer = await start_announced(spec, args, workdir)
+                if peer is None:
                     broken.add(i)
                     continue
                 stack = contextlib.AsyncExitStack()
