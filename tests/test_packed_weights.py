@@ -136,3 +136,34 @@ def test_a_row_or_two_are_padded_to_the_faster_kernel_and_keep_their_values():
         padded = torch.cat([x.reshape(-1, 24), torch.zeros(PACK_MIN_ROWS, 24)])[:PACK_MIN_ROWS]
         assert torch.equal(y.reshape(-1, 40), real(padded)[:y.numel() // 40])
     assert seen == [(PACK_MIN_ROWS, 24)] * 4  # 1, 2, 1 rows padded; 4 rows as they are
+
+
+def test_row_buckets_pad_less_than_an_eighth_and_bound_the_shapes():
+    from nbserve.models.linear import PACK_EXACT_ROWS, PACK_MIN_ROWS, packed_rows
+
+    for rows in range(1, 5000):
+        target = packed_rows(rows)
+        assert target >= max(rows, PACK_MIN_ROWS)
+        if PACK_MIN_ROWS <= rows <= PACK_EXACT_ROWS:
+            assert target == rows
+        else:
+            assert target - rows < max(rows / 8, PACK_MIN_ROWS), (rows, target)
+        assert packed_rows(target) == target  # a bucket is its own bucket
+    # every prompt length up to 4096 tokens runs as one of few shapes (oneDNN keeps memory
+    # for each shape it has run: unbounded shapes grew a float32 server by gigabytes)
+    assert len({packed_rows(r) for r in range(1, 4097)}) <= PACK_EXACT_ROWS + 8 * 8
+
+
+def test_bucketed_rows_keep_their_values():
+    weight, bias = torch.randn(40, 24), torch.randn(40)
+    packed = PackedCopy(weight, bias)
+    seen = []
+    real = packed._matmul
+    packed._matmul = lambda x: seen.append(x.shape[0]) or real(x)
+    for rows in (17, 33, 100, 257):
+        x = torch.randn(rows, 24)
+        y = packed(x)
+        assert y.shape == (rows, 40)
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, weight, bias),
+                                   rtol=1e-5, atol=1e-5)
+    assert seen == [18, 36, 104, 288]

@@ -92,6 +92,23 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor,
 # ------------------------------------------------------------------ oneDNN-packed copies
 PACK_FOR_ROWS = 16  # the row count oneDNN is told to expect; measured best from 1 to 256 rows
 PACK_MIN_ROWS = 4  # fewer input rows are padded with zero rows up to this many (see PackedCopy)
+PACK_EXACT_ROWS = 16  # up to here every row count runs as it is; above, in buckets
+PACK_BUCKETS_PER_OCTAVE = 8  # so a bucket adds less than an eighth of zero rows
+
+
+def packed_rows(rows: int) -> int:
+    """The row count a `PackedCopy` multiplies for `rows` input rows: at least PACK_MIN_ROWS;
+    above PACK_EXACT_ROWS, `rows` rounded up to one of PACK_BUCKETS_PER_OCTAVE steps between
+    powers of two (20, 24, 28, 32, 40, ...). oneDNN keeps a kernel, and buffers that grow
+    with the rows, for every shape it has run (two caches of 1,024 shapes each): a server
+    that saw every prompt length would grow by gigabytes; buckets bound the shapes."""
+    if rows < PACK_MIN_ROWS:
+        return PACK_MIN_ROWS
+    if rows <= PACK_EXACT_ROWS:
+        return rows
+    octave = rows.bit_length() - 1  # 2**octave <= rows < 2**(octave + 1)
+    step = 1 << (octave - (PACK_BUCKETS_PER_OCTAVE.bit_length() - 1))
+    return -(-rows // step) * step
 
 
 def packing_available(weight: torch.Tensor) -> bool:
@@ -128,7 +145,8 @@ class PackedCopy:
 
     oneDNN's kernel for 1 or 2 rows is slower than the one it picks for 3 to 6, so fewer than
     PACK_MIN_ROWS rows are padded with zero rows up to it (a lone float32 decode step got
-    faster; benchmarks/README.md has the A/B).
+    faster; benchmarks/README.md has the A/B). Larger inputs are padded to `packed_rows`
+    buckets, which bound the memory oneDNN keeps per shape.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -139,8 +157,9 @@ class PackedCopy:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if 0 < rows < PACK_MIN_ROWS:  # see above: a faster kernel for a few more rows
-            padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, PACK_MIN_ROWS - rows))
+        target = packed_rows(rows) if rows else 0
+        if target != rows:  # zero rows: see above
+            padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, target - rows))
             return self._matmul(padded)[:rows].view(*x.shape[:-1], -1)
         return self._matmul(x)
 
