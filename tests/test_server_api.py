@@ -240,7 +240,7 @@ def test_health_stats_metrics(server_url: str, client: openai.OpenAI) -> None:
                  "nbserve_time_to_first_token_seconds", "nbserve_inter_token_latency_seconds",
                  "nbserve_queue_depth", "nbserve_running_sequences",
                  "nbserve_kv_cache_slots_used", "nbserve_kv_cache_usage_ratio",
-                 "nbserve_kv_blocks_total", "nbserve_kv_blocks_cached",
+                 "nbserve_kv_blocks_total", "nbserve_kv_blocks_cached", "nbserve_kv_blocks_touched",
                  "nbserve_prefix_cache_queries", "nbserve_prefix_cache_hits"):
         assert name in families, name
     chat_ok = [s for s in families["nbserve_requests"].samples

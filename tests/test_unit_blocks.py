@@ -251,6 +251,25 @@ def test_low_block_ids_are_handed_out_first() -> None:
     assert space.grow(c, 6) and c.table == [0, 1, 2]  # freed low ids before never-used high
 
 
+def test_touched_counts_blocks_that_ever_held_contents() -> None:
+    """What a lazily committed cache has made resident: freed blocks come back before
+    never-used ones, and cached ones keep theirs."""
+    space = BlockSpace(8, 2)
+    assert space.n_touched == 0
+    a = computed_seq(space, [1, 2, 3, 4, 5])  # 3 blocks
+    assert space.n_touched == 3
+    space.release(a, a.tokens, keep=False)
+    b = computed_seq(space, [6, 7, 8, 9, 10])  # the same 3 blocks again
+    assert space.n_touched == 3
+    space.release(b, b.tokens, keep=True)  # 2 full blocks stay cached, the partial one freed
+    c = computed_seq(space, [11, 12, 13, 14, 15])  # the freed one, then 2 never used
+    assert space.n_touched == 5
+    space.release(c, c.tokens, keep=True)
+    for start in (20, 30, 40):  # the pool is full of cached blocks: evictions, no new ones
+        space.release(computed_seq(space, list(range(start, start + 5))), [], keep=True)
+    assert space.n_touched == 8 and space.evictions > 0
+
+
 def test_fork_shares_the_full_blocks_and_copies_the_partial_one() -> None:
     space = BlockSpace(8, 2)
     parent = computed_seq(space, [1, 2, 3, 4, 5])

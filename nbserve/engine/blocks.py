@@ -48,6 +48,11 @@ class KVSpace(Protocol):
     def n_cached(self) -> int:
         """Blocks nobody runs that keep a reusable prefix."""
 
+    @property
+    def n_touched(self) -> int:
+        """Blocks that have ever held keys/values: on CPU, where the cache is committed
+        lazily, the part of it that is resident."""
+
     def admit(self, seq: Any, tokens: list[int], limit: int) -> int:
         """Give `seq` the cached blocks of the longest prefix of `tokens[:limit]` that the
         space holds; return how many tokens that covers (their keys/values are ready)."""
@@ -94,6 +99,8 @@ class BlockSpace:
         self._key_of: dict[int, int] = {}
         self._content: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (parent, tokens)
         self.evictions = 0
+        self._touched = bytearray(n_blocks)
+        self.n_touched = 0
 
     # ---------------------------------------------------------------- counts
 
@@ -221,6 +228,9 @@ class BlockSpace:
         used cached one (its key is dropped)."""
         if self._free:
             block = self._free.pop()
+            if not self._touched[block]:
+                self._touched[block] = 1
+                self.n_touched += 1
         else:
             block, _ = self._unused.popitem(last=False)
             self._forget(block)
@@ -249,6 +259,12 @@ class SlotSpace:
         self._last_used = [0] * n_slots
         self._clock = 0
         self.evictions = 0
+        self._touched: set[int] = set()
+
+    @property
+    def n_touched(self) -> int:
+        """Rows that have ever held a sequence."""
+        return len(self._touched)
 
     @property
     def n_free(self) -> int:
@@ -285,8 +301,7 @@ class SlotSpace:
 
     def admit(self, seq: Any, tokens: list[int], limit: int) -> int:
         slot, n = self._best(tokens, limit)
-        self._free.discard(slot)
-        self._cached[slot] = []
+        self._take(slot)
         seq.table = [slot]
         return n
 
@@ -296,10 +311,14 @@ class SlotSpace:
         if not self._free:
             return False
         slot, _ = self._best([], 0)
-        self._free.discard(slot)
-        self._cached[slot] = []
+        self._take(slot)
         seq.table = [slot]
         return True
+
+    def _take(self, slot: int) -> None:
+        self._free.discard(slot)
+        self._cached[slot] = []
+        self._touched.add(slot)
 
     def commit(self, seq: Any, tokens: list[int], computed: int) -> None:
         pass

@@ -35,6 +35,8 @@ class _BackendCollector:
         "kv_blocks_used": ("nbserve_kv_blocks_used", "KV cache blocks held by running sequences"),
         "kv_blocks_cached": ("nbserve_kv_blocks_cached",
                              "KV cache blocks nobody runs that keep a reusable prefix"),
+        "kv_blocks_touched": ("nbserve_kv_blocks_touched",
+                              "KV cache blocks that have held keys/values (resident on CPU)"),
         "decode_tokens_per_s": ("nbserve_decode_tokens_per_second",
                                 "Engine decode throughput over the last seconds"),
     }
