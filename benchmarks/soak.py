@@ -230,7 +230,8 @@ def _expect_error(resp: httpx.Response, status: int, res: Result, code: str | No
 async def drive(url: str, pid: int, n: int, concurrency: int, seed: int = 0,
                 progress: bool = True) -> Result:
     """Send `n` mixed requests, `concurrency` at a time, to the server at `url` (process
-    `pid`); measure its memory at request 500 (or n/4) and at the end."""
+    `pid`); measure its memory, and the KV cache's resident part, at request 500 (or n/2) and at
+    the end."""
     res = Result()
     rng = random.Random(seed)
     names, weights = zip(*KINDS)
