@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from ..models import registry
 from ..models.base import LoadedModel
 from .gguf_archs import CONFIG_ONLY, Meta, Rule, hf_config, layout_of, tensor_rule, unpermute_qk
+from .gguf_reader import BulkArrayReader
 
 if TYPE_CHECKING:
     from ..models.quant import QuantBlocks
@@ -167,7 +168,7 @@ def _checked_config(meta: Meta, reader: GGUFReader, path: Path) -> tuple[str, di
 
 def read_quant_blocks(path: str | Path) -> dict[str, QuantBlocks]:
     """The Q4_0/Q4_1/Q8_0 tensors of a .gguf file as blocks (`GGUFTensors.quant_blocks`),
-    without building its tokenizer (which `read_gguf` does, and which takes seconds)."""
+    without building its tokenizer (which `read_gguf` does)."""
     path = Path(path).expanduser()
     reader = _open(path)
     arch, cfg = _checked_config(Meta(reader), reader, path)
@@ -215,12 +216,12 @@ def _open(path: Path) -> GGUFReader:
 
 @functools.lru_cache(maxsize=2)
 def _reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
-    """A parsed file, kept for the next open of the same unchanged file: parsing a vocabulary
-    of 49k tokens takes 2-4 s, and dtype="quantized" opens the file twice (floats, blocks).
+    """A parsed file, kept for the next open of the same unchanged file: dtype="quantized"
+    opens the file twice (floats, blocks).
     The reader holds a read-only memory map, not the tensors, but its parsed fields and the
-    pages of the map it touched are resident (about 220 MB for SmolLM2's 93 MB file):
-    `load` forgets it when it is done (`forget_readers`)."""
-    return GGUFReader(path)
+    pages of the map it touched are resident: `load` forgets it when it is done
+    (`forget_readers`). Metadata arrays are read in bulk (`BulkArrayReader`)."""
+    return BulkArrayReader(path)
 
 
 def forget_readers() -> None:
