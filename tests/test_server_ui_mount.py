@@ -32,3 +32,18 @@ def test_ui_is_mounted_after_the_api(tiny_engine: Any) -> None:
         r = httpx.post(url + "/v1/chat/completions",
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 200
+
+
+def test_the_ui_queue_does_not_poll_every_millisecond(tiny_engine: Any) -> None:
+    """gradio's queue loops run on the server's event loop even with nobody in the UI; at
+    their default 1 ms they take the GIL a thousand times a second from the engine."""
+    from nbserve.serving.ui import PROGRESS_POLL_S, QUEUE_POLL_S, _gradio_apps
+
+    app = create_app(tiny_engine)
+    with running_server(app) as url:
+        [gradio_app] = _gradio_apps(app)
+        queue = gradio_app.get_blocks()._queue
+        assert queue.sleep_when_free >= QUEUE_POLL_S >= 0.01
+        assert queue.progress_update_sleep_when_free >= PROGRESS_POLL_S
+        info = httpx.get(url + "/gradio_api/info")  # the mounted UI still answers
+        assert info.status_code == 200 and "/chat" in info.json()["named_endpoints"]

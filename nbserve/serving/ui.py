@@ -648,7 +648,27 @@ def mount_ui(app: FastAPI, backend: Backend, path: str = "/",
         auth_message=login.message if login else None,
         footer_links=["api", "settings"],
     )
+    calm_queue(demo)
     return app
+
+
+QUEUE_POLL_S = 0.02  # how often an idle UI queue looks for new chat events
+PROGRESS_POLL_S = 0.1  # and for progress to send
+
+
+def calm_queue(demo: gr.Blocks) -> None:
+    """Make gradio's event queue poll every QUEUE_POLL_S instead of every millisecond (and
+    its progress loop every PROGRESS_POLL_S instead of 10 ms). Those loops run on the server's
+    event loop even with nobody in the UI: a thousand wake-ups a second take the GIL and a
+    core's time slices from the engine's kernels. A chat event starts at most 20 ms later."""
+    queue = getattr(demo, "_queue", None)
+    if queue is None:
+        return
+    if hasattr(queue, "sleep_when_free"):
+        queue.sleep_when_free = max(queue.sleep_when_free, QUEUE_POLL_S)
+    if hasattr(queue, "progress_update_sleep_when_free"):
+        queue.progress_update_sleep_when_free = max(queue.progress_update_sleep_when_free,
+                                                    PROGRESS_POLL_S)
 
 
 # ----------------------------------------------------------------------------- shutdown
