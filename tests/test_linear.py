@@ -43,3 +43,26 @@ def test_torch_threads_restores_the_callers_setting():
     with torch_threads(1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
+
+
+def test_bfloat16_runs_in_row_buckets_with_the_same_rows_out(monkeypatch):
+    """oneDNN's bfloat16 GEMM keeps memory for every row count it has run: split_linear pads
+    bfloat16 inputs of more than PACK_EXACT_ROWS rows to the row buckets (a few rows run as
+    they are), and returns the real rows' outputs."""
+    from nbserve.models import linear as L
+
+    seen = []
+    real = F.linear
+    monkeypatch.setattr(L.F, "linear", lambda x, w, b=None: seen.append(x.shape[0]) or
+                        real(x, w, b))
+    w = torch.randn(40, 24).to(torch.bfloat16)
+    b = torch.randn(40).to(torch.bfloat16)
+    for rows in (1, 3, 16, 17, 33, 100):
+        x = torch.randn(rows, 24).to(torch.bfloat16)
+        got = L.split_linear(x, w, b)
+        assert got.shape == (rows, 40)
+        torch.testing.assert_close(got, real(x, w, b))
+    assert seen == [1, 3, 16, 18, 36, 104]
+    seen.clear()
+    x = torch.randn(5, 7, 24).to(torch.bfloat16)  # (batch, tokens, hidden): 35 rows
+    assert L.split_linear(x, w, b).shape == (5, 7, 40) and seen == [36]

@@ -13,6 +13,7 @@ dtype="mixed16").
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -80,6 +81,9 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor,
     """F.linear(x, weight, bias) for x (..., in) and weight (out, in)."""
     k = split_ways(x, weight)
     if k == 1:
+        if weight.dtype == torch.bfloat16 and weight.device.type == "cpu":  # oneDNN's GEMM
+            return in_row_buckets(x, lambda rows: F.linear(rows, weight, bias),
+                                  minimum=1)
         return F.linear(x, weight, bias)
     out_features, in_features = weight.shape
     rows = x.numel() // in_features
@@ -96,19 +100,32 @@ PACK_EXACT_ROWS = 16  # up to here every row count runs as it is; above, in buck
 PACK_BUCKETS_PER_OCTAVE = 8  # so a bucket adds less than an eighth of zero rows
 
 
-def packed_rows(rows: int) -> int:
-    """The row count a `PackedCopy` multiplies for `rows` input rows: at least PACK_MIN_ROWS;
+def packed_rows(rows: int, minimum: int = PACK_MIN_ROWS) -> int:
+    """The row count a `PackedCopy` multiplies for `rows` input rows: at least `minimum`;
     above PACK_EXACT_ROWS, `rows` rounded up to one of PACK_BUCKETS_PER_OCTAVE steps between
-    powers of two (20, 24, 28, 32, 40, ...). oneDNN keeps a kernel, and buffers that grow
-    with the rows, for every shape it has run (two caches of 1,024 shapes each): a server
-    that saw every prompt length would grow by gigabytes; buckets bound the shapes."""
-    if rows < PACK_MIN_ROWS:
-        return PACK_MIN_ROWS
+    powers of two (18, 20, ..., 32, 36, 40, ...). oneDNN keeps a kernel, and buffers that
+    grow with the rows, for every shape it has run (two caches of 1,024 shapes each), for
+    its float32 packed GEMM and its bfloat16 one (`F.linear` on CPU): a server that saw every
+    prompt length would grow by gigabytes; buckets bound the shapes."""
+    if rows < minimum:
+        return minimum
     if rows <= PACK_EXACT_ROWS:
         return rows
     octave = rows.bit_length() - 1  # 2**octave <= rows < 2**(octave + 1)
     step = 1 << (octave - (PACK_BUCKETS_PER_OCTAVE.bit_length() - 1))
     return -(-rows // step) * step
+
+
+def in_row_buckets(x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor],
+                   minimum: int = PACK_MIN_ROWS) -> torch.Tensor:
+    """`matmul(x)` (rows in, rows out) run on x's rows padded with zero rows to
+    `packed_rows` (at least `minimum`), the extra output rows dropped."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    target = packed_rows(rows, minimum) if rows else 0
+    if target == rows:
+        return matmul(x)
+    padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, target - rows))
+    return matmul(padded)[:rows].view(*x.shape[:-1], -1)
 
 
 def packing_available(weight: torch.Tensor) -> bool:
@@ -156,12 +173,7 @@ class PackedCopy:
         self.nbytes = dense.numel() * dense.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        target = packed_rows(rows) if rows else 0
-        if target != rows:  # zero rows: see above
-            padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, target - rows))
-            return self._matmul(padded)[:rows].view(*x.shape[:-1], -1)
-        return self._matmul(x)
+        return in_row_buckets(x, self._matmul)  # zero rows: see above
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
