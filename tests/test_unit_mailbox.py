@@ -144,3 +144,56 @@ def test_count_down_ends_after_every_choice_finished() -> None:
         if finished:
             break
     assert (remaining, finished, seen) == (0, True, 6)
+
+
+async def test_a_steps_wakeups_go_out_as_one_call_per_loop() -> None:
+    """gathered_wakeups: sixteen waiting callers on one loop, one call_soon_threadsafe (each
+    call writes to the loop's wake-up pipe); every caller still gets its event."""
+    from nbserve.engine.requests import gathered_wakeups
+
+    loop = asyncio.get_running_loop()
+    boxes = [Mailbox(AbortRecorder(), f"r{i}", loop, limit=None) for i in range(16)]
+    tasks = [asyncio.ensure_future(b.get()) for b in boxes]
+    for b in boxes:
+        await until_waiting(b)
+    calls = []
+    real = loop.call_soon_threadsafe
+
+    def counting(*args):
+        calls.append(args[0].__name__)
+        return real(*args)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+        def engine_step() -> None:
+            with gathered_wakeups():
+                for i, b in enumerate(boxes):
+                    b.post(delta(i))
+                    b.post(delta(100 + i))  # a second event of one caller: one wake-up
+                with gathered_wakeups():  # nested: the outer one sends
+                    pass
+                assert calls == []  # nothing sent before the end
+
+        t = threading.Thread(target=engine_step)
+        t.start()
+        got = await asyncio.wait_for(asyncio.gather(*tasks), timeout=2)
+        t.join()
+    finally:
+        del loop.call_soon_threadsafe
+    assert calls == ["wake_waiters"]
+    assert [ev.token_ids[0] for ev in got] == list(range(16))
+    assert [(await b.get()).token_ids[0] for b in boxes] == [100 + i for i in range(16)]
+
+
+def test_gathered_wakeups_to_a_closed_loop_abort_its_requests() -> None:
+    from nbserve.engine.requests import gathered_wakeups
+
+    loop = asyncio.new_event_loop()
+    abort = AbortRecorder()
+    box = Mailbox(abort, "gone", loop, limit=None)
+    box.waiter = loop.create_future()  # a caller that was waiting when its loop closed
+    loop.close()
+    with gathered_wakeups():
+        box.post(delta(1))
+        assert abort.calls == []
+    assert abort.calls == [("gone", "cancel")]

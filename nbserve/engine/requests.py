@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -91,11 +93,16 @@ class Mailbox(Generic[T]):
             self.tripped = True
             self.abort(self.request_id, "backlog")
         waiter = self.waiter
-        if waiter is not None:
-            try:
-                self.loop.call_soon_threadsafe(wake_waiter, waiter)
-            except RuntimeError:  # the caller's loop is gone: nobody is listening
-                self.abort(self.request_id, "cancel")
+        if waiter is None:
+            return
+        gathered = getattr(_gathering, "wakeups", None)
+        if gathered is not None:  # inside gathered_wakeups(): one call per loop at its end
+            gathered.setdefault(self.loop, {})[id(waiter)] = (waiter, self)
+            return
+        try:
+            self.loop.call_soon_threadsafe(wake_waiter, waiter)
+        except RuntimeError:  # the caller's loop is gone: nobody is listening
+            self.abort(self.request_id, "cancel")
 
     async def get(self) -> T:
         """The next event (caller's loop). The waiter is published before the re-check, so an
@@ -139,6 +146,37 @@ def backlog_limit(max_backlog: int | None, n: object) -> int | None:
 def wake_waiter(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
+
+
+def wake_waiters(waiters: list[asyncio.Future[None]]) -> None:
+    for waiter in waiters:
+        wake_waiter(waiter)
+
+
+_gathering = threading.local()
+
+
+@contextmanager
+def gathered_wakeups() -> Iterator[None]:
+    """While the engine thread posts a step's tokens: the `Mailbox` wake-ups it would send
+    one by one go out at the end, one `call_soon_threadsafe` per event loop. Each of those
+    writes to the loop's wake-up pipe and lets the loop thread take the GIL; sixteen streams
+    on one loop made sixteen a step."""
+    if getattr(_gathering, "wakeups", None) is not None:  # nested: the outer one sends
+        yield
+        return
+    wakeups: dict[asyncio.AbstractEventLoop, dict[int, tuple[asyncio.Future[None], Mailbox]]]
+    _gathering.wakeups = wakeups = {}
+    try:
+        yield
+    finally:
+        _gathering.wakeups = None
+        for loop, waiting in wakeups.items():
+            try:
+                loop.call_soon_threadsafe(wake_waiters, [w for w, _ in waiting.values()])
+            except RuntimeError:  # that loop is gone: nobody is listening
+                for _, mailbox in waiting.values():
+                    mailbox.abort(mailbox.request_id, "cancel")
 
 
 def drop_event(event: Event) -> None:

@@ -33,7 +33,7 @@ from .blocks import BlockSpace, KVSpace, SlotSpace
 from .config import EngineConfig
 from .constraints import MaskJob
 from .kv_budget import KVBudget, plan_blocks
-from .requests import RequestGroup, drop_event
+from .requests import RequestGroup, drop_event, gathered_wakeups
 from .sampling import sample
 from .scheduler import PrefillWork, Scheduler, Sequence, StepPlan
 from .stats import EngineStats
@@ -391,8 +391,9 @@ class EngineStep:
         out = sample(logits, [g.choices[s.index].sampler for g, s in zip(groups, seqs)],
                      None if masks is None else (masks.rows, masks.result()))
         now = time.perf_counter()
-        for seq, group, tok, lp in zip(seqs, groups, out.token_ids, out.logprobs):
-            self._emit_token(seq, group, tok, lp, now)
+        with gathered_wakeups():
+            for seq, group, tok, lp in zip(seqs, groups, out.token_ids, out.logprobs):
+                self._emit_token(seq, group, tok, lp, now)
 
     def _emit_token(self, seq: Sequence, group: RequestGroup, tok: int, lp: TokenLogprob | None,
                     now: float) -> None:
