@@ -97,7 +97,7 @@ class Mailbox(Generic[T]):
             return
         gathered = getattr(_gathering, "wakeups", None)
         if gathered is not None:  # inside gathered_wakeups(): one call per loop at its end
-            gathered.setdefault(self.loop, {})[id(waiter)] = (waiter, self)
+            gathered.setdefault(self.loop, {})[waiter] = self
             return
         try:
             self.loop.call_soon_threadsafe(wake_waiter, waiter)
@@ -165,7 +165,7 @@ def gathered_wakeups() -> Iterator[None]:
     if getattr(_gathering, "wakeups", None) is not None:  # nested: the outer one sends
         yield
         return
-    wakeups: dict[asyncio.AbstractEventLoop, dict[int, tuple[asyncio.Future[None], Mailbox]]]
+    wakeups: dict[asyncio.AbstractEventLoop, dict[asyncio.Future[None], Mailbox]]
     _gathering.wakeups = wakeups = {}
     try:
         yield
@@ -173,9 +173,9 @@ def gathered_wakeups() -> Iterator[None]:
         _gathering.wakeups = None
         for loop, waiting in wakeups.items():
             try:
-                loop.call_soon_threadsafe(wake_waiters, [w for w, _ in waiting.values()])
+                loop.call_soon_threadsafe(wake_waiters, list(waiting))
             except RuntimeError:  # that loop is gone: nobody is listening
-                for _, mailbox in waiting.values():
+                for mailbox in waiting.values():
                     mailbox.abort(mailbox.request_id, "cancel")
 
 
