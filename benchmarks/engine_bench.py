@@ -128,16 +128,17 @@ async def answers(engine: Engine, prompts: list[list[int]], max_tokens: int,
 
 
 QUALITY_PROMPTS = 20  # greedy answers compared: formats against float32, float32 against HF
-WEIGHT_FORMATS = ("mixed16", "quantized")  # dtypes that add copies for single-stream steps
+WEIGHT_FORMATS = ("mixed16", "quantized", "quantized-exact")  # dtypes that add copies
 
 
 def format_figures(fmt: str, model: str, prompts: list[list[int]], reference: list[list[int]],
                    max_tokens: int, quality_tokens: int,
                    hf_greedy: list[list[int]] | None = None) -> list[tuple[str, float]]:
-    """dtype=`fmt` (mixed16, quantized): single-stream decode, and how many greedy answers
-    differ from float32 (each answered alone, so that its steps use the copies); with
-    `hf_greedy`, how many equal transformers', answered alone (one-row steps) and all together
-    (steps of 20 rows: for quantized, the panel kernel). `fmt` "quantized:float16": the same
+    """dtype=`fmt` (mixed16, quantized, quantized-exact): single-stream decode, and how many
+    greedy answers differ from float32 (each answered alone, so that its steps use the
+    copies); with `hf_greedy`, how many equal transformers', answered alone (one-row steps:
+    for quantized on AVX2, inputs rounded to 16 bits) and all together (steps of 20 rows: for
+    quantized, the panel kernel). `fmt` "quantized:float16": the same
     with a float16 KV cache (`kv_dtype`)."""
     weights, _, kv_dtype = fmt.partition(":")
     loaded = nbserve.load(model, dtype=weights, verbose=False)

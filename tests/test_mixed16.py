@@ -65,13 +65,13 @@ def test_default_model_keeps_its_answer_with_mixed16():
     assert answer == "The capital of France is Paris."
 
 
-@pytest.mark.parametrize("fmt", ["mixed16", "quantized"])
+@pytest.mark.parametrize("fmt", ["mixed16", "quantized", "quantized-exact"])
 def test_cli_and_launch_pass_the_weight_format_to_the_loader(tiny_llama_dir, fmt):
     from nbserve.models.decoder import kernels_available
     from nbserve.serving.backend_ref import build_backend
     from nbserve.serving.cli import build_parser, serve_kwargs
 
-    if fmt == "quantized" and not kernels_available():
+    if fmt.startswith("quantized") and not kernels_available():
         pytest.skip("dtype='quantized' needs nbserve's C kernels (a C compiler)")
 
     args = build_parser().parse_args(["serve", str(tiny_llama_dir), "--dtype", fmt])

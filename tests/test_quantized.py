@@ -75,6 +75,58 @@ def test_kernel_folds_in_the_norm_and_the_gate(arch):
         torch.testing.assert_close(q(gate_up, gated=True), want.float(), rtol=1e-5, atol=1e-4)
 
 
+def _rounded16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (rows, k) as the kernel rounds it per block of 32 (float32 arithmetic, ties to even):
+    codes round(x * (32767 / max |x|)) and scales max |x| / 32767, (rows, k / 32, 32) and
+    (rows, k / 32, 1)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros_like(amax))
+    return torch.round(blocks * inverse), amax / torch.tensor(32767.0)
+
+
+@pytest.mark.parametrize("arch", PATHS)
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_round16_multiplies_the_input_rounded_to_16_bits(arch, kind):
+    """round16: where the build has the integer row kernels (AVX2 without AVX-512), steps of
+    up to nbq_round16_max_rows rows multiply each block of the input rounded to 16 bits (q4's
+    m terms from the float32 input's block sums): the float64 product of those rounded inputs,
+    up to float32 accumulation, and within max |x| / 65534 an input of the exact product.
+    Larger steps, and builds without those kernels, give the exact kernel's bits."""
+    kernels = build.quant_kernels(arch)
+    most = kernels.nbq_round16_max_rows()
+    if arch is not None and "-mavx2" in arch:
+        assert most == 2  # the AVX2 path has them
+    for rows, k, n in [(1, 96, 9), (2, 576, 50), (1, 320, 33), (2, 1536, 12), (3, 576, 20),
+                       (9, 160, 17)]:  # 3, 18, 10, 48 blocks: groups of 8 and the rest
+        blocks = _random_blocks(kind, n, k, seed=rows + k)
+        x = torch.randn(rows, k) * torch.logspace(-2, 1, k)  # blocks of different ranges
+        x[0, 5] = 0.0
+        if k >= 64:
+            x[-1, 32:64] = 0.0  # a block of zeros: scale 0
+        exact = KernelLinear(blocks, kernels=kernels)(x)
+        got = KernelLinear(blocks, kernels=kernels, round16=True)(x)
+        if rows > most:
+            assert torch.equal(got, exact), (rows, k)
+            continue
+        codes, scales = _rounded16(x)
+        w = blocks.dequantize().double().reshape(n, -1, 32)
+        d = blocks.scales.double()[..., None]
+        m = torch.zeros_like(d) if blocks.mins is None else blocks.mins.double()[..., None]
+        q = (w - m) / d  # the weight codes, exactly
+        products = torch.einsum("rbj,nbj->rnb", codes.double(), q) * \
+            scales.double()[..., 0][:, None]
+        sums = x.double().reshape(rows, -1, 32).sum(-1)
+        want = (products * d[..., 0]).sum(-1) + sums @ m[..., 0].t()
+        scale = x.double().abs() @ blocks.dequantize().double().abs().t()  # float32's noise
+        assert ((got.double() - want).abs() <= 1e-6 * scale).all()
+        assert ((exact.double() - want).abs() > 1e-6 * scale).any()  # the rounding shows
+        bound = (blocks.dequantize().double().abs() @ (scales.double()[..., 0] / 2)
+                 .repeat_interleave(32, dim=1).t()).t()
+        assert ((got.double() - x.double() @ blocks.dequantize().double().t()).abs()
+                <= bound + 1e-4).all()
+
+
 def test_q4_dequantize_follows_the_gguf_nibble_order():
     low, high = torch.arange(16, dtype=torch.uint8), torch.arange(15, -1, -1, dtype=torch.uint8)
     codes = (low | (high << 4)).view(1, 16)
@@ -171,10 +223,12 @@ def _lone_steps(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_a_gguf_is_multiplied_by_its_own_blocks(q4_gguf, monkeypatch):
     full = nbserve.load(str(q4_gguf), dtype="float32", verbose=False).model  # the float kernel
-    model = nbserve.load(str(q4_gguf), dtype="quantized", verbose=False).model
+    model = nbserve.load(str(q4_gguf), dtype="quantized-exact", verbose=False).model
+    rounded = nbserve.load(str(q4_gguf), dtype="quantized", verbose=False).model
     monkeypatch.setenv("NBSERVE_KERNELS", "0")
     plain = nbserve.load(str(q4_gguf), verbose=False).model  # float32 without the C kernel
-    assert model.weight_format == "quantized" and full.weight_format == "float32"
+    assert model.weight_format == "quantized-exact" and full.weight_format == "float32"
+    assert rounded.weight_format == "quantized"
     holders = model._named_holders()
     kinds = [holder.kernel.kind for holder, _ in holders]
     assert kinds == ["q4"] * (len(holders) - 1) + ["q8"]  # the tied head: the Q8_0 embedding
@@ -189,6 +243,15 @@ def test_a_gguf_is_multiplied_by_its_own_blocks(q4_gguf, monkeypatch):
     for got, want in ((pre_q, pre_p), (one_q, one_p)):  # 18 rows: the panels; 1: a row kernel
         assert not torch.equal(got, want)  # the blocks ran, in another summation order
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not any(h.kernel.round16 for h in model._weight_holders())
+    assert all(h.kernel.round16 for h in rounded._weight_holders())  # dtype="quantized"
+    pre_r, one_r = _lone_steps(rounded, ids)
+    assert torch.equal(pre_r, pre_q)  # 18 rows: the panels, never rounded
+    if build.quant_kernels().nbq_round16_max_rows():  # a lone row: its input rounded
+        assert not torch.equal(one_r, one_q)
+        assert ((one_r - one_p).norm() / one_p.norm()).item() < 1e-3
+    else:
+        assert torch.equal(one_r, one_q)
     if build.quant_kernels().nbq_simd_width() == 16:  # AVX-512 rebuilds the float32 weights
         # exactly and sums as the float kernel: lossless in the row kernels (two lone steps;
         # a prefill of 18 rows runs on the panels here and on oneDNN for float32)

@@ -13,7 +13,7 @@ import torch
 
 from ..cpu.threads import torch_threads
 from ..models.base import LoadedModel
-from ..models.dtypes import MIXED16, QUANTIZED, WEIGHT_FORMATS, resolve_dtype
+from ..models.dtypes import MIXED16, QUANTIZED, QUANTIZED_EXACT, WEIGHT_FORMATS, resolve_dtype
 
 DEFAULT_NAMES = {"smollm2", "default", "smollm2-135m-instruct"}
 
@@ -23,7 +23,8 @@ def default_device() -> str:
 
 
 def _add_weight_copies(loaded: LoadedModel, weight_format: str) -> None:
-    """mixed16: float16 copies; quantized: a GGUF's own quantized blocks (or Q8_0 ones)."""
+    """mixed16: float16 copies; quantized(-exact): a GGUF's own quantized blocks (or Q8_0
+    ones), with 16-bit-rounded inputs on the row kernels that have them, or without."""
     method = "use_16bit_weights" if weight_format == MIXED16 else "use_quantized_weights"
     convert = getattr(loaded.model, method, None)
     if convert is None:
@@ -32,7 +33,7 @@ def _add_weight_copies(loaded: LoadedModel, weight_format: str) -> None:
     if weight_format == MIXED16:
         convert()
     else:
-        convert(_file_blocks(loaded))
+        convert(_file_blocks(loaded), round16=weight_format == QUANTIZED)
 
 
 def _use_lossless_blocks(loaded: LoadedModel) -> None:
@@ -55,7 +56,7 @@ def _blocks_will_serve(source: Any, copies: str | None, dtype: Any, device: str)
     without packed copies or a transposed head, which would be dropped at once (for a large
     model they would double the memory the load needs on its way)."""
     cpu = torch.device(device).type == "cpu"
-    if copies == QUANTIZED:
+    if copies in (QUANTIZED, QUANTIZED_EXACT):
         return cpu
     if copies is not None or dtype is not None or not cpu or _gguf_file(str(source)) is None:
         return False
@@ -109,7 +110,9 @@ def load(source: Any, *, device: str | None = None, dtype: Any = None,
     float32 plus float16 copies of the matmul weights for one- and two-row steps: a faster
     lone stream, +50% weight memory, outputs can differ from float32 in rare near-ties, see
     `WeightFormats.use_16bit_weights`), or "quantized" (CPU: every matmul, of any step size, over
-    a GGUF's own Q4_0/Q4_1/Q8_0 blocks or Q8_0 made at load, with float32 arithmetic; compiles a
+    a GGUF's own Q4_0/Q4_1/Q8_0 blocks or Q8_0 made at load, with float32 arithmetic except that
+    on AVX2 CPUs steps of one or two rows round their inputs to 16 bits per block of 32;
+    "quantized-exact": float32 arithmetic throughout; compiles a
     small C kernel at first use; see `WeightFormats.use_quantized_weights`. A GGUF's own blocks
     are the float32 weights' exact values, so those are then dropped, see
     `WeightFormats.release_dense_weights`: the weights take about the file's size). On CPU in
@@ -169,7 +172,8 @@ def _release_unread_weights(loaded: LoadedModel) -> None:
     that its quantized and packed copies leave unread (`WeightFormats.release_dense_weights`;
     the outputs stay the same bit for bit)."""
     release = getattr(loaded.model, "release_dense_weights", None)
-    if release is not None and getattr(loaded.model, "weight_format", None) == "quantized":
+    if release is not None and \
+            getattr(loaded.model, "weight_format", None) in (QUANTIZED, QUANTIZED_EXACT):
         release()
 
 

@@ -27,7 +27,7 @@ KINDS = {"q4": 0, "q8": 1, "f32": 2}
 
 class _Weight(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
-                ("pad", ctypes.c_int32), ("codes", ctypes.c_void_p), ("d", ctypes.c_void_p),
+                ("flags", ctypes.c_int32), ("codes", ctypes.c_void_p), ("d", ctypes.c_void_p),
                 ("m", ctypes.c_void_p)]
 
 
@@ -161,6 +161,7 @@ class DecodeStack:
                 kernels.append((holder, kernel))
                 w = getattr(entry, name)
                 w.kind, w.n, w.k = KINDS[kernel.kind], kernel.out_features, kernel.in_features
+                w.flags = kernel.flags
                 if kernel.kind == "f32":  # the model's own tensor: watched for a new pointer
                     w.codes = kernel.weight.data_ptr()
                     weights.append((kernel.weight, w.codes))

@@ -5,11 +5,14 @@ A lone stream's decode step reads every weight once per token, so its speed is s
 it reads: SmolLM2-135M's matmuls read 540 MB in float32, 270 MB in float16 and 96 MB as the
 GGUF's own Q4_1/Q8_0 blocks. The blocks are kept as the file stores them (no requantization:
 the same weights llama.cpp multiplies); weights of other types, and float checkpoints, are
-quantized to Q8_0 at load. Inputs, outputs and the arithmetic stay float32: steps of a few rows
+quantized to Q8_0 at load. Inputs, outputs and the arithmetic are float32: steps of a few rows
 add d * sum(x q) + m * sum(x) per block, steps of more rows dequantize panels of weight rows
 (d * q + m, as GGUF does) and multiply them as float32, so a product differs from one over the
-dequantized weights only in rounding. Activations are not rounded to 8 bits as llama.cpp's
-CPU kernels do: that changed most of the default model's greedy answers (benchmarks/README.md).
+dequantized weights only in rounding. One exception, `round16` (dtype="quantized"; not
+"quantized-exact"): on the AVX2 path, steps of one or two rows multiply their inputs rounded to
+16 bits per block of 32 with integer products, which decode the weights in fewer instructions.
+Activations are never rounded to 8 bits as llama.cpp's CPU kernels do: that changed most of the
+default model's greedy answers, 16 bits none (benchmarks/README.md).
 The blocks serve every step, so a model loaded from them needs no float32 copy of its weights.
 """
 
@@ -23,6 +26,7 @@ import numpy as np
 import torch
 
 BLOCK = 32  # weights per block, along the input dimension (GGUF's Q4_0, Q4_1, Q8_0)
+GATED, ROUND16 = 1, 2  # the kernel's flags (quant_matmul.c)
 FLOAT_MAX_ROWS = 4  # the same for float32 weights; SmolLM2's matmuls in the engine's thread,
 # kernel against oneDNN-packed (ms): 1 row 13.6 / 20.3, 3: 17.3 / 20.2, 4: 16.7 / 17.1, 8: 29 / 22
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # fp16 scale [fp16 min] codes
@@ -153,10 +157,16 @@ class KernelLinear:
     max_rows: int | None  # the most input rows it takes; None: any
 
     def __init__(self, weight: QuantBlocks | torch.Tensor, bias: torch.Tensor | None = None,
-                 kernels: ctypes.CDLL | None = None):
+                 kernels: ctypes.CDLL | None = None, round16: bool = False):
+        """`round16`: blocks' products of a few rows take the input rounded to 16 bits per
+        block of 32 (scale max |x| / 32767) where the kernel build has integer row kernels
+        for it (AVX2 without AVX-512): faster there, within max |x| / 65534 of each input;
+        exact float32 arithmetic elsewhere and for float32 weights."""
         from ..cpu.kernels.build import quant_kernels
 
         self.weight = weight
+        self.round16 = round16 and isinstance(weight, QuantBlocks)
+        self.flags = ROUND16 if self.round16 else 0
         self.bias = None if bias is None else bias.detach().float()
         self.out_features, self.in_features = weight.shape
         self._lib = kernels or quant_kernels()  # a build for another CPU path, in tests
@@ -195,18 +205,19 @@ class KernelLinear:
         y = torch.empty(rows, n, dtype=torch.float32)
         prep = (None, 0.0) if norm is None else (norm.weight.data_ptr(), norm.eps)
         threads = torch.get_num_threads()
+        flags = self.flags | (GATED if gated else 0)
         if self.kind == "f32":  # the pointer read per call: the weight is the model's own
             weight = cast(torch.Tensor, self.weight)  # kind "f32": a float32 tensor
             failed = self._lib.nbq_f32_matmul(flat.data_ptr(), rows, k, weight.data_ptr(),
-                                              n, y.data_ptr(), threads, *prep, gated)
+                                              n, y.data_ptr(), threads, *prep, flags)
         elif self.kind == "q4":
             codes, scales, mins = self._pointers
             failed = self._lib.nbq_q4_matmul(flat.data_ptr(), rows, k, codes, scales, mins, n,
-                                             y.data_ptr(), threads, *prep, gated)
+                                             y.data_ptr(), threads, *prep, flags)
         else:
             codes, scales, _ = self._pointers
             failed = self._lib.nbq_q8_matmul(flat.data_ptr(), rows, k, codes, scales, n,
-                                             y.data_ptr(), threads, *prep, gated)
+                                             y.data_ptr(), threads, *prep, flags)
         if failed:
             raise MemoryError("kernel matmul: out of memory for its input buffer")
         y = y.view(*x.shape[:-1], n)
@@ -218,7 +229,7 @@ class KernelLinear:
         weight = copy.deepcopy(self.weight, memo)
         if isinstance(weight, torch.Tensor) and not float_kernel_serves(weight):
             return None  # copied onto another device (a replica): nothing for the kernel here
-        return KernelLinear(weight, copy.deepcopy(self.bias, memo), self._lib)
+        return KernelLinear(weight, copy.deepcopy(self.bias, memo), self._lib, self.round16)
 
 
 def float_kernel_serves(weight: torch.Tensor) -> bool:

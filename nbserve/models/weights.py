@@ -149,7 +149,7 @@ class WeightFormats(nn.Module):
         self._wants["float_kernel"] = True
 
     def use_quantized_weights(self, blocks: Mapping[str, QuantBlocks] | None = None,
-                              only_lossless: bool = False) -> bool:
+                              only_lossless: bool = False, round16: bool = True) -> bool:
         """Add a quantized copy of every matmul weight and of the LM head (`KernelLinear`),
         which then serves steps of every size (its packed copy, if any, goes): a step reads a
         fraction of float32's bytes, and batches are multiplied by panels of dequantized
@@ -159,7 +159,11 @@ class WeightFormats(nn.Module):
         them, so nothing is lost; other weights are quantized to Q8_0 here, and greedy output
         can then differ from float32 where the quantization moves a near-tie. Builds the C
         kernel at first use (needs a C compiler). `only_lossless`: change nothing (and return
-        False) unless every weight has its checkpoint's own blocks."""
+        False) unless every weight has its checkpoint's own blocks. `round16` (the default):
+        steps of a few rows multiply the inputs rounded to 16 bits per block of 32 where the
+        kernel build has integer row kernels for that (AVX2 without AVX-512; see
+        `KernelLinear`), which is faster there; False (dtype="quantized-exact") keeps float32
+        arithmetic on every path."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise ValueError("quantized weights are a CPU float32 option: load the model with "
                              "dtype='float32' on cpu (on a GPU use dtype='bfloat16')")
@@ -181,7 +185,8 @@ class WeightFormats(nn.Module):
         copies: list[KernelLinear | None] = []
         for holder, own in zip(self._weight_holders(), found):
             made = own if own is not None else QuantBlocks.from_float(holder.weight)
-            copies.append(None if made is None else KernelLinear(made, holder.bias))
+            copies.append(None if made is None else KernelLinear(made, holder.bias,
+                                                                 round16=round16))
         self._quant_copies = copies
         self._wants["quantized"] = True
         self._attach_quant_copies()
@@ -397,10 +402,11 @@ class WeightFormats(nn.Module):
 
     @property
     def weight_format(self) -> str:
-        """"mixed16" after `use_16bit_weights`, "quantized" after `use_quantized_weights`,
-        else the dtype's name."""
-        if self._wants["quantized"] and getattr(self.lm_head, "kernel", None):
-            return "quantized"
+        """"mixed16" after `use_16bit_weights`, "quantized" after `use_quantized_weights`
+        ("quantized-exact" with round16=False), else the dtype's name."""
+        head = getattr(self.lm_head, "kernel", None)
+        if self._wants["quantized"] and head:
+            return "quantized" if head.round16 else "quantized-exact"
         if self._wants["16bit"] and getattr(self.lm_head, "half_copy", None):
             return "mixed16"
         return str(self.dtype).replace("torch.", "")

@@ -65,14 +65,16 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
                         help="the KV cache's dtype (default: float16 for a quantized CPU model, "
                         "else the model's dtype; float16 halves it)")
     parser.add_argument("--dtype", default=None,
-                        choices=["float32", "bfloat16", "float16", "mixed16", "quantized"],
+                        choices=["float32", "bfloat16", "float16", "mixed16", "quantized",
+                                 "quantized-exact"],
                         help="weights: float32 (CPU default; for a GGUF of Q4_0/Q4_1/Q8_0 "
                         "blocks, quantized, lossless there), bfloat16 (GPU default), float16, "
                         "mixed16 (CPU: float16 copies for one- and two-row steps, +50%% "
                         "memory), or quantized (CPU: every step over a GGUF's own 4/8-bit "
-                        "blocks, or Q8_0 made at load, in float32 arithmetic: the fastest and "
-                        "about the file's size in memory; nbserve's C kernels build with the "
-                        "system's compiler)")
+                        "blocks, or Q8_0 made at load: the fastest and about the file's size "
+                        "in memory; on AVX2 CPUs steps of a few rows round their inputs to 16 "
+                        "bits per block; nbserve's C kernels build with the system's compiler), "
+                        "or quantized-exact (the same in float32 arithmetic throughout)")
     add_cli_options(parser)  # the server options: one flag per ServerOptions field
 
 

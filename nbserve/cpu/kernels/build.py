@@ -177,4 +177,5 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                      i32, ptr, ptr, ptr, ptr, i32, ptr]
     lib.nbq_decode_stack.restype = i32
     lib.nbq_simd_width.restype = lib.nbq_row_path_max.restype = i32
+    lib.nbq_round16_max_rows.restype = i32
     return lib

@@ -25,11 +25,11 @@ typedef uint16_t half_t;
 
 int nbq_q4_matmul(const float *x, int rows, int k, const uint8_t *codes, const half_t *d,
                   const half_t *m, int n, float *y, int threads, const float *norm, float eps,
-                  int gated);
+                  int flags);
 int nbq_q8_matmul(const float *x, int rows, int k, const int8_t *codes, const half_t *d, int n,
-                  float *y, int threads, const float *norm, float eps, int gated);
+                  float *y, int threads, const float *norm, float eps, int flags);
 int nbq_f32_matmul(const float *x, int rows, int k, const float *w, int n, float *y,
-                   int threads, const float *norm, float eps, int gated);
+                   int threads, const float *norm, float eps, int flags);
 int nbq_paged_decode_step(const float *heads, int batch, int hq, int hkv, int d,
                           const float *cos, const float *sin_signed, float *keys, float *values,
                           int block_size, const int32_t *tables, int table_stride,
@@ -43,9 +43,9 @@ int nbq_paged_decode_step_f16(const float *heads, int batch, int hq, int hkv, in
 enum { W_Q4 = 0, W_Q8 = 1, W_F32 = 2 };
 
 /* One weight: kind W_Q4 (codes, d, m), W_Q8 (codes, d) or W_F32 (codes: the float32 rows);
- * n outputs of k inputs. */
+ * n outputs of k inputs; flags for its matmuls (ROUND16 of quant_matmul.c). */
 typedef struct {
-    int32_t kind, n, k, pad;
+    int32_t kind, n, k, flags;
     const void *codes;
     const half_t *d, *m;
 } nbq_weight;
@@ -65,15 +65,16 @@ static double now(void) {
 /* y = w @ prepare(x) for `rows` input rows (norm / gated as in quant_matmul.c) */
 static int project(const nbq_weight *w, const float *x, int rows, float *y, int threads,
                    const float *norm, float eps, int gated) {
+    int flags = w->flags | gated;  /* GATED is bit 0 of quant_matmul.c's flags */
     switch (w->kind) {
     case W_Q4:
         return nbq_q4_matmul(x, rows, w->k, w->codes, w->d, w->m, w->n, y, threads, norm, eps,
-                             gated);
+                             flags);
     case W_Q8:
         return nbq_q8_matmul(x, rows, w->k, w->codes, w->d, w->n, y, threads, norm, eps,
-                             gated);
+                             flags);
     case W_F32:
-        return nbq_f32_matmul(x, rows, w->k, w->codes, w->n, y, threads, norm, eps, gated);
+        return nbq_f32_matmul(x, rows, w->k, w->codes, w->n, y, threads, norm, eps, flags);
     default:
         return -2;
     }

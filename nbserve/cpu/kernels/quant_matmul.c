@@ -6,15 +6,18 @@
  *       nibble and code j + 16 in its high one (the GGUF Q4_0/Q4_1 order; Q4_0 is m = -8 d);
  *   q8: w = d * q, q a signed byte, 32 bytes a block (the GGUF Q8_0 order).
  * d and m are float16 arrays (N, K / 32), as GGUF stores them, read as float32 (exactly).
- * Everything else is float32: the inputs are not rounded to integers (see
- * benchmarks/activation_rounding.py for why).
+ * Everything else is float32, except with the flag ROUND16 on the AVX2 path: there inputs of one
+ * or two rows are rounded to 16 bits per block of 32 (integer row kernels, faster there). Never
+ * to 8 bits as llama.cpp's CPU kernels do: that changed most of the default model's greedy
+ * answers, 16 bits none (benchmarks/activation_rounding.py).
  *
  * Two ways, by the number of input rows:
  * - up to ROW_PATH_MAX rows (a lone stream, small batches), the row kernels: output rows shared
  *   among `threads` OpenMP threads, x read once per output row from L1, each weight block
  *   decoded once for up to TILE input rows. The AVX-512 path rebuilds each weight exactly as
  *   GGUF's dequantization does (d * q, then + m) and multiplies it as a float32 model would;
- *   the AVX2 and plain C paths add d * sum(x * q) + m * sum(x) per block.
+ *   the AVX2 and plain C paths add d * sum(x * q) + m * sum(x) per block (AVX2 with ROUND16:
+ *   the same over the input's 16-bit codes, in integers, see row16).
  * - more rows (batches, prefills), the panels below: weight rows dequantized exactly as GGUF
  *   does, then a register-blocked float32 kernel.
  * Either way a product differs from one over the dequantized weights only in summation order,
@@ -39,6 +42,15 @@
 #define INLINE static inline __attribute__((always_inline))
 enum { Q4, Q8, F32 };  /* weight kinds */
 typedef uint16_t half_t;  /* an IEEE float16: the blocks' scales and minimums */
+
+/* flags of the matmul entry points */
+#define GATED 1     /* x is [a | b]: multiply silu(a) * b */
+#define ROUND16 2   /* inputs of up to ROUND16_MAX_ROWS rows are rounded to 16 bits per block
+                       (round16) for the integer row kernels, where the build has them; other
+                       inputs, and builds without them, keep float32 */
+#define ROUND16_MAX_ROWS 2  /* measured faster up to here; from 4 rows on, as slow or slower
+                               than the float32 row kernels, whose weight decoding is shared
+                               by the rows (benchmarks/README.md) */
 
 /* A float16 as float32 (exact: every float16 is a float32). */
 INLINE float h2f(half_t h) {
@@ -252,6 +264,105 @@ INLINE void f32_row(const float *x, int rows, int k, const float *w, float *out,
     for (int i = 0; i < rows; i++) out[(size_t)i * n_out] = hsum(acc[i]);
 }
 
+/* The same with the input rounded to 16 bits per block (flag ROUND16, see round16): x16 the
+ * codes, xsc their scales (rows x blocks). A block's products are integers: vpmaddwd (weight
+ * code times input code, pairs summed), exact in int32. Eight blocks' sums are gathered into
+ * one vector (horizontal adds) and scaled at once by d * the input's scale (the conversion to
+ * float32 rounds only sums past 2^24, by < 2^-24). Decoding a block to 16-bit codes is three
+ * instructions against ten to float32, which is most of a lone row's work here. */
+#define HAS_ROUND16 1
+/* one block's 32 weight codes as two vectors of 16 int16, in k order */
+INLINE void codes16(int kind, const uint8_t *qs, int b, __m256i *w0, __m256i *w1) {
+    if (kind == Q4) {  /* low nibbles: codes 0-15, high nibbles: codes 16-31 */
+        __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + (size_t)b * 16)));
+        *w0 = _mm256_and_si256(c, _mm256_set1_epi16(0x0F));
+        *w1 = _mm256_srli_epi16(c, 4);
+    } else {
+        const int8_t *q = (const int8_t *)qs + (size_t)b * BLOCK;
+        *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
+        *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
+    }
+}
+
+/* sum over the block of weight code * input code, in 8 int32 lanes */
+INLINE __m256i products16(__m256i w0, __m256i w1, const int16_t *v) {
+    return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)v)),
+                            _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(v + 16))));
+}
+
+/* blocks b, b + 1 of every row: hadd of their sums (lanes: b's pairs, then b + 1's, per half) */
+INLINE void pair16(int kind, const uint8_t *qs, int b, const int16_t *x16, int rows, int k,
+                   __m256i *h) {
+    __m256i w0, w1, u0, u1;
+    codes16(kind, qs, b, &w0, &w1);
+    codes16(kind, qs, b + 1, &u0, &u1);
+    for (int i = 0; i < rows; i++) {
+        const int16_t *v = x16 + (size_t)i * k + (size_t)b * BLOCK;
+        h[i] = _mm256_hadd_epi32(products16(w0, w1, v), products16(u0, u1, v + BLOCK));
+    }
+}
+
+INLINE void row16(int kind, const int16_t *x16, const float *xsc, int rows, int k,
+                  const uint8_t *qs, const half_t *d, const half_t *m, const float *xs,
+                  float *out, int n_out) {
+    int nb = k / BLOCK, b = 0;
+    __m256 acc[ROUND16_MAX_ROWS], macc[ROUND16_MAX_ROWS];
+    for (int i = 0; i < ROUND16_MAX_ROWS; i++) acc[i] = macc[i] = _mm256_setzero_ps();
+    for (; b + 8 <= nb; b += 8) {  /* eight blocks' sums into one vector, then scaled */
+        __m256i h0[ROUND16_MAX_ROWS], h1[ROUND16_MAX_ROWS], h2[ROUND16_MAX_ROWS],
+            h3[ROUND16_MAX_ROWS];
+        pair16(kind, qs, b, x16, rows, k, h0);
+        pair16(kind, qs, b + 2, x16, rows, k, h1);
+        pair16(kind, qs, b + 4, x16, rows, k, h2);
+        pair16(kind, qs, b + 6, x16, rows, k, h3);
+        __m256 d8 = half8(d + b);
+        for (int i = 0; i < rows; i++) {
+            /* blocks b..b+3 in each half (lanes 0-3), b+4..b+7 likewise; then the halves */
+            __m256i lo = _mm256_hadd_epi32(h0[i], h1[i]), hi = _mm256_hadd_epi32(h2[i], h3[i]);
+            __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
+                                            _mm256_permute2x128_si256(lo, hi, 0x31));
+            __m256 scale = _mm256_mul_ps(d8, _mm256_loadu_ps(xsc + i * nb + b));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[i]);
+        }
+    }
+    for (; b < nb; b++) {  /* the last nb % 8 blocks, one at a time */
+        __m256i w0, w1;
+        codes16(kind, qs, b, &w0, &w1);
+        float db = h2f(d[b]);
+        for (int i = 0; i < rows; i++) {
+            __m256i p = products16(w0, w1, x16 + (size_t)i * k + (size_t)b * BLOCK);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(db * xsc[i * nb + b]),
+                                     acc[i]);
+        }
+    }
+    if (kind == Q8) {
+        for (int i = 0; i < rows; i++) out[(size_t)i * n_out] = hsum(acc[i]);
+        return;
+    }
+    /* q4's m terms from the float32 input's block sums, as q4_row */
+    b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        __m256 mv = half8(m + b);
+        for (int i = 0; i < rows; i++)
+            macc[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + i * nb + b), macc[i]);
+    }
+    for (int i = 0; i < rows; i++) {
+        float tail = 0.f;
+        for (int t = b; t < nb; t++) tail += h2f(m[t]) * xs[i * nb + t];
+        out[(size_t)i * n_out] = hsum(acc[i]) + (hsum(macc[i]) + tail);
+    }
+}
+
+INLINE void q4_row16(const int16_t *x16, const float *xsc, int rows, int k, const uint8_t *qs,
+                     const half_t *d, const half_t *m, const float *xs, float *out, int n_out) {
+    row16(Q4, x16, xsc, rows, k, qs, d, m, xs, out, n_out);
+}
+
+INLINE void q8_row16(const int16_t *x16, const float *xsc, int rows, int k, const int8_t *qs,
+                     const half_t *d, float *out, int n_out) {
+    row16(Q8, x16, xsc, rows, k, (const uint8_t *)qs, d, NULL, NULL, out, n_out);
+}
+
 #else  /* plain C */
 INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const half_t *d,
                    const half_t *m, const float *xs, float *out, int n_out) {
@@ -290,6 +401,25 @@ INLINE void f32_row(const float *x, int rows, int k, const float *w, float *out,
         for (int j = 0; j < k; j++) acc += w[j] * x[(size_t)i * k + j];
         out[(size_t)i * n_out] = acc;
     }
+}
+#endif
+
+#ifdef HAS_ROUND16
+/* x (rows, k) rounded per block of 32: q = round(x / s) as int16, s = max |x| / 32767 (the
+ * block's largest magnitude becomes +-32767; s = 0 for a block of zeros), so q * s is x within
+ * s / 2 = max |x| / 65534. */
+static void round16(const float *x, int rows, int k, int16_t *q, float *s) {
+    int nb = k / BLOCK;
+    for (int i = 0; i < rows; i++)
+        for (int b = 0; b < nb; b++) {
+            const float *v = x + (size_t)i * k + (size_t)b * BLOCK;
+            int16_t *o = q + (size_t)i * k + (size_t)b * BLOCK;
+            float amax = 0.f;
+            for (int j = 0; j < BLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
+            float inv = amax > 0.f ? 32767.f / amax : 0.f;
+            for (int j = 0; j < BLOCK; j++) o[j] = (int16_t)lrintf(v[j] * inv);
+            s[i * nb + b] = amax / 32767.f;
+        }
 }
 #endif
 
@@ -483,6 +613,15 @@ static void weight_panel(const float *w, int nw_all, int k, const float *xt, int
 /* the most input rows the row kernels take; more go to the panels */
 int nbq_row_path_max(void) { return ROW_PATH_MAX; }
 
+/* the most input rows that ROUND16 rounds in this build (0: it has no integer row kernels) */
+int nbq_round16_max_rows(void) {
+#ifdef HAS_ROUND16
+    return ROUND16_MAX_ROWS;
+#else
+    return 0;
+#endif
+}
+
 /* y (R, N) = x (R, K) @ w.T, PANEL outputs a work item; -1 when out of memory */
 static int panel_matmul(int kind, const float *x, int rows, int k, const void *codes,
                         const half_t *d, const half_t *m, int n, float *y, int threads) {
@@ -513,25 +652,35 @@ static int panel_matmul(int kind, const float *x, int rows, int k, const void *c
 
 /* y (R, N) = prepare(x) (R, K) @ w.T for a weight of `kind`: Q4 codes (N, K/2) bytes with
  * d and m (N, K/32); Q8 codes (N, K) signed bytes with d (N, K/32); F32 (N, K) floats.
- * Up to ROW_PATH_MAX rows, the row kernels above; more, the panels.
+ * Up to ROW_PATH_MAX rows, the row kernels above (on the input rounded to 16 bits with
+ * ROUND16 in `flags`, where the build has those kernels); more, the panels.
  * Returns 0, or -1 when out of memory (y is then not written). */
 static int matmul(int kind, const float *x, int rows, int k, const void *codes, const half_t *d,
                   const half_t *m, int n, float *y, int threads, const float *norm, float eps,
-                  int gated) {
+                  int flags) {
     int nb = k / BLOCK;
     size_t row_bytes = kind == Q4 ? (size_t)k / 2 : kind == Q8 ? (size_t)k : (size_t)k * 4;
-    float *buf, *xs = NULL;
-    x = prepare(x, rows, k, norm, eps, gated, &buf, threads);
+    float *buf, *xs = NULL, *xsc = NULL;
+    int16_t *x16 = NULL;
+    x = prepare(x, rows, k, norm, eps, flags & GATED, &buf, threads);
     if (!x) return -1;
     if (rows > ROW_PATH_MAX) {
         int failed = panel_matmul(kind, x, rows, k, codes, d, m, n, y, threads);
         free(buf);
         return failed;
     }
+#ifdef HAS_ROUND16
+    if ((flags & ROUND16) && kind != F32 && rows <= ROUND16_MAX_ROWS) {
+        x16 = malloc(sizeof(int16_t) * (size_t)rows * k);
+        xsc = malloc(sizeof(float) * (size_t)rows * nb);
+        if (!x16 || !xsc) { free(x16); free(xsc); free(buf); return -1; }
+        round16(x, rows, k, x16, xsc);
+    }
+#endif
 #ifndef HAS_TABLE_PATH  /* the table path needs no block sums */
     if (kind == Q4) {
         xs = malloc(sizeof(float) * (size_t)rows * nb);
-        if (!xs) { free(buf); return -1; }
+        if (!xs) { free(x16); free(xsc); free(buf); return -1; }
         block_sums(x, rows, k, xs);
     }
 #endif
@@ -543,6 +692,18 @@ static int matmul(int kind, const float *x, int rows, int k, const void *codes, 
             const float *xi = x + (size_t)i0 * k, *si = xs ? xs + (size_t)i0 * nb : NULL;
             float *yi = y + (size_t)i0 * n + r;
             int t = rows - i0 < TILE ? rows - i0 : TILE;
+#ifdef HAS_ROUND16
+            if (x16) {
+                const int16_t *qi = x16 + (size_t)i0 * k;
+                const float *ci = xsc + (size_t)i0 * nb;
+#define ROWS16(T) if (kind == Q4) q4_row16(qi, ci, T, k, wq, wd, wm, si, yi, n); \
+                  else q8_row16(qi, ci, T, k, (const int8_t *)wq, wd, yi, n)
+                if (t == 1) ROWS16(1);  /* t <= ROUND16_MAX_ROWS */
+                else ROWS16(ROUND16_MAX_ROWS);
+#undef ROWS16
+                continue;
+            }
+#endif
             /* constant row counts, so that the accumulators stay in registers */
 #define ROWS(T) if (kind == Q4) q4_row(xi, T, k, wq, wd, wm, si, yi, n); \
                 else if (kind == Q8) q8_row(xi, T, k, (const int8_t *)wq, wd, yi, n); \
@@ -556,6 +717,8 @@ static int matmul(int kind, const float *x, int rows, int k, const void *codes, 
 #undef ROWS
         }
     }
+    free(x16);
+    free(xsc);
     free(xs);
     free(buf);
     return 0;
@@ -563,16 +726,16 @@ static int matmul(int kind, const float *x, int rows, int k, const void *codes, 
 
 int nbq_q4_matmul(const float *x, int rows, int k, const uint8_t *codes, const half_t *d,
                   const half_t *m, int n, float *y, int threads, const float *norm, float eps,
-                  int gated) {
-    return matmul(Q4, x, rows, k, codes, d, m, n, y, threads, norm, eps, gated);
+                  int flags) {
+    return matmul(Q4, x, rows, k, codes, d, m, n, y, threads, norm, eps, flags);
 }
 
 int nbq_q8_matmul(const float *x, int rows, int k, const int8_t *codes, const half_t *d, int n,
-                  float *y, int threads, const float *norm, float eps, int gated) {
-    return matmul(Q8, x, rows, k, codes, d, NULL, n, y, threads, norm, eps, gated);
+                  float *y, int threads, const float *norm, float eps, int flags) {
+    return matmul(Q8, x, rows, k, codes, d, NULL, n, y, threads, norm, eps, flags);
 }
 
 int nbq_f32_matmul(const float *x, int rows, int k, const float *w, int n, float *y,
-                   int threads, const float *norm, float eps, int gated) {
-    return matmul(F32, x, rows, k, w, NULL, NULL, n, y, threads, norm, eps, gated);
+                   int threads, const float *norm, float eps, int flags) {
+    return matmul(F32, x, rows, k, w, NULL, NULL, n, y, threads, norm, eps, flags);
 }
