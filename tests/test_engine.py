@@ -181,6 +181,22 @@ def test_prefix_reuse_prefills_only_new_tokens_and_keeps_output(loaded):
     assert cold["ids"] == second["ids"]
 
 
+def test_prompts_sharing_a_short_system_prefix_reuse_it_by_default(loaded):
+    """The default KV block holds 16 tokens: two chats whose prompts share only a template's
+    system prefix (about 26 tokens for SmolLM2's) reuse its first full block; blocks of 32
+    reused none of it."""
+    shared = loaded.tokenizer.encode(" ".join(["system"] * 30))[:26]
+    first, second = shared + [5, 6, 7, 8], shared + [9, 10, 11]
+    with Engine(loaded, max_batch=2, max_context=256) as eng:
+        assert eng.stats()["kv_block_size"] == 16
+        run(eng, Request(prompt_ids=first, params=greedy(4)))
+        again = run(eng, Request(prompt_ids=second, params=greedy(4)))
+    assert again["usage"].cached_tokens == 16
+    with Engine(loaded, max_batch=2, max_context=256, kv_block_size=32) as eng:
+        run(eng, Request(prompt_ids=first, params=greedy(4)))
+        assert run(eng, Request(prompt_ids=second, params=greedy(4)))["usage"].cached_tokens == 0
+
+
 def test_long_prompt_is_prefilled_in_chunks_while_others_decode(loaded):
     with Engine(loaded, max_batch=4, max_context=256, prefill_chunk=8) as eng:
         long_ids = loaded.tokenizer.encode(" ".join(["word"] * 150))[:150]

@@ -60,7 +60,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
                         'fraction of the free memory / available RAM ("0.3"); default 0.25 of '
                         "the RAM on CPU, 0.9 of the GPU's free memory; committed as used on CPU")
     parser.add_argument("--kv-block-size", type=int, default=None, help="tokens per KV block "
-                        "(default 32; full blocks are shared between requests by prefix)")
+                        "(default 16; full blocks are shared between requests by prefix)")
     parser.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="the KV cache's dtype (default: float16 for a quantized CPU model, "
                         "else the model's dtype; float16 halves it)")
