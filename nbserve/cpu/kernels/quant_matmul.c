@@ -200,6 +200,23 @@ INLINE __m256 block_dot(const __m256 *w, const float *v) {
     return _mm256_fmadd_ps(w[3], _mm256_loadu_ps(v + 24), t);
 }
 
+/* out[i] = the lanes of acc[i] + q4's m terms: the sum over blocks of m[b] * (the block sum of
+ * the input, xs), 8 blocks a vector into macc[i] (zeros on entry) */
+INLINE void q4_finish(const __m256 *acc, __m256 *macc, int rows, int nb, const half_t *m,
+                      const float *xs, float *out, int n_out) {
+    int b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        __m256 mv = half8(m + b);
+        for (int i = 0; i < rows; i++)
+            macc[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + i * nb + b), macc[i]);
+    }
+    for (int i = 0; i < rows; i++) {
+        float tail = 0.f;
+        for (int t = b; t < nb; t++) tail += h2f(m[t]) * xs[i * nb + t];
+        out[(size_t)i * n_out] = hsum(acc[i]) + (hsum(macc[i]) + tail);
+    }
+}
+
 INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const half_t *d,
                    const half_t *m, const float *xs, float *out, int n_out) {
     int nb = k / BLOCK;
@@ -221,18 +238,7 @@ INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const hal
             acc[i] = _mm256_fmadd_ps(scale, block_dot(w, v), acc[i]);
         }
     }
-    /* the m terms: sum over blocks of m[b] * (sum of the block's x), 8 blocks a vector */
-    int b = 0;
-    for (; b + 8 <= nb; b += 8) {
-        __m256 mv = half8(m + b);
-        for (int i = 0; i < rows; i++)
-            macc[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + i * nb + b), macc[i]);
-    }
-    for (int i = 0; i < rows; i++) {
-        float tail = 0.f;
-        for (int t = b; t < nb; t++) tail += h2f(m[t]) * xs[i * nb + t];
-        out[(size_t)i * n_out] = hsum(acc[i]) + (hsum(macc[i]) + tail);
-    }
+    q4_finish(acc, macc, rows, nb, m, xs, out, n_out);
 }
 
 INLINE void q8_row(const float *x, int rows, int k, const int8_t *qs, const half_t *d,
@@ -339,18 +345,7 @@ INLINE void row16(int kind, const int16_t *x16, const float *xsc, int rows, int 
         for (int i = 0; i < rows; i++) out[(size_t)i * n_out] = hsum(acc[i]);
         return;
     }
-    /* q4's m terms from the float32 input's block sums, as q4_row */
-    b = 0;
-    for (; b + 8 <= nb; b += 8) {
-        __m256 mv = half8(m + b);
-        for (int i = 0; i < rows; i++)
-            macc[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + i * nb + b), macc[i]);
-    }
-    for (int i = 0; i < rows; i++) {
-        float tail = 0.f;
-        for (int t = b; t < nb; t++) tail += h2f(m[t]) * xs[i * nb + t];
-        out[(size_t)i * n_out] = hsum(acc[i]) + (hsum(macc[i]) + tail);
-    }
+    q4_finish(acc, macc, rows, nb, m, xs, out, n_out);  /* m terms from the float32 input */
 }
 
 INLINE void q4_row16(const int16_t *x16, const float *xsc, int rows, int k, const uint8_t *qs,
