@@ -13,7 +13,8 @@ add of 70k floats in a fresh thread, with no pool in the main thread, with one, 
 With `--crossover`: nbserve's C kernels (`nbserve/models/quant.py`) against oneDNN-packed
 float32, the 30 layers and the head at 1 to 128 rows in a fresh thread: where FLOAT_MAX_ROWS and
 the kernel's ROW_PATH_MAX (row kernels, then panels) come from (float32 weights as they are;
-random Q4_1-style and Q8_0 blocks).
+random Q4_1-style and Q8_0 blocks), and the blocks again with 16-bit inputs (`round16`, where
+ROUND16_MAX_ROWS comes from; the same as without on a build that has no such kernels).
 
     python benchmarks/cpu_kernels.py               # ~1 minute on 2 cores
     python benchmarks/cpu_kernels.py --crossover   # ~1 minute; needs a C compiler
@@ -98,6 +99,7 @@ def crossover(rows_list: list[int], n: int) -> None:
     f32 = [KernelLinear(w) for w in [*layers, head]]
     quant = [KernelLinear(random_blocks(*w.shape, "q4", g)) for w in layers]
     quant.append(KernelLinear(random_blocks(*head.shape, "q8", g)))
+    rounded = [KernelLinear(op.weight, round16=True) for op in quant]
 
     def body() -> None:
         torch.set_num_threads(2)
@@ -105,7 +107,7 @@ def crossover(rows_list: list[int], n: int) -> None:
             x = {i: torch.randn(rows, i, generator=g) for i in (576, 1536)}
             cells = []
             for name, ops in (("f32 oneDNN-packed", packed), ("f32 C kernel", f32),
-                              ("q4/q8 C kernel", quant)):
+                              ("q4/q8 C kernel", quant), ("the same, 16-bit inputs", rounded)):
                 def all_ops(ops: list = ops, x: dict = x) -> None:
                     for op in ops:
                         op(x[op.weight.shape[1] if isinstance(op, PackedCopy)
