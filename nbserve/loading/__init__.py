@@ -13,7 +13,7 @@ import torch
 
 from ..cpu.threads import torch_threads
 from ..models.base import LoadedModel
-from ..models.dtypes import MIXED16, QUANTIZED, QUANTIZED_EXACT, WEIGHT_FORMATS, resolve_dtype
+from ..models.dtypes import MIXED16, QUANTIZED, QUANTIZED_FORMATS, WEIGHT_FORMATS, resolve_dtype
 
 DEFAULT_NAMES = {"smollm2", "default", "smollm2-135m-instruct"}
 
@@ -56,7 +56,7 @@ def _blocks_will_serve(source: Any, copies: str | None, dtype: Any, device: str)
     without packed copies or a transposed head, which would be dropped at once (for a large
     model they would double the memory the load needs on its way)."""
     cpu = torch.device(device).type == "cpu"
-    if copies in (QUANTIZED, QUANTIZED_EXACT):
+    if copies in QUANTIZED_FORMATS:
         return cpu
     if copies is not None or dtype is not None or not cpu or _gguf_file(str(source)) is None:
         return False
@@ -172,8 +172,7 @@ def _release_unread_weights(loaded: LoadedModel) -> None:
     that its quantized and packed copies leave unread (`WeightFormats.release_dense_weights`;
     the outputs stay the same bit for bit)."""
     release = getattr(loaded.model, "release_dense_weights", None)
-    if release is not None and \
-            getattr(loaded.model, "weight_format", None) in (QUANTIZED, QUANTIZED_EXACT):
+    if release is not None and getattr(loaded.model, "weight_format", None) in QUANTIZED_FORMATS:
         release()
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from ..cpu.kernels.build import kernels_available
 from .config import DecoderConfig
 from .decode_stack import DecodeStack
-from .dtypes import QUANTIZED, QUANTIZED_EXACT
+from .dtypes import QUANTIZED_FORMATS
 from .kv_cache import PagedKVCache
 from .linear import (
     FusedProjection,
@@ -563,7 +563,7 @@ class DecoderModel(WeightFormats):
         every reference answer of the default model (benchmarks/README.md); half the memory
         per token, as llama.cpp's default. Else the model's dtype, so float32 stays exact.
         `kv_dtype="float32"` keeps a quantized model's cache in float32."""
-        if self.weight_format in (QUANTIZED, QUANTIZED_EXACT) and self._paged_kernel:
+        if self.weight_format in QUANTIZED_FORMATS and self._paged_kernel:
             return torch.float16
         return self.dtype
 

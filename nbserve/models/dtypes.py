@@ -10,6 +10,7 @@ MIXED16 = "mixed16"  # dtype name: float32, plus float16 weight copies for 1-2-r
 QUANTIZED = "quantized"  # float32, plus quantized weight copies for steps of a few rows
 QUANTIZED_EXACT = "quantized-exact"  # the same, with float32 arithmetic on every kernel path
 WEIGHT_FORMATS = (MIXED16, QUANTIZED, QUANTIZED_EXACT)  # dtype names beyond torch's
+QUANTIZED_FORMATS = (QUANTIZED, QUANTIZED_EXACT)  # the ones whose blocks serve every step
 
 _NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,

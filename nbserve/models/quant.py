@@ -166,7 +166,6 @@ class KernelLinear:
 
         self.weight = weight
         self.round16 = round16 and isinstance(weight, QuantBlocks)
-        self.flags = ROUND16 if self.round16 else 0
         self.bias = None if bias is None else bias.detach().float()
         self.out_features, self.in_features = weight.shape
         self._lib = kernels or quant_kernels()  # a build for another CPU path, in tests
@@ -179,6 +178,11 @@ class KernelLinear:
                 raise ValueError("the float32 kernel needs a contiguous CPU float32 weight "
                                  f"with rows of whole blocks of {BLOCK}")
             self.kind, self.max_rows = "f32", FLOAT_MAX_ROWS
+
+    @property
+    def flags(self) -> int:
+        """The kernel's flags for this weight's products (ROUND16 or none; GATED per call)."""
+        return ROUND16 if self.round16 else 0
 
     @property
     def nbytes(self) -> int:
