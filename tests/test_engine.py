@@ -181,20 +181,33 @@ def test_prefix_reuse_prefills_only_new_tokens_and_keeps_output(loaded):
     assert cold["ids"] == second["ids"]
 
 
-def test_prompts_sharing_a_short_system_prefix_reuse_it_by_default(loaded):
-    """The default KV block holds 16 tokens: two chats whose prompts share only a template's
-    system prefix (about 26 tokens for SmolLM2's) reuse its first full block; blocks of 32
-    reused none of it."""
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prompts_sharing_a_short_system_prefix_reuse_all_of_it(loaded, block_size):
+    """Two chats whose prompts share only a template's system prefix (about 26 tokens for
+    SmolLM2's), which ends inside a KV block: the second reuses every shared token (the whole
+    blocks shared, the rest copied from the first one's block), whatever the block size, and
+    decodes what it would from scratch."""
     shared = loaded.tokenizer.encode(" ".join(["system"] * 30))[:26]
     first, second = shared + [5, 6, 7, 8], shared + [9, 10, 11]
+    with Engine(loaded, max_batch=2, max_context=256, kv_block_size=block_size) as eng:
+        run(eng, Request(prompt_ids=first, params=greedy(4)))
+        again = run(eng, Request(prompt_ids=second, params=greedy(6)))
+        assert eng.stats()["tokens_reused"] == 26
+    assert again["usage"].cached_tokens == 26
+    assert again["ids"][0] == naive_greedy(loaded, second, 6)
+
+
+def test_the_next_turn_of_a_chat_reuses_the_whole_conversation(loaded):
+    """A turn's prompt is the last one's prompt and answer and more: every position the last
+    turn computed is reused (its partly filled last block copied), not only whole blocks."""
+    prompt = loaded.tokenizer.encode(" ".join(["turn"] * 12))[:10]
     with Engine(loaded, max_batch=2, max_context=256) as eng:
-        assert eng.stats()["kv_block_size"] == 16
-        run(eng, Request(prompt_ids=first, params=greedy(4)))
-        again = run(eng, Request(prompt_ids=second, params=greedy(4)))
-    assert again["usage"].cached_tokens == 16
-    with Engine(loaded, max_batch=2, max_context=256, kv_block_size=32) as eng:
-        run(eng, Request(prompt_ids=first, params=greedy(4)))
-        assert run(eng, Request(prompt_ids=second, params=greedy(4)))["usage"].cached_tokens == 0
+        answer = run(eng, Request(prompt_ids=prompt, params=greedy(5)))["ids"][0]
+        follow = prompt + answer + [7, 8, 9]
+        nxt = run(eng, Request(prompt_ids=follow, params=greedy(6)))
+    # all but the answer's last token, which was sampled and never fed back
+    assert nxt["usage"].cached_tokens == len(prompt) + len(answer) - 1 == 14
+    assert nxt["ids"][0] == naive_greedy(loaded, follow, 6)
 
 
 def test_long_prompt_is_prefilled_in_chunks_while_others_decode(loaded):

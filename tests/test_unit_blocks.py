@@ -21,6 +21,7 @@ def computed_seq(space: BlockSpace, prompt: list[int], limit: int | None = None)
     keys/values "written", full blocks committed), as the scheduler and engine would."""
     s = seq(prompt)
     s.computed = space.admit(s, s.tokens, len(prompt) - 1 if limit is None else limit)
+    space.take_copy(s)  # (the engine copies the positions found in part of a block)
     assert space.grow(s, len(prompt))
     s.computed = len(prompt)
     space.commit(s, s.tokens, s.computed)
@@ -29,7 +30,7 @@ def computed_seq(space: BlockSpace, prompt: list[int], limit: int | None = None)
 
 def check(space: BlockSpace, running: list[Sequence]) -> None:
     """The pool's books agree with the sequences that hold blocks."""
-    held = [b for s in running for b in s.table]
+    held = [b for s in running for b in s.table + ([s.copy[0]] if s.copy else [])]
     for b in range(space.n_blocks):
         assert space.refs[b] == held.count(b)
     in_use = set(held)
@@ -37,7 +38,11 @@ def check(space: BlockSpace, running: list[Sequence]) -> None:
     assert not set(space._free) & set(space._unused)
     assert len(space._free) + len(space._unused) + len(in_use) == space.n_blocks
     assert space.n_free + space.n_used == space.n_blocks
-    assert all(b in space._key_of for b in space._unused)
+    assert all(b in space._content for b in space._unused)
+    for (parent, first), blocks in space._under.items():
+        assert blocks and all(space._content[b][0] == parent and space._content[b][1][0] == first
+                              for b in blocks)
+    assert sum(map(len, space._under.values())) == len(space._content)
     for key, b in space._by_key.items():
         assert space._key_of[b] == key
         parent, tokens = space._content[b]
@@ -84,13 +89,19 @@ def test_the_last_prompt_token_is_never_taken_from_the_cache() -> None:
     space = BlockSpace(16, 2)
     prompt = [1, 2, 3, 4, 5, 6]  # exactly 3 full blocks, all cached
     a = computed_seq(space, prompt)
+    a_blocks = list(a.table)
     space.release(a, a.tokens, keep=True)
+    assert space.cached_prefix(prompt, 6) == (6, 3)  # all three, unused
     b = seq(prompt)
-    # the scheduler's limit for a new prompt: all but its last token
-    assert space.admit(b, b.tokens, len(prompt) - 1) == 4 and len(b.table) == 2
-    assert space.cached_prefix(prompt, 5) == (4, 0)  # b holds both: none unused
-    assert space.cached_prefix(prompt, 6) == (6, 1)  # the third block, unused
-    assert space.cached_prefix(prompt[:1], 6) == (0, 0)  # no full block to find
+    # the scheduler's limit for a new prompt: all but its last token; the third block's first
+    # position is copied into a block of b's own (the last is computed there)
+    assert space.admit(b, b.tokens, len(prompt) - 1) == 5 and len(b.table) == 3
+    assert b.table[:2] == a_blocks[:2] and b.copy == (a_blocks[2], b.table[2], 1)
+    assert space.cached_prefix(prompt, 5) == (5, 0)  # b holds them all: none unused
+    assert space.cached_prefix(prompt[:1], 6) == (1, 0)  # one position of the first block
+    check(space, [b])
+    assert space.take_copy(b) == (a_blocks[2], b.table[2], 1) and b.copy is None
+    assert space.cached_prefix(prompt, 6) == (6, 1)  # the third block, unused again
     check(space, [b])
 
 
@@ -120,7 +131,8 @@ def test_a_twin_computed_at_the_same_time_stays_private() -> None:
     keyed = a.table[0]
     space.release(b, b.tokens, keep=True)
     space.release(a, a.tokens, keep=True)
-    assert space.n_cached == 1 and space.n_keyed == 1
+    # one keyed block, and each one's partly filled last block (kept for copying)
+    assert space.n_cached == 3 and space.n_keyed == 1
     c = seq([1, 2, 3])
     assert space.admit(c, c.tokens, 2) == 2 and c.table == [keyed]
     check(space, [c])
@@ -144,12 +156,17 @@ def test_cached_blocks_survive_release_and_are_reused() -> None:
     blocks = list(a.table)
     space.release(a, a.tokens, keep=True)
     assert a.table == [] and a.keyed == 0 and a.last_key == ROOT_KEY
-    assert space.n_free == 8 and space.n_used == 0 and space.n_cached == 3
+    assert space.n_free == 8 and space.n_used == 0 and space.n_cached == 4
     assert all(space.refs[b] == 0 for b in blocks)
-    assert blocks[3] in space._free  # the partial block has no key: plainly free
+    # the partial block has no key, but what it holds is remembered for copying
+    assert blocks[3] in space._unused and blocks[3] not in space._key_of
     b = seq(prompt + [8])
-    assert space.admit(b, b.tokens, 7) == 6 and b.table == blocks[:3]
-    assert space.n_cached == 0 and space.n_free == 5 and space.evictions == 0
+    assert space.admit(b, b.tokens, 7) == 7 and b.table[:3] == blocks[:3]
+    assert b.copy == (blocks[3], b.table[3], 1) and b.table[3] not in blocks
+    assert space.n_cached == 0 and space.n_free == 3 and space.evictions == 0
+    check(space, [b])
+    space.take_copy(b)
+    assert space.n_cached == 1 and space.n_free == 4
     check(space, [b])
 
 
@@ -261,9 +278,13 @@ def test_touched_counts_blocks_that_ever_held_contents() -> None:
     space.release(a, a.tokens, keep=False)
     b = computed_seq(space, [6, 7, 8, 9, 10])  # the same 3 blocks again
     assert space.n_touched == 3
-    space.release(b, b.tokens, keep=True)  # 2 full blocks stay cached, the partial one freed
-    c = computed_seq(space, [11, 12, 13, 14, 15])  # the freed one, then 2 never used
-    assert space.n_touched == 5
+    space.release(b, b.tokens, keep=True)  # all 3 stay cached (2 full, 1 partly filled)
+    c = computed_seq(space, [11, 12, 13, 14, 15])  # 3 never used
+    assert space.n_touched == 6
+    space.release(c, c.tokens, keep=False)
+    d = computed_seq(space, [16, 17, 18, 19, 20])  # the 3 freed ones first
+    assert space.n_touched == 6
+    c = d
     space.release(c, c.tokens, keep=True)
     for start in (20, 30, 40):  # the pool is full of cached blocks: evictions, no new ones
         space.release(computed_seq(space, list(range(start, start + 5))), [], keep=True)
@@ -300,6 +321,106 @@ def test_fork_without_a_free_block_for_the_copy_raises_and_changes_nothing() -> 
         space.fork(parent, child, 3)
     assert child.table == [] and space.refs == [1, 1]
     check(space, [parent])
+
+
+# ----------------------------------------------------------------------------- partial blocks
+
+
+def test_a_prompt_agreeing_with_part_of_a_cached_block_copies_those_positions() -> None:
+    """Two chats sharing a system prompt that ends inside a block: the whole blocks are
+    shared, the agreeing positions of the next one copied into a block of the new prompt's
+    own (which then holds its own tokens after them)."""
+    space = BlockSpace(16, 4)
+    system = [1, 2, 3, 4, 5, 6]  # one block and half of the next
+    a = computed_seq(space, system + [7, 8, 9])
+    space.release(a, a.tokens, keep=True)
+    b = seq(system + [10, 11])
+    assert space.cached_prefix(b.tokens, 6) == (6, 2)
+    assert space.admit(b, b.tokens, 6) == 6
+    src = b.copy[0] if b.copy else -1
+    assert b.table[0] == space._by_key[block_key(ROOT_KEY, (1, 2, 3, 4))]
+    assert space._content[src] == (b.last_key, (5, 6, 7, 8)) and b.copy == (src, b.table[1], 2)
+    assert b.keyed == 1 and space.refs[src] == 1  # held for the copy, not shared
+    check(space, [b])
+    assert space.take_copy(b) == (src, b.table[1], 2) and space.take_copy(b) is None
+    assert space.refs[src] == 0 and src in space._unused
+    assert space.grow(b, 8)
+    b.computed = 8
+    space.commit(b, b.tokens, 8)  # its own second block gets its own key
+    assert b.keyed == 2 and space._content[b.table[1]][1] == (5, 6, 10, 11)
+    check(space, [b])
+
+
+def test_the_next_turn_of_a_chat_copies_the_partly_filled_last_block() -> None:
+    space = BlockSpace(16, 4)
+    turn = computed_seq(space, [1, 2, 3, 4, 5, 6])  # one full block, two positions more
+    tail = turn.table[1]
+    space.release(turn, turn.tokens, keep=True)
+    assert space._content[tail][1] == (5, 6) and tail not in space._key_of
+    nxt = seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert space.admit(nxt, nxt.tokens, 8) == 6 and nxt.copy == (tail, nxt.table[1], 2)
+    check(space, [nxt])
+
+
+def test_the_longest_agreeing_candidate_is_copied_up_to_the_limit() -> None:
+    space = BlockSpace(16, 8)
+    for prompt in ([1, 2, 9], [1, 2, 3, 4, 9], [1, 2, 3, 9]):
+        done = computed_seq(space, prompt)
+        space.release(done, done.tokens, keep=True)
+    b = seq([1, 2, 3, 4, 5, 6])
+    assert space.cached_prefix(b.tokens, 5) == (4, 1)
+    assert space.cached_prefix(b.tokens, 3) == (3, 1)  # the limit caps the copy
+    assert space.admit(b, b.tokens, 5) == 4 and b.copy is not None and b.copy[2] == 4
+    assert space._content[b.copy[0]][1] == (1, 2, 3, 4, 9)
+
+
+def test_the_source_of_a_copy_is_not_evicted_before_the_copy_is_made() -> None:
+    space = BlockSpace(4, 2)
+    a = computed_seq(space, [1, 2, 3])  # blocks 0 (keyed) and 1 (partly filled)
+    space.release(a, a.tokens, keep=True)
+    b = seq([1, 2, 3, 4])
+    assert space.admit(b, b.tokens, 3) == 3 and b.copy == (1, 2, 1)
+    other = seq([7, 8, 9])
+    assert space.grow(other, 2) and not space.grow(other, 3)  # the one free block, no more
+    assert space.evictions == 0 and space._content[1] == (b.last_key, (3,))
+    check(space, [b, other])
+    space.take_copy(b)
+    assert space.grow(other, 3) and space.evictions == 1  # now the source can go
+    check(space, [b, other])
+
+
+def test_a_sequence_released_before_its_copy_lets_the_source_go_and_keeps_no_tail() -> None:
+    space = BlockSpace(8, 2)
+    a = computed_seq(space, [1, 2, 3])
+    space.release(a, a.tokens, keep=True)
+    b = seq([1, 2, 3, 4])
+    b.computed = space.admit(b, b.tokens, 3)
+    dst = b.table[1]
+    space.release(b, b.tokens[:b.computed], keep=True)
+    assert b.copy is None and dst in space._free and dst not in space._content
+    assert space.n_cached == 2 and all(r == 0 for r in space.refs)
+    check(space, [])
+
+
+def test_without_a_block_for_the_copy_only_whole_blocks_are_taken() -> None:
+    space = BlockSpace(4, 2)
+    a = computed_seq(space, [1, 2, 3])  # blocks 0 and 1, cached after the release
+    space.release(a, a.tokens, keep=True)
+    hog = seq([9])
+    assert space.grow(hog, 2)  # block 2: one never-used block left
+    b = seq([1, 2, 3, 4])
+    assert space.admit(b, b.tokens, 3) == 3 and b.copy == (1, 3, 1)
+    c = seq([1, 2, 3, 4])
+    assert space.admit(c, c.tokens, 3) == 2 and c.copy is None  # no block left for a copy
+    check(space, [hog, b, c])
+
+
+def test_share_false_copies_nothing() -> None:
+    space = BlockSpace(8, 2, share=False)
+    a = computed_seq(space, [1, 2, 3])
+    space.release(a, a.tokens, keep=True)
+    b = seq([1, 2, 3, 4])
+    assert space.admit(b, b.tokens, 3) == 0 and b.copy is None and space.n_cached == 0
 
 
 # ----------------------------------------------------------------------------- admission cost

@@ -64,9 +64,15 @@ class FakeKV:
         self.cells[dst] = {i: row[i] for i in range(n) if i in row}
 
     def check(self, seq: Sequence) -> None:
+        """What `seq` has computed is in its blocks; positions a copy is still to bring are
+        in that copy's source block."""
         bs = self.space.block_size
         for p in range(seq.computed):
-            got = self.cells.get(seq.table[p // bs], {}).get(p % bs)
+            block, at = seq.table[p // bs], p % bs
+            if seq.copy is not None and block == seq.copy[1]:
+                assert at < seq.copy[2] and self.space.refs[seq.copy[0]] > 0
+                block = seq.copy[0]
+            got = self.cells.get(block, {}).get(at)
             assert got == seq.tokens[p], f"position {p} of {seq.tokens} holds {got}"
 
 
@@ -88,6 +94,9 @@ def drive(sched: Scheduler, steps: int = 1, *, token: Callable[[Sequence], int] 
 
     for _ in range(steps):
         plan = sched.schedule()
+        for copy in sched.take_copies():  # cached positions found in part of a block
+            if kv is not None:
+                kv.copy(*copy)
         plans.append(plan)
         seqs = plan.decode + [w.seq for w in plan.prefills]
         assert len({id(s) for s in seqs}) == len(seqs)
@@ -451,6 +460,36 @@ def test_admission_reuses_a_released_prefix(kind: str) -> None:
     assert [(w.start, w.ids) for w in plan.prefills] == [(6, [6, 9, 9])]
 
 
+def test_a_prefix_ending_inside_a_block_is_copied_before_the_step_runs() -> None:
+    """Blocks of 4 and 6 cached tokens: the first block is shared, the next two positions are
+    copied into the new sequence's own block (`take_copies`, made before the forward), and
+    only the rest is prefilled."""
+    space = BlockSpace(64, 4)
+    kv = FakeKV(space)
+    sched = sched_with(2, space=space)
+    first = group([1, 2, 3, 4, 5])
+    sched.add(first)
+    drive(sched, 2, token=lambda s: 6 if s.output_ids else 0, kv=kv)
+    sched.finish(first[0])  # [1..5, 0] cached
+    second = group([1, 2, 3, 4, 5, 0, 7, 7])
+    sched.add(second)
+    plan = sched.schedule()
+    seq = second[0]
+    assert seq.cached_prompt == 6 and seq.copy is not None
+    assert [(w.start, w.ids) for w in plan.prefills] == [(6, [7, 7])]
+    copies = sched.take_copies()
+    assert copies == [(first_tail := copies[0][0], seq.table[1], 2)] and seq.copy is None
+    assert kv.cells[first_tail] == {0: 5, 1: 0}
+    assert sched.take_copies() == []
+    for copy in copies:
+        kv.copy(*copy)
+    kv.write(seq, 6, [7, 7])
+    seq.computed = 8
+    sched.computed(seq)
+    kv.check(seq)
+    check_books(sched, kv)
+
+
 def test_a_running_sequence_shares_its_committed_blocks_with_a_new_one() -> None:
     space = BlockSpace(64, 2)
     sched = sched_with(4, space=space)
@@ -751,6 +790,8 @@ def check_books(sched: Scheduler, kv: FakeKV | None = None) -> None:
         assert len(s.table) * bs >= s.computed
         assert s.computed <= s.target
         held.update(s.table)
+        if s.copy is not None:  # a copy's source is held until the copy is made
+            held[s.copy[0]] += 1
         if kv is not None:
             kv.check(s)
     if isinstance(space, BlockSpace):

@@ -9,6 +9,10 @@ Pure Python, no torch. Two implementations of one interface (`KVSpace`), chosen 
   counted, between sequences. Blocks nobody uses keep their contents and their key, and are
   reused least-recently-used first when the pool needs room: a later turn of a chat, the
   sixteenth user of one system prompt, the n choices of one request prefill only what is new.
+  Past the last shared block, a prompt that agrees with part of a cached block (a full one, or
+  the partly filled last block of a finished sequence) gets a copy of those positions in a
+  block of its own, so reuse is as fine as one token, like llama-server's slots and SGLang's
+  radix cache, while sharing stays by whole blocks.
 - `SlotSpace`, for models with the older one-row-per-sequence cache (`make_cache`): one
   "block" of `max_context` tokens per sequence; a free row remembers its tokens, and a new
   prompt takes the free row that shares its longest prefix.
@@ -21,6 +25,9 @@ from collections.abc import Sequence as Seq
 from typing import Any, Protocol
 
 ROOT_KEY = 0  # the parent key of a sequence's first block
+# cached blocks compared with a prompt's partly matching block, the newest first: enough for
+# the variants of one system prompt a server sees; bounded so that admission stays cheap
+PARTIAL_CANDIDATES = 32
 
 
 def block_key(parent: int, tokens: Seq[int]) -> int:
@@ -55,7 +62,12 @@ class KVSpace(Protocol):
 
     def admit(self, seq: Any, tokens: list[int], limit: int) -> int:
         """Give `seq` the cached blocks of the longest prefix of `tokens[:limit]` that the
-        space holds; return how many tokens that covers (their keys/values are ready)."""
+        space holds; return how many tokens that covers (their keys/values are ready once
+        the copy it may leave in `seq.copy` is made: see `take_copy`)."""
+
+    def take_copy(self, seq: Any) -> tuple[int, int, int] | None:
+        """The copy `admit` left for `seq` (src block, dst block, positions), now to be made
+        before anything else writes to the cache; its source is no longer held for it."""
 
     def cached_prefix(self, tokens: list[int], limit: int) -> tuple[int, int]:
         """(tokens of `tokens[:limit]` cached, how many of those blocks are unused): no change."""
@@ -97,7 +109,11 @@ class BlockSpace:
         self._unused: OrderedDict[int, None] = OrderedDict()  # keyed, refs 0: oldest first
         self._by_key: dict[int, int] = {}
         self._key_of: dict[int, int] = {}
-        self._content: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (parent, tokens)
+        # block -> (parent key, tokens): keyed full blocks, and the partly filled last blocks
+        # of finished sequences (no key; found only through `_under`)
+        self._content: dict[int, tuple[int, tuple[int, ...]]] = {}
+        # (parent key, first token) -> blocks with contents under that parent, newest last
+        self._under: dict[tuple[int, int], dict[int, None]] = {}
         self.evictions = 0
         self._touched = bytearray(n_blocks)
         self.n_touched = 0
@@ -140,13 +156,40 @@ class BlockSpace:
             parent = key
         return found
 
+    def _partial(self, tokens: list[int], limit: int, blocks: list[int]) -> tuple[int, int]:
+        """After the shared `blocks`: the cached block that agrees longest with the tokens
+        that follow them (up to `limit`), and for how many positions; (-1, 0) if none."""
+        bs = self.block_size
+        start = len(blocks) * bs
+        want = tokens[start:min(limit, start + bs - 1)]  # a whole block would be shared
+        if not self.share or not want:
+            return -1, 0
+        parent = self._key_of[blocks[-1]] if blocks else ROOT_KEY
+        under = self._under.get((parent, want[0]))
+        best, best_n = -1, 0
+        for looked, block in enumerate(reversed(under or {})):  # the newest first
+            if looked == PARTIAL_CANDIDATES:
+                break
+            n = common_prefix_len(list(self._content[block][1]), want)
+            if n > best_n:
+                best, best_n = block, n
+                if n == len(want):
+                    break
+        return best, best_n
+
     def cached_prefix(self, tokens: list[int], limit: int) -> tuple[int, int]:
-        blocks = self._walk(tokens, min(limit, len(tokens)))
-        return len(blocks) * self.block_size, sum(self.refs[b] == 0 for b in blocks)
+        limit = min(limit, len(tokens))
+        blocks = self._walk(tokens, limit)
+        src, n = self._partial(tokens, limit, blocks)
+        return (len(blocks) * self.block_size + n,
+                sum(self.refs[b] == 0 for b in blocks) + (n > 0 and self.refs[src] == 0))
 
     def admission_cost(self, tokens: list[int], limit: int, length: int, n: int) -> int:
-        blocks = self._walk(tokens, min(limit, len(tokens)))
-        unused = sum(self.refs[b] == 0 for b in blocks)
+        limit = min(limit, len(tokens))
+        blocks = self._walk(tokens, limit)
+        src, copied = self._partial(tokens, limit, blocks)
+        # a partly matching block is held until its positions are copied (then let go)
+        unused = sum(self.refs[b] == 0 for b in blocks) + (copied > 0 and self.refs[src] == 0)
         # each other choice shares the prompt's full blocks and needs one of its own: the
         # copy of the partial last block (which holds its first decode's position too), or,
         # when the prompt ends on a block boundary, the block its first decode opens
@@ -155,13 +198,26 @@ class BlockSpace:
     # ---------------------------------------------------------------- changes
 
     def admit(self, seq: Any, tokens: list[int], limit: int) -> int:
-        blocks = self._walk(tokens, min(limit, len(tokens)))
+        limit = min(limit, len(tokens))
+        blocks = self._walk(tokens, limit)
         for b in blocks:
             self._ref(b)
         seq.table = list(blocks)
         seq.keyed = len(blocks)
         seq.last_key = self._key_of[blocks[-1]] if blocks else ROOT_KEY
-        return len(blocks) * self.block_size
+        src, n = self._partial(tokens, limit, blocks)
+        if n and self.n_free > (self.refs[src] == 0):  # room for the copy besides its source
+            self._ref(src)  # held until the copy is made: not evicted before it
+            seq.table.append(self._take())
+            seq.copy = (src, seq.table[-1], n)
+        return len(blocks) * self.block_size + (n if seq.copy else 0)
+
+    def take_copy(self, seq: Any) -> tuple[int, int, int] | None:
+        copy = seq.copy
+        if copy is not None:
+            seq.copy = None
+            self._unref(copy[0], keep=True)
+        return copy
 
     def grow(self, seq: Any, length: int) -> bool:
         need = -(-length // self.block_size) - len(seq.table)
@@ -183,7 +239,7 @@ class BlockSpace:
             block = seq.table[i]
             if block not in self._key_of and key not in self._by_key:  # else: a twin exists
                 self._by_key[key], self._key_of[block] = block, key
-                self._content[block] = (seq.last_key, chunk)
+                self._remember(block, seq.last_key, chunk)
             seq.keyed, seq.last_key = i + 1, key
 
     def fork(self, parent: Any, child: Any, computed: int) -> tuple[int, int, int] | None:
@@ -201,22 +257,42 @@ class BlockSpace:
         return parent.table[full], dst, rest
 
     def release(self, seq: Any, tokens: list[int], keep: bool) -> None:
+        if self.take_copy(seq) is None and keep:  # (a copy never made leaves no tail to keep)
+            self._keep_tail(seq, tokens)
         # last block first: the LRU then evicts a chain from its tail (evicting its head
         # would leave the rest unreachable), and freed low ids are handed out again first
         for b in reversed(seq.table):
-            self.refs[b] -= 1
-            assert self.refs[b] >= 0, f"block {b} released more often than taken"
-            if self.refs[b]:
-                continue
-            if keep and b in self._key_of:
-                self._unused[b] = None  # newest last
-            else:
-                self._forget(b)
-                self._free.append(b)
+            self._unref(b, keep)
         seq.table = []
         seq.keyed, seq.last_key = 0, ROOT_KEY
 
     # ---------------------------------------------------------------- internals
+
+    def _keep_tail(self, seq: Any, tokens: list[int]) -> None:
+        """Remember what the partly filled last block of a finished `seq` holds, so that a
+        prompt continuing from there (the next turn of its chat) can copy it."""
+        full, rest = divmod(len(tokens), self.block_size)
+        if not (self.share and rest and seq.keyed == full and len(seq.table) > full):
+            return
+        block = seq.table[full]
+        if self.refs[block] == 1 and block not in self._content:
+            self._remember(block, seq.last_key, tuple(tokens[full * self.block_size:]))
+
+    def _remember(self, block: int, parent: int, tokens: tuple[int, ...]) -> None:
+        self._content[block] = (parent, tokens)
+        self._under.setdefault((parent, tokens[0]), {})[block] = None
+
+    def _unref(self, block: int, keep: bool) -> None:
+        """One holder less; a block nobody holds is cached if it keeps contents, else freed."""
+        self.refs[block] -= 1
+        assert self.refs[block] >= 0, f"block {block} released more often than taken"
+        if self.refs[block]:
+            return
+        if keep and block in self._content:
+            self._unused[block] = None  # newest last
+        else:
+            self._forget(block)
+            self._free.append(block)
 
     def _ref(self, block: int) -> None:
         if self.refs[block] == 0:
@@ -240,10 +316,15 @@ class BlockSpace:
 
     def _forget(self, block: int) -> None:
         key = self._key_of.pop(block, None)
-        if key is not None:
-            self._content.pop(block, None)
-            if self._by_key.get(key) == block:
-                del self._by_key[key]
+        if key is not None and self._by_key.get(key) == block:
+            del self._by_key[key]
+        content = self._content.pop(block, None)
+        if content is not None:
+            parent, tokens = content
+            under = self._under[(parent, tokens[0])]
+            del under[block]
+            if not under:
+                del self._under[(parent, tokens[0])]
 
 
 class SlotSpace:
@@ -322,6 +403,9 @@ class SlotSpace:
 
     def commit(self, seq: Any, tokens: list[int], computed: int) -> None:
         pass
+
+    def take_copy(self, seq: Any) -> tuple[int, int, int] | None:
+        return None  # a row's cached prefix is in place: nothing to copy
 
     def fork(self, parent: Any, child: Any, computed: int) -> tuple[int, int, int] | None:
         if not self.grow(child, computed):

@@ -45,9 +45,9 @@ class EngineConfig:
     the KV blocks hold; at most 4096 for a one-row-per-sequence cache). kv_memory: the paged
     cache's budget, bytes (an int) or a fraction of the free memory (of the RAM available on
     CPU); None: 0.25 of the RAM on CPU, 0.9 of the free GPU memory on CUDA, and no more than
-    max_batch sequences of max_context. kv_block_size: tokens per KV block (16: prompts that
-    share a system prompt of 16+ tokens reuse it; 32 reused none of a chat template's
-    ~26-token system prefix, benchmarks/README.md). kv_dtype: the
+    max_batch sequences of max_context. kv_block_size: tokens per KV block (whole blocks are
+    shared between sequences, the agreeing part of a next block is copied; vLLM's default
+    of 16). kv_dtype: the
     cache's dtype ("float32", "bfloat16", "float16"; None: the model's `default_kv_dtype`,
     float16 for a quantized CPU model, else its dtype). max_queue: requests
     waiting for admission before new ones get BusyError. prefill_chunk: prompt tokens

@@ -42,6 +42,9 @@ class Sequence:
     table: list[int] = field(default_factory=list)  # cache blocks, in position order
     keyed: int = 0  # leading blocks of `table` whose keys are known (see BlockSpace.commit)
     last_key: int = ROOT_KEY  # the key of block keyed - 1
+    # (src block, dst block, positions): cached positions admission found in part of a block,
+    # to be copied into this sequence's own block before the next forward
+    copy: tuple[int, int, int] | None = None
     resumed: bool = False  # preempted once: its request was already admitted
     skipped: int = 0  # times a request behind it was admitted first
 
@@ -211,6 +214,17 @@ class Scheduler:
         for seq in group[1:]:  # siblings copy the first choice's prefill later
             seq.parent = first
         self.running.extend(group)
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """The block copies admissions left (see `KVSpace.admit`), for the engine to make at
+        once, before the step's forward: (src block, dst block, positions) each."""
+        copies = []
+        for seq in self.running:
+            if seq.copy is not None:
+                copy = self.space.take_copy(seq)
+                assert copy is not None
+                copies.append(copy)
+        return copies
 
     # ---------------------------------------------------------------- one step
 

@@ -141,6 +141,8 @@ class EngineStep:
         t0 = time.perf_counter()
         self._expire_waiting()
         plan = self.scheduler.schedule()
+        for copy in self.scheduler.take_copies():  # cached positions found in part of a block
+            self.cache.copy_prefix(*copy)
         if plan.empty:
             return False
         for seq in plan.admitted:
