@@ -415,6 +415,20 @@ def test_without_a_block_for_the_copy_only_whole_blocks_are_taken() -> None:
     check(space, [hog, b, c])
 
 
+def test_admission_cost_without_the_copy_leaves_out_the_source_it_would_hold() -> None:
+    """A cached partly filled block: copying it holds it (one block more) until the copy is
+    made; without the copy, admission costs what a prompt with nothing cached costs."""
+    space = BlockSpace(8, 2)
+    a = computed_seq(space, [1])
+    space.release(a, a.tokens, keep=True)  # a tail holding [1]
+    prompt = [1] * 10
+    assert space.admission_cost(prompt, 9, 11, 3) == 6 + 1 + 2
+    assert space.admission_cost(prompt, 9, 11, 3, partial=False) == 6 + 2
+    assert space.admission_cost([2] * 10, 9, 11, 3) == 6 + 2
+    b = seq(prompt)
+    assert space.admit(b, prompt, 9, partial=False) == 0 and b.copy is None and b.table == []
+
+
 def test_share_false_copies_nothing() -> None:
     space = BlockSpace(8, 2, share=False)
     a = computed_seq(space, [1, 2, 3])
@@ -426,13 +440,15 @@ def test_share_false_copies_nothing() -> None:
 # ----------------------------------------------------------------------------- admission cost
 
 
+@pytest.mark.parametrize("partial", [True, False])
 @pytest.mark.parametrize("n", [1, 2, 3])
 @pytest.mark.parametrize("prompt_len", [1, 2, 3, 4, 5, 6, 7])
 @pytest.mark.parametrize("cached", ["none", "in use", "unused"])
 def test_admission_cost_is_what_admission_prefill_fork_and_a_first_decode_take(
-        n: int, prompt_len: int, cached: str) -> None:
+        n: int, prompt_len: int, cached: str, partial: bool) -> None:
     """The scheduler asks for the cost of a prompt prefilled to `target + 1` positions: the
-    prompt and the first output token of each choice. Play that out and count."""
+    prompt and the first output token of each choice. Play that out and count (with and
+    without a copy of a partly matching block, whose source is held until the copy)."""
     space = BlockSpace(32, 2)
     prompt = list(range(1, prompt_len + 1))
     running = []
@@ -444,9 +460,10 @@ def test_admission_cost_is_what_admission_prefill_fork_and_a_first_decode_take(
             running.append(other)
     free = space.n_free
     limit = prompt_len - 1
-    cost = space.admission_cost(prompt, limit, prompt_len + 1, n)
+    cost = space.admission_cost(prompt, limit, prompt_len + 1, n, partial)
     first = seq(prompt)
-    first.computed = space.admit(first, prompt, limit)
+    first.computed = space.admit(first, prompt, limit, partial)
+    assert (first.copy is not None) == (partial and cached != "none" and limit % 2 == 1)
     assert space.grow(first, prompt_len)
     first.computed = prompt_len
     space.commit(first, first.tokens, prompt_len)

@@ -383,6 +383,24 @@ def test_a_request_too_big_for_the_free_blocks_is_passed_at_most_max_skips_times
     assert [s.group for s in plan.admitted] == ["big", "s2", "s3"]
 
 
+def test_a_request_that_fits_the_pool_is_admitted_without_the_copy_it_has_no_room_for() -> None:
+    """Found by test_every_request_ends: a finished sequence's tail matches the start of a
+    request that needs the whole pool; holding the tail for a copy would need one block more
+    than there are, so the request is admitted without the copy (it used to wait forever)."""
+    space = BlockSpace(8, 2)
+    sched = sched_with(3, 1, space=space, max_skips=0)
+    first = group([0])
+    sched.add(first)
+    drive(sched, 3, stop=lambda s: len(s.output_ids) >= 1)
+    assert first[0].finished and space.n_cached == 1
+    big = group([0] * 10, n=3)  # the prompt and each choice's first token: 6 + 2 blocks
+    sched.add(big)
+    plan = sched.schedule()
+    assert [s.group for s in plan.admitted] == ["g"] and big[0].copy is None
+    drive(sched, 40, stop=lambda s: len(s.output_ids) >= 1)
+    assert all(s.finished for s in big) and space.n_free == 8
+
+
 def test_admission_counts_the_blocks_promised_in_the_same_pass() -> None:
     """A burst: each request fits the free blocks alone, not together. Those admitted first
     have taken no block yet; the next is not admitted against the same free blocks (only to
@@ -625,7 +643,7 @@ def test_a_prefill_with_no_one_younger_shrinks_to_the_blocks_there_are() -> None
     sched.add(old)
     drive(sched)  # old: 2 blocks
     # young is let in as if it had fitted when admitted (older ones grew since)
-    sched._start(young)
+    sched._start(young, partial=True)
     (plan,) = drive(sched)
     (work,) = plan.prefills
     assert work.seq is young[0] and (work.start, len(work.ids), work.last) == (0, 4, False)
@@ -641,7 +659,7 @@ def test_a_sibling_without_a_block_for_its_copy_waits_to_be_recomputed() -> None
     g = group([1, 2, 3], n=3)
     # (admission would not let it in: 2 blocks and one per other choice; see below) force
     # it, as if blocks had been free at admission and older sequences took them since
-    sched._start(g)
+    sched._start(g, partial=True)
     (plan,) = drive(sched)
     assert [w.seq for w in plan.prefills] == [g[0]]
     assert g[1].parent is None and g[1].computed == 3 and g[1] in sched.running
@@ -660,7 +678,7 @@ def test_admission_counts_a_block_for_each_other_choice() -> None:
     sched = sched_with(3, space=BlockSpace(3, 2))
     g = group([1, 2, 3], n=3)
     sched.add(g)
-    assert sched._cost(g) == 4
+    assert sched._cost(g, partial=True) == 4
     assert sched.schedule().admitted == []  # 4 blocks > 3: it waits
     roomy = sched_with(3, space=BlockSpace(4, 2))
     roomy.add(g)

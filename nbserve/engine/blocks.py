@@ -60,10 +60,12 @@ class KVSpace(Protocol):
         """Blocks that have ever held keys/values: on CPU, where the cache is committed
         lazily, the part of it that is resident."""
 
-    def admit(self, seq: Any, tokens: list[int], limit: int) -> int:
+    def admit(self, seq: Any, tokens: list[int], limit: int, partial: bool = True) -> int:
         """Give `seq` the cached blocks of the longest prefix of `tokens[:limit]` that the
         space holds; return how many tokens that covers (their keys/values are ready once
-        the copy it may leave in `seq.copy` is made: see `take_copy`)."""
+        the copy it may leave in `seq.copy` is made: see `take_copy`). `partial`: whether a
+        block that agrees with only part of what follows may be copied (its source is held
+        until then, which can cost a block: see `admission_cost`)."""
 
     def take_copy(self, seq: Any) -> tuple[int, int, int] | None:
         """The copy `admit` left for `seq` (src block, dst block, positions), now to be made
@@ -72,9 +74,12 @@ class KVSpace(Protocol):
     def cached_prefix(self, tokens: list[int], limit: int) -> tuple[int, int]:
         """(tokens of `tokens[:limit]` cached, how many of those blocks are unused): no change."""
 
-    def admission_cost(self, tokens: list[int], limit: int, length: int, n: int) -> int:
+    def admission_cost(self, tokens: list[int], limit: int, length: int, n: int,
+                       partial: bool = True) -> int:
         """Free blocks that admitting `n` choices of `tokens` would use, prefilled to `length`
-        positions, with the prefix of `tokens[:limit]` that is cached taken from the cache."""
+        positions, with the prefix of `tokens[:limit]` that is cached taken from the cache
+        (`partial` as for `admit`: without it, a request that fits the pool never waits for
+        the block a copy's source would hold)."""
 
     def grow(self, seq: Any, length: int) -> bool:
         """Make `seq.table` cover positions < `length`; False (and no change) if the pool
@@ -184,10 +189,11 @@ class BlockSpace:
         return (len(blocks) * self.block_size + n,
                 sum(self.refs[b] == 0 for b in blocks) + (n > 0 and self.refs[src] == 0))
 
-    def admission_cost(self, tokens: list[int], limit: int, length: int, n: int) -> int:
+    def admission_cost(self, tokens: list[int], limit: int, length: int, n: int,
+                       partial: bool = True) -> int:
         limit = min(limit, len(tokens))
         blocks = self._walk(tokens, limit)
-        src, copied = self._partial(tokens, limit, blocks)
+        src, copied = self._partial(tokens, limit, blocks) if partial else (-1, 0)
         # a partly matching block is held until its positions are copied (then let go)
         unused = sum(self.refs[b] == 0 for b in blocks) + (copied > 0 and self.refs[src] == 0)
         # each other choice shares the prompt's full blocks and needs one of its own: the
@@ -197,7 +203,7 @@ class BlockSpace:
 
     # ---------------------------------------------------------------- changes
 
-    def admit(self, seq: Any, tokens: list[int], limit: int) -> int:
+    def admit(self, seq: Any, tokens: list[int], limit: int, partial: bool = True) -> int:
         limit = min(limit, len(tokens))
         blocks = self._walk(tokens, limit)
         for b in blocks:
@@ -205,7 +211,7 @@ class BlockSpace:
         seq.table = list(blocks)
         seq.keyed = len(blocks)
         seq.last_key = self._key_of[blocks[-1]] if blocks else ROOT_KEY
-        src, n = self._partial(tokens, limit, blocks)
+        src, n = self._partial(tokens, limit, blocks) if partial else (-1, 0)
         if n and self.n_free > (self.refs[src] == 0):  # room for the copy besides its source
             self._ref(src)  # held until the copy is made: not evicted before it
             seq.table.append(self._take())
@@ -377,10 +383,11 @@ class SlotSpace:
         _, n = self._best(tokens, limit)
         return n, 1 if n else 0
 
-    def admission_cost(self, tokens: list[int], limit: int, length: int, n: int) -> int:
+    def admission_cost(self, tokens: list[int], limit: int, length: int, n: int,
+                       partial: bool = True) -> int:
         return n
 
-    def admit(self, seq: Any, tokens: list[int], limit: int) -> int:
+    def admit(self, seq: Any, tokens: list[int], limit: int, partial: bool = True) -> int:
         slot, n = self._best(tokens, limit)
         self._take(slot)
         seq.table = [slot]

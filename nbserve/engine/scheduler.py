@@ -124,10 +124,10 @@ class Scheduler:
 
     # ---------------------------------------------------------------- admission
 
-    def _cost(self, group: list[Sequence]) -> int:
+    def _cost(self, group: list[Sequence], partial: bool) -> int:
         first = group[0]
         return self.space.admission_cost(first.tokens, self._limit(first), first.target + 1,
-                                         len(group))
+                                         len(group), partial)
 
     @staticmethod
     def _limit(seq: Sequence) -> int:
@@ -156,7 +156,11 @@ class Scheduler:
                 continue
             seats = len(self.running) + len(group) <= self.max_batch
             spare = self.space.n_free - promised - (self.space.reserve if self.running else 0)
-            cost = self._cost(group) if seats and not blocked else 0
+            partial, cost = True, 0
+            if seats and not blocked:
+                cost = self._cost(group, partial)
+                if cost > spare:  # no room to hold a partly matching block until its copy
+                    partial, cost = False, self._cost(group, False)
             if blocked or not seats or cost > spare:
                 kept.append(group)
                 blocked = blocked or group[0].skipped >= self.max_skips
@@ -167,7 +171,7 @@ class Scheduler:
                 g[0].skipped += 1
                 blocked = blocked or g[0].skipped >= self.max_skips  # that was its last pass
             free = self.space.n_free
-            self._start(group)
+            self._start(group, partial)
             promised += cost - (free - self.space.n_free)  # less the cached blocks it took
             if not group[0].resumed:
                 admitted.append(group[0])
@@ -206,9 +210,9 @@ class Scheduler:
                 total += max(0, -(-(s.target + 1) // bs) - len(s.table))
         return total
 
-    def _start(self, group: list[Sequence]) -> None:
+    def _start(self, group: list[Sequence], partial: bool) -> None:
         first = group[0]
-        first.computed = self.space.admit(first, first.tokens, self._limit(first))
+        first.computed = self.space.admit(first, first.tokens, self._limit(first), partial)
         if not first.resumed:
             first.cached_prompt = first.computed
         for seq in group[1:]:  # siblings copy the first choice's prefill later
