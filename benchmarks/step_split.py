@@ -3,11 +3,11 @@ concurrent streams (--streams), the engine's decode steps split into matmuls, at
 rest of the model (norms, rope, residuals, embedding, Python), sampling and bookkeeping.
 
 The engine serves `streams` requests of about 60 prompt tokens together (greedy, past
-end-of-text); the figures cover the window from when every stream has its first token to when
-the first one is done: decode steps only, no prefill. Matmuls are timed around every call of
-the model's matmul paths (nbserve's C kernel, oneDNN-packed copies), attention around its C
-kernels; the engine's own /stats split gives model / sampling / bookkeeping. Timing wrappers
-add a little to "rest of the model". Asserts nothing.
+end-of-text); the figures cover the steps in which every stream decodes: no prefill. Each
+step's parts are read at its own end, in the engine's thread (the engine's step record gives
+its model / sampling / bookkeeping time); matmuls are timed around every call of the model's
+matmul paths (nbserve's C kernel, oneDNN-packed copies), attention around its C kernels.
+Timing wrappers add a little to "rest of the model". Asserts nothing.
 
     python benchmarks/step_split.py                  # ~1 minute on 2 cores
     python benchmarks/step_split.py --streams 1,16,64
@@ -73,44 +73,45 @@ def absorb() -> None:
 
 
 def split_one(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
-    """ms per decode step of each part, over the decode-only window of one concurrent run."""
-    from nbserve.types import Delta, Request, SamplingParams
+    """ms per decode step of each part, over the steps in which every stream decodes (all
+    prompts prefilled, none done): each step's figures are taken at its own end, in the
+    engine's thread, so no prefill step and no part of one falls into the window."""
+    from nbserve.types import Request, SamplingParams
 
-    counts = [0] * len(prompts)
-    marks: dict[str, tuple[float, dict, Counter[str]]] = {}
+    stats = engine._step.stats
+    steps: list[dict[str, float]] = []
+    record = stats.record_step
 
-    def mark(name: str) -> None:
-        if name not in marks:
-            absorb()
-            marks[name] = (time.perf_counter(), engine.stats(), Counter(SPENT))
+    def record_and_split(total: float, model: float, sampling: float, decoded: int) -> None:
+        record(total, model, sampling, decoded)
+        absorb()
+        steps.append({"decoded": decoded, "step": total, "model": model, "sampling": sampling,
+                      "matmul": SPENT["matmul"], "attention": SPENT["attention"]})
+        SPENT.clear()
 
-    async def one(i: int, ids: list[int]) -> None:
+    async def one(ids: list[int]) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        async for ev in engine.generate(Request(prompt_ids=ids, params=params)):
-            if isinstance(ev, Delta):
-                counts[i] += len(ev.token_ids)
-                if all(counts):
-                    mark("start")
-                if counts[i] >= max_tokens - 1:
-                    mark("end")
+        async for _ in engine.generate(Request(prompt_ids=ids, params=params)):
+            pass
 
     async def run() -> None:
-        await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+        await asyncio.gather(*[one(p) for p in prompts])
 
-    asyncio.run(run())
-    (t0, s0, c0), (t1, s1, c1) = marks["start"], marks["end"]  # (wall, /stats, timers)
-    steps = s1["steps"] - s0["steps"]
-    per = 1000.0 / max(steps, 1)
-    split = {key: (s1["step_time_s"][key] - s0["step_time_s"][key]) * per
-             for key in ("model", "sampling", "bookkeeping")}
-    matmul, attention = (c1[k] - c0[k] for k in ("matmul", "attention"))
-    # the engine's own step time (model + sampling + bookkeeping), not the wall clock between
-    # the marks: the marks are taken in the event loop, a step's figures at its end
-    return {"steps": steps, "step": sum(split.values()), "wall": (t1 - t0) * per,
-            "matmul": matmul * per,
-            "attention": attention * per,
-            "rest of the model": split["model"] - (matmul + attention) * per,
-            "sampling": split["sampling"], "bookkeeping": split["bookkeeping"]}
+    stats.record_step = record_and_split
+    try:
+        asyncio.run(run())
+    finally:
+        del stats.record_step  # the class's method again
+    window = [st for st in steps if st["decoded"] == len(prompts)]
+    n = len(window)
+    per = 1000.0 / max(n, 1)
+    total = {key: sum(st[key] for st in window) * per
+             for key in ("step", "model", "sampling", "matmul", "attention")}
+    return {"steps": n, "step": total["step"], "matmul": total["matmul"],
+            "attention": total["attention"],
+            "rest of the model": total["model"] - total["matmul"] - total["attention"],
+            "sampling": total["sampling"],
+            "bookkeeping": total["step"] - total["model"] - total["sampling"]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,13 +140,13 @@ def main(argv: list[str] | None = None) -> None:
     with Engine(loaded, max_batch=max(levels), max_context=1024, quiet=True) as engine:
         split_one(engine, prompts[:1], 16)  # warm-up: the thread tuner, the kernels' build
         print(f"\n{'streams':>7} {'steps':>5} {'step ms':>8} {'matmul':>8} {'attention':>9} "
-              f"{'rest of model':>13} {'sampling':>8} {'bookkeeping':>11} {'wall':>7}  "
+              f"{'rest of model':>13} {'sampling':>8} {'bookkeeping':>11}  "
               "(ms per decode step)")
         for n in levels:
             r = split_one(engine, prompts[:n], args.max_tokens)
             print(f"{n:>7} {r['steps']:>5.0f} {r['step']:>8.2f} {r['matmul']:>8.2f} "
                   f"{r['attention']:>9.2f} {r['rest of the model']:>13.2f} "
-                  f"{r['sampling']:>8.2f} {r['bookkeeping']:>11.2f} {r['wall']:>7.2f}",
+                  f"{r['sampling']:>8.2f} {r['bookkeeping']:>11.2f}",
                   flush=True)
             outside = r["step"] - r["matmul"]
             print(f"{'':>7} outside the matmuls: {outside:.2f} ms "
