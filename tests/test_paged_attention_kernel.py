@@ -116,6 +116,31 @@ def test_decode_batch_matches_torch(kernels, threads, block_size, hq, hkv, cache
     assert torch.equal(keys, before[0]) and torch.equal(values, before[1])  # read only
 
 
+@pytest.mark.parametrize("group", [2, 3, 4, 5, 7, 8])
+def test_each_query_head_of_a_group_gets_what_it_gets_alone(kernels, group, cache_dtype):
+    """The vector kernel reads each key and value once for several query heads of a kv head
+    (a few at a time); every head's output must be, bit for bit, what that head gets as the
+    only query head of its kv head (and close to float64)."""
+    hkv, block_size = 2, 16
+    lengths = [block_size * 2 + 5, 7, block_size * 3]
+    n_blocks = sum(-(-n // block_size) for n in lengths) + 2
+    keys, values = _cache(n_blocks, hkv, block_size, seed=group, dtype=cache_dtype)
+    tables = _tables(lengths, block_size, n_blocks, seed=group)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    q = torch.randn(len(lengths), hkv * group, D, generator=torch.Generator().manual_seed(3))
+    out = paged_decode_attention(q, keys, values, block_size, tables, lens, kernels=kernels)
+    out = out.view(len(lengths), hkv * group, D)
+    for h in range(hkv * group):
+        kh = h // group
+        alone = paged_decode_attention(
+            q[:, h:h + 1].contiguous(), keys[:, kh:kh + 1].contiguous(),
+            values[:, kh:kh + 1].contiguous(), block_size, tables, lens, kernels=kernels)
+        assert torch.equal(out[:, h], alone), f"head {h} of group {group}"
+    want = torch.stack([_reference(q[b], keys, values, tables[b], n)
+                        for b, n in enumerate(lengths)])
+    torch.testing.assert_close(out.reshape(len(lengths), -1), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("hq, hkv", HEADS)
 def test_lone_step_writes_through_the_table_and_attends(kernels, threads, block_size, hq, hkv,

@@ -49,9 +49,92 @@ static void KV_NAME(attend)(const float *q, int n, int d, int hkv, int kh, const
 
 
 #if KV_VECTOR
+/* Up to VEC_HEADS query heads of one kv head at a time: each key's and value's vectors are
+ * read (and, for a float16 cache, converted) once for all of them, not once a head. Each
+ * score and output element keeps its own accumulator and order of operations, so the
+ * grouping changes no value. */
+#ifndef VEC_HEADS
+#define VEC_HEADS 3
+#endif
+
+/* s[g * stride + i] = scale * (q_g . key i) for the `heads` (<= VEC_HEADS) query heads q
+ * (heads, d) and keys 0..end-1 of one block (kb, d apart): four keys a horizontal sum. */
+static inline __attribute__((always_inline)) void KV_NAME(scores_vec)(
+        const float *q, int heads, int d, const KV_T *kb, int end, float scale, float *s,
+        size_t stride) {
+    int i = 0;
+    for (; i + 4 <= end; i += 4) {
+        __m256 a[VEC_HEADS][4];
+        for (int g = 0; g < heads; g++)
+            for (int r = 0; r < 4; r++) a[g][r] = _mm256_setzero_ps();
+        const KV_T *k = kb + (size_t)i * d;
+        for (int j = 0; j < d; j += 8)
+            for (int r = 0; r < 4; r++) {
+                __m256 kv = KV_LOAD8(k + (size_t)r * d + j);
+                for (int g = 0; g < heads; g++)
+                    a[g][r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (size_t)g * d + j), kv, a[g][r]);
+            }
+        for (int g = 0; g < heads; g++) {
+            __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]),
+                                      _mm256_hadd_ps(a[g][2], a[g][3]));
+            __m128 four = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            _mm_storeu_ps(s + (size_t)g * stride + i, _mm_mul_ps(four, _mm_set1_ps(scale)));
+        }
+    }
+    for (; i < end; i++) {
+        __m256 a[VEC_HEADS];
+        for (int g = 0; g < heads; g++) a[g] = _mm256_setzero_ps();
+        const KV_T *k = kb + (size_t)i * d;
+        for (int j = 0; j < d; j += 8) {
+            __m256 kv = KV_LOAD8(k + j);
+            for (int g = 0; g < heads; g++)
+                a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (size_t)g * d + j), kv, a[g]);
+        }
+        for (int g = 0; g < heads; g++) {
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(a[g]), _mm256_extractf128_ps(a[g], 1));
+            h = _mm_hadd_ps(h, h);
+            h = _mm_hadd_ps(h, h);
+            s[(size_t)g * stride + i] = _mm_cvtss_f32(h) * scale;
+        }
+    }
+}
+
+/* out_g (d) = sum over positions t in order of s_g[t] * value t, for the `heads` (<=
+ * VEC_HEADS) query heads (probabilities s, `stride` apart): 32 dims at a time in registers. */
+static inline __attribute__((always_inline)) void KV_NAME(values_vec)(
+        const float *s, size_t stride, int heads, int d, int hkv, int kh, const KV_T *values,
+        int block_size, const int32_t *table, int length, float *out) {
+    const size_t head_stride = (size_t)block_size * d, block_stride = (size_t)hkv * head_stride;
+    for (int c = 0; c < d; c += 32) {
+        int width = d - c < 32 ? (d - c) / 8 : 4;
+        __m256 acc[VEC_HEADS][4];
+        for (int g = 0; g < heads; g++)
+            for (int j = 0; j < 4; j++) acc[g][j] = _mm256_setzero_ps();
+        for (int t0 = 0, blk = 0; t0 < length; t0 += block_size, blk++) {
+            const KV_T *vb = values + (size_t)table[blk] * block_stride + (size_t)kh * head_stride
+                             + c;
+            int end = length - t0 < block_size ? length - t0 : block_size;
+            for (int i = 0; i < end; i++) {
+                const KV_T *v = vb + (size_t)i * d;
+                for (int j = 0; j < width; j++) {
+                    __m256 vv = KV_LOAD8(v + 8 * j);
+                    for (int g = 0; g < heads; g++)
+                        acc[g][j] = _mm256_fmadd_ps(_mm256_set1_ps(s[(size_t)g * stride + t0 + i]),
+                                                    vv, acc[g][j]);
+                }
+            }
+        }
+        for (int g = 0; g < heads; g++)
+            for (int j = 0; j < width; j++)
+                _mm256_storeu_ps(out + (size_t)g * d + c + 8 * j, acc[g][j]);
+    }
+}
+#endif
+
+#if KV_VECTOR
 /* `attend` in 8-lane vectors, for d a multiple of 8: the scores four keys at a time (one
- * horizontal sum for four dot products), exp in vectors (exp8), each query head's output
- * accumulated in registers over the positions, 64 dims at a time. */
+ * horizontal sum for four dot products), exp in vectors (exp8), the outputs accumulated in
+ * registers over the positions; up to VEC_HEADS query heads share each key and value read. */
 static void KV_NAME(attend_vec)(const float *q, int n, int d, int hkv, int kh, const KV_T *keys,
                                 const KV_T *values, int block_size, const int32_t *table,
                                 int length, float *scores, size_t score_stride, float *out) {
@@ -60,34 +143,17 @@ static void KV_NAME(attend_vec)(const float *q, int n, int d, int hkv, int kh, c
     for (int t0 = 0, blk = 0; t0 < length; t0 += block_size, blk++) {
         const KV_T *kb = keys + (size_t)table[blk] * block_stride + (size_t)kh * head_stride;
         int end = length - t0 < block_size ? length - t0 : block_size;
-        for (int g = 0; g < n; g++) {
-            const float *qh = q + (size_t)g * d;
-            float *s = scores + (size_t)g * score_stride + t0;
-            int i = 0;
-            for (; i + 4 <= end; i += 4) {
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                const KV_T *k = kb + (size_t)i * d;
-                for (int j = 0; j < d; j += 8) {
-                    __m256 qv = _mm256_loadu_ps(qh + j);
-                    a0 = _mm256_fmadd_ps(qv, KV_LOAD8(k + j), a0);
-                    a1 = _mm256_fmadd_ps(qv, KV_LOAD8(k + d + j), a1);
-                    a2 = _mm256_fmadd_ps(qv, KV_LOAD8(k + 2 * d + j), a2);
-                    a3 = _mm256_fmadd_ps(qv, KV_LOAD8(k + 3 * d + j), a3);
-                }
-                __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-                __m128 four = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-                _mm_storeu_ps(s + i, _mm_mul_ps(four, _mm_set1_ps(scale)));
-            }
-            for (; i < end; i++) {
-                __m256 a = _mm256_setzero_ps();
-                const KV_T *k = kb + (size_t)i * d;
-                for (int j = 0; j < d; j += 8)
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + j), KV_LOAD8(k + j), a);
-                __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-                h = _mm_hadd_ps(h, h);
-                h = _mm_hadd_ps(h, h);
-                s[i] = _mm_cvtss_f32(h) * scale;
-            }
+        for (int g0 = 0; g0 < n; g0 += VEC_HEADS) {
+            int heads = n - g0 < VEC_HEADS ? n - g0 : VEC_HEADS;
+            if (heads == VEC_HEADS)
+                KV_NAME(scores_vec)(q + (size_t)g0 * d, VEC_HEADS, d, kb, end, scale,
+                                    scores + (size_t)g0 * score_stride + t0, score_stride);
+            else if (heads == 2)
+                KV_NAME(scores_vec)(q + (size_t)g0 * d, 2, d, kb, end, scale,
+                                    scores + (size_t)g0 * score_stride + t0, score_stride);
+            else
+                KV_NAME(scores_vec)(q + (size_t)g0 * d, 1, d, kb, end, scale,
+                                    scores + (size_t)g0 * score_stride + t0, score_stride);
         }
     }
     for (int g = 0; g < n; g++) {
@@ -113,25 +179,19 @@ static void KV_NAME(attend_vec)(const float *q, int n, int d, int hkv, int kh, c
             _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv));
         for (; t < length; t++) s[t] = s[t] / total;
     }
-    for (int g = 0; g < n; g++) {
-        const float *s = scores + (size_t)g * score_stride;
-        for (int c = 0; c < d; c += 64) {  /* up to 8 vectors of the output in registers */
-            int width = d - c < 64 ? (d - c) / 8 : 8;
-            __m256 acc[8];
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-            for (int t0 = 0, blk = 0; t0 < length; t0 += block_size, blk++) {
-                const KV_T *vb = values + (size_t)table[blk] * block_stride
-                                 + (size_t)kh * head_stride + c;
-                int end = length - t0 < block_size ? length - t0 : block_size;
-                for (int i = 0; i < end; i++) {
-                    __m256 p = _mm256_set1_ps(s[t0 + i]);
-                    const KV_T *v = vb + (size_t)i * d;
-                    for (int j = 0; j < width; j++)
-                        acc[j] = _mm256_fmadd_ps(p, KV_LOAD8(v + 8 * j), acc[j]);
-                }
-            }
-            for (int j = 0; j < width; j++) _mm256_storeu_ps(out + (size_t)g * d + c + 8 * j, acc[j]);
-        }
+    for (int g0 = 0; g0 < n; g0 += VEC_HEADS) {
+        int heads = n - g0 < VEC_HEADS ? n - g0 : VEC_HEADS;
+        const float *s = scores + (size_t)g0 * score_stride;
+        float *o = out + (size_t)g0 * d;
+        if (heads == VEC_HEADS)
+            KV_NAME(values_vec)(s, score_stride, VEC_HEADS, d, hkv, kh, values, block_size,
+                                table, length, o);
+        else if (heads == 2)
+            KV_NAME(values_vec)(s, score_stride, 2, d, hkv, kh, values, block_size, table,
+                                length, o);
+        else
+            KV_NAME(values_vec)(s, score_stride, 1, d, hkv, kh, values, block_size, table,
+                                length, o);
     }
 }
 #endif
