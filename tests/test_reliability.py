@@ -27,6 +27,7 @@ from nbserve.loading.hf_dir import load_hf_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 MSG = [{"role": "user", "content": "Tell me a story."}]
+OTHER_PROMPT = "Name three rivers of Europe and the seas they reach."
 NO_EOS = {"2": -100, "0": -100}  # <|im_end|> and <|endoftext|> never sampled
 
 
@@ -226,9 +227,11 @@ def test_a_model_exception_fails_only_the_requests_of_that_step(loaded: Any) -> 
         running = [pool.submit(chat, url, stream, max_tokens=120, logit_bias=NO_EOS)
                    for stream in (False, True)]
         assert wait_until(lambda: engine.stats()["tokens_decoded"] >= 4, 10)
-        model.fail_if = lambda ids: ids.shape[1] > 1  # the next prefill: the new request only
+        # the next prefill: the new request only. Its prompt differs from the running ones', or
+        # prefix reuse to the token would leave it one token to prefill, as a decode row has
+        model.fail_if = lambda ids: ids.shape[1] > 1
         model.fail_with = RuntimeError("injected fault")
-        failed = chat(url, max_tokens=120)
+        failed = chat(url, max_tokens=120, messages=[{"role": "user", "content": OTHER_PROMPT}])
         err = assert_error(failed, 500, "internal_error")
         assert "injected fault" in err["message"]
         assert failed.headers["x-request-id"] in err["message"]
