@@ -273,3 +273,20 @@ def test_gather_from_a_start_reads_only_those_positions() -> None:
         for start in range(length):
             k, v = cache.gather(0, tables, length, start)
             assert torch.equal(k, full_k[:, :, start:]) and torch.equal(v, full_v[:, :, start:])
+
+
+def test_a_closed_engine_gives_its_cache_back_while_still_referenced(loaded):
+    """A notebook keeps objects alive (its output history, a variable kept over `update()`):
+    closing an engine must free its KV cache and static decode buffers all the same."""
+    import gc
+    import weakref
+
+    eng = Engine(loaded, kv_memory=16 * 2**20, static_decode=True, quiet=True)
+    ids_of(eng, Request(prompt_ids=list(range(3, 20)), params=greedy(4)))
+    cache, static = weakref.ref(eng.cache), weakref.ref(eng._step.static)
+    eng.close()
+    gc.collect()
+    assert cache() is None and static() is None  # `eng` itself is still referenced here
+    assert eng.stats()["kv_cache_bytes"] == 0 and eng.health()["status"] == "stopped"
+    with pytest.raises(Exception, match="not running"):
+        ids_of(eng, Request(prompt_ids=[3, 4], params=greedy(2)))

@@ -286,6 +286,8 @@ class Engine(SyncHelpers):
         for group in list(self._groups.values()):
             self._step.fail(group, "the engine was stopped", "service_unavailable")
         self._groups.clear()
+        if not thread.is_alive():  # a step past the join's timeout may still read the cache
+            self._step.release()
 
     def __enter__(self) -> Engine:
         return self

@@ -182,6 +182,12 @@ class EngineStep:
         group.sink(ErrorEvent(message, kind, group.request_id))
         group.sink = drop_event
 
+    def release(self) -> None:
+        """Drop the KV cache and the static decode steps (their buffers and CUDA graphs), for a
+        closed engine: its memory comes back even while something still refers to the engine
+        (a notebook's output history, a variable kept across `update()`)."""
+        self.cache = self.static = None
+
     def forget_requests(self) -> None:
         """A fresh scheduler and block pool (after a stuck step returned: its sequences were
         failed; what the cache holds is forgotten with them)."""
