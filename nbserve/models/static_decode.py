@@ -42,6 +42,21 @@ CAPTURE_MAX_TOKENS = 1 << 16  # rows x attention length of the largest bucket ca
 # it a step's gathered keys and values (and its graph's memory) are large and its launches a
 # small share of its time, so it runs dynamically, unpadded
 
+_WARMUP_STREAMS: dict[torch.device, Any] = {}  # one side stream a device, shared by engines
+
+
+def warmup_stream(device: torch.device) -> Any:
+    """The side stream every engine on `device` warms its kernels up on. One for the process,
+    not one an engine: the CUDA libraries keep a workspace for each stream they ever ran on
+    (cuBLAS: tens of MiB) for the life of the process, so a stream an engine would have grown
+    the memory that launch/stop cycles in a notebook never get back."""
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    stream = _WARMUP_STREAMS.get(device)
+    if stream is None:
+        stream = _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
 
 def powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
     """start, 2 start, 4 start, ... and `limit` itself last (the largest bucket)."""
@@ -154,7 +169,7 @@ class StaticDecode:
         one memory pool); on any error, none is kept and the steps run eagerly."""
         pool = torch.cuda.graph_pool_handle()
         try:
-            stream = torch.cuda.Stream()
+            stream = warmup_stream(torch.device(self.model.device))
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.inference_mode():
                 for rows in self.batch_buckets:  # warm-up: kernels chosen, workspaces made
