@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from nbserve.engine import Engine
+from nbserve.engine.config import PAGED_MAX_BATCH
 from nbserve.loading.hf_dir import load_hf_dir
 from nbserve.pool import Pool
-from nbserve.pool.setup import MAX_AUTO_BATCH
 from nbserve.types import Delta, Finished, Request, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -108,7 +108,11 @@ def test_pool_on_cuda0_sizes_its_cache_and_matches_the_engine(gpu16, tiny_llama_
     with Pool(str(tiny_llama_dir), devices=["cuda:0"], max_context=256) as pool:
         assert "KV cache" in capsys.readouterr().out  # the sizes are printed
         rep = pool.stats()["replicas"][0]
-        assert rep["device"] == "cuda:0" and rep["slots_total"] == MAX_AUTO_BATCH
+        # a paged cache: the engine's default running sequences, and blocks for all of them
+        # at the longest context (the default budget, capped so)
+        assert rep["device"] == "cuda:0" and rep["slots_total"] == PAGED_MAX_BATCH
+        st = pool.engines[0].stats()
+        assert st["kv_blocks_total"] * st["kv_block_size"] >= PAGED_MAX_BATCH * 256
         assert pool.engines[0].model.dtype == torch.bfloat16
 
         async def main():
