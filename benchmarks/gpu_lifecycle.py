@@ -5,10 +5,14 @@ taken until the kernel restarts. This runs, in one process, on cuda when there i
 cpu, where the memory checks are skipped and the rest still runs):
 
 1. launch a model nbserve loads itself (a tiny HF checkpoint directory written here), chat once,
-   stop: `torch.cuda.memory_allocated()` is back at its value before the launch;
+   stop, twice: the first cycle's residue is what the CUDA libraries keep for the life of the
+   process (cuBLAS a workspace a stream: the engine thread's, the graph capture's, the warm-up
+   stream's), reported; after the second, `torch.cuda.memory_allocated()` is back at its value
+   after the first (launch/stop cycles never grow);
 2. launch a model object the caller holds, chat, `update()` to a second one (the first engine
-   retired: its KV cache freed), chat, stop: back to the caller's weights alone; once the caller
-   drops them, back to the start;
+   retired: its KV cache freed), chat, stop: back to the caller's weights (with the rope tables
+   each model derived at first use and keeps for the next engine); once the caller drops them,
+   back to where the first part left it;
 3. launch, stop, launch again on the same port: the second server answers.
 
     python benchmarks/gpu_lifecycle.py [--json out.json]
@@ -23,6 +27,7 @@ import gc
 import json
 import sys
 import tempfile
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -44,6 +49,14 @@ def allocated() -> int | None:
     gc.collect()
     torch.cuda.synchronize()
     return torch.cuda.memory_allocated()
+
+
+def derived_tables(*models: Any) -> int:
+    """Bytes of the tables a model derives at first use and keeps for every engine that serves
+    it (rope's cos/sin for its context): the model's, not an engine's, so they stay while the
+    caller holds the model."""
+    return sum(t.numel() * t.element_size() for m in models
+               for pair in getattr(m.model, "_rope_cache", {}).values() for t in pair)
 
 
 def chat(srv: Any) -> str:
@@ -94,11 +107,18 @@ def main(argv: list[str] | None = None) -> int:
         path = make_tiny_hf_dir(Path(tmp) / "tiny", arch="llama")
         srv = nbserve.launch(str(path), device=device, **SERVE)
         checks.true("owned model answers", bool(chat(srv) is not None))
+        srv.stop()
+        warm = allocated()
+        if warm is not None and start is not None:
+            checks.true("the first launch's residue: the CUDA libraries' workspaces", True,
+                        f"{(warm - start) / 2**20:.1f} MiB, kept for the process")
+        srv = nbserve.launch(str(path), device=device, **SERVE)
+        chat(srv)
         engine = weakref.ref(srv.backend)
         srv.stop()
         gc.collect()
         checks.true("after stop(), nothing holds the engine (collected)", engine() is None)
-        checks.memory("after stop(), an owned model's memory is back", allocated(), start)
+        checks.memory("after stop(), an owned model's memory is back", allocated(), warm)
 
     first = build_random_model("tiny", device, dtype)  # 2. models the caller holds
     second = build_random_model("tiny", device, dtype, seed=1)
@@ -109,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     old = srv.backend
     srv.update(second)
     chat(srv)
-    after_update = allocated()
+    for _ in range(300):  # the old engine closes on a thread of its own once it is idle
+        if old.cache is None:
+            break
+        time.sleep(0.1)
+    after_update = allocated()  # `old` still refers to the retired engine here
     checks.true("update() swapped the engine", srv.backend is not old and not old.health()
                 .get("ready", False))
     old_ref = weakref.ref(old)
@@ -119,11 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     if with_first is not None and after_update is not None and held is not None:
         # the first engine's KV cache went with it: one engine's worth over the weights
         checks.memory("after update(), the old engine's memory is back", after_update,
-                      with_first)
+                      with_first + derived_tables(second))
     srv.stop()
-    checks.memory("after stop(), only the caller's weights stay", allocated(), held)
+    tables = derived_tables(first, second)
+    checks.memory("after stop(), only the caller's weights (and their rope tables) stay",
+                  allocated(), None if held is None else held + tables)
+    checks.true("the models' rope tables", True, f"{tables / 2**10:.0f} KiB, kept with them")
     del first, second, srv
-    checks.memory("after the caller drops its models, everything is back", allocated(), start)
+    checks.memory("after the caller drops its models, everything is back", allocated(), warm)
 
     port = None  # 3. launch, stop, launch again on the same port
     again = build_random_model("tiny", device, dtype)
