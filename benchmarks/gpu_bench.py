@@ -140,6 +140,14 @@ async def run_batch(engine: Engine, batch: int, prompt_len: int, new_tokens: int
             "window_s": end - start, "steady": steady}
 
 
+def step_split_ms(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """Milliseconds a step in each part of the step (model, sampling, bookkeeping) between two
+    engine stats snapshots."""
+    steps = max(after["steps"] - before["steps"], 1)
+    return {k: 1e3 * (v - before["step_time_s"].get(k, 0.0)) / steps
+            for k, v in after["step_time_s"].items()}
+
+
 async def time_to_first_token(engine: Engine, prompt_len: int, seed: int) -> float:
     """Seconds from submitting one `prompt_len`-token prompt to its first token."""
     g = torch.Generator().manual_seed(seed)
@@ -220,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'batch':>5} {'decode tok/s':>13} {'bound tok/s':>12} {'of bound':>9} "
               f"{'ITL p50 ms':>11} {'wall s':>7}")
         for b in batches:
+            before = engine.stats()
             r = asyncio.run(run_batch(engine, b, args.prompt_len, args.new_tokens, seed=b))
+            r["step_ms"] = step_split_ms(before, engine.stats())
             kv_read = b * (args.prompt_len + args.new_tokens / 2) * kv_per_token
             bound = b * bw / (weight_bytes + kv_read) if bw else None
             r.update(batch=b, bound_tokens_per_s=bound,
@@ -232,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['itl_ms_p50'] or float('nan'):>11.2f} {r['wall_s']:>7.1f}"
                   f"{'' if r['steady'] else '  (whole run: no window where all decode)'}",
                   flush=True)
+        print("step time split, ms a step (prefill steps of the batch included): " + "; ".join(
+            f"batch {r['batch']}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["step_ms"].items())
+            for r in results))
         st = engine.stats()["step_time_s"]
         if bw and results and results[0]["batch"] == 1:
             frac = results[0]["fraction_of_bound"]
