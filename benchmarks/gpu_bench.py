@@ -142,7 +142,8 @@ async def run_batch(engine: Engine, batch: int, prompt_len: int, new_tokens: int
 
 def step_split_ms(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
     """Milliseconds a step in each part of the step (model, sampling, bookkeeping) between two
-    engine stats snapshots."""
+    engine stats snapshots: host time, so on CUDA the GPU's work shows up where the host first
+    waits for it (the sampler), not in "model"."""
     steps = max(after["steps"] - before["steps"], 1)
     return {k: 1e3 * (v - before["step_time_s"].get(k, 0.0)) / steps
             for k, v in after["step_time_s"].items()}
@@ -242,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['itl_ms_p50'] or float('nan'):>11.2f} {r['wall_s']:>7.1f}"
                   f"{'' if r['steady'] else '  (whole run: no window where all decode)'}",
                   flush=True)
-        print("step time split, ms a step (prefill steps of the batch included): " + "; ".join(
+        print("step time split, ms a step of host time (prefill steps of the batch included; "
+              "no sync between the parts: on CUDA 'model' is the launch, and 'sampling' holds "
+              "the wait for the step's kernels): " + "; ".join(
             f"batch {r['batch']}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["step_ms"].items())
             for r in results))
         st = engine.stats()["step_time_s"]
