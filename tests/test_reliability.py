@@ -193,11 +193,11 @@ def _undelivered(engine: Engine) -> list[int]:
 @pytest.mark.slow
 def test_a_slow_reader_does_not_hold_up_the_other_streams(tiny_llama_dir: Path) -> None:
     """A 5th stream that reads nothing (500 tokens) starts first; once its socket and transport
-    buffers are full (~100 tokens: a 500-character model name makes each chunk ~0.8 KB) its
+    buffers are full (~50 tokens: a 2000-character model name makes each chunk ~2.3 KB) its
     events pile up unsent. Meanwhile 4 streams that read run 150 tokens each to the end, while
     the blocked one keeps generating in the same batch: nothing waits for it. (How fast the 4
     run with and without it is a benchmark's question, not a test's.)"""
-    engine, _ = faulty_engine(load_hf_dir(tiny_llama_dir), max_batch=8, name="m" * 500)
+    engine, model = faulty_engine(load_hf_dir(tiny_llama_dir), max_batch=8, name="m" * 2000)
     slow_body = {"prompt": "a", "max_tokens": 500, "stream": True, "logit_bias": NO_EOS}
     with engine, small_send_buffers(engine, 4096) as url, ThreadPoolExecutor(4) as pool:
         sock = non_reading_stream(url, slow_body, "/v1/completions")
@@ -209,11 +209,20 @@ def test_a_slow_reader_does_not_hold_up_the_other_streams(tiny_llama_dir: Path) 
             first = max(_undelivered(engine), default=0)
             assert wait_until(lambda: max(_undelivered(engine), default=0) >= first + 16, 10)
             stuck = max(_undelivered(engine))
-            assert list(pool.map(lambda _: _stream_tokens(url, 150), range(4))) == [150] * 4
+            # the 4 join the batch together: held at the model while they queue, so a loaded
+            # machine's staggered arrivals cannot leave the blocked one time to finish its 500
+            # tokens first (a CI run saw it done, and nothing left to prove, on a fast machine)
+            model.hang()
+            assert model.blocked.wait(10)
+            readers = [pool.submit(_stream_tokens, url, 150) for _ in range(4)]
+            assert wait_until(lambda: engine.stats()["waiting"] == 4, 20)
+            model.release()
+            assert [r.result(timeout=120) for r in readers] == [150] * 4
             # still generating, and still not delivered: blocked all along, and never waited for
             assert engine.stats()["running"] == 1
             assert max(_undelivered(engine)) > stuck + 100
         finally:
+            model.release()
             sock.close()
         assert wait_until(lambda: engine.stats()["running"] == 0, 20)
 
