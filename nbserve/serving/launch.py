@@ -452,14 +452,20 @@ def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.
         raise
     try:
         server._start(startup_timeout)
-    except BaseException:  # Ctrl-C while waiting, or a failed start: leave nothing running
-        server.stop()
+        _announce(server, backend.model_name, opts.ui, share_url, access)
+    except BaseException:  # Ctrl-C while starting or announcing, or a failed start:
+        server.stop()      # leave nothing running
         raise
+    return server
+
+
+def _announce(server: Server, model_name: str, ui: bool, share_url: str | None,
+              access: Access) -> None:
+    """Register a started server and print where it is (and its key, once)."""
     with _REGISTRY_LOCK:
         others = sorted(_SERVERS)
         _SERVERS[server.port] = server
-    ui = opts.ui
-    line = f"nbserve: {backend.model_name} at {server.url}"
+    line = f"nbserve: {model_name} at {server.url}"
     line += f" · OpenAI API base {server.api_base}" + (" (UI at /)" if ui else "")
     print(line, flush=True)
     if share_url:
@@ -471,7 +477,6 @@ def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.
         print(f"nbserve: note: other servers of this process still run on port(s) "
               f"{', '.join(map(str, others))}; stop() them to free their memory, or pass "
               "port= to replace one", flush=True)
-    return server
 
 
 def _make_app(ref: SwappableBackend, options: ServerOptions,
@@ -507,19 +512,20 @@ def stop_all() -> None:
 def serve(model: Any = "smollm2", **kwargs: Any) -> None:
     """`launch(...)` and block until Ctrl-C (or SIGTERM), then stop cleanly: new requests get
     503, running ones get `stop_timeout` s to finish, the rest are cancelled."""
-    server = launch(model, **kwargs)
+    earlier = {id(s) for s in running_servers()}
     previous = None
-    if threading.current_thread() is threading.main_thread():
-        terminating = False
-
-        def on_term(signum: int, frame: Any) -> None:
-            nonlocal terminating
-            if not terminating:  # a second SIGTERM must not break the drain; Ctrl-C still can
-                terminating = True
-                raise KeyboardInterrupt
-
-        previous = signal.signal(signal.SIGTERM, on_term)
     try:
+        server = launch(model, **kwargs)
+        if threading.current_thread() is threading.main_thread():
+            terminating = False
+
+            def on_term(signum: int, frame: Any) -> None:
+                nonlocal terminating
+                if not terminating:  # a second SIGTERM must not break the drain; Ctrl-C can
+                    terminating = True
+                    raise KeyboardInterrupt
+
+            previous = signal.signal(signal.SIGTERM, on_term)
         print("nbserve: press Ctrl-C to stop", flush=True)
         while server.running:
             # Not server._thread.join(0.5): a KeyboardInterrupt inside join() makes CPython
@@ -528,6 +534,10 @@ def serve(model: Any = "smollm2", **kwargs: Any) -> None:
     except KeyboardInterrupt:
         print("\nnbserve: stopping", flush=True)
     finally:
-        server.stop()
+        # every server this call started, wherever a Ctrl-C landed (even between launch()
+        # returning and the name being bound): one left running keeps the process alive
+        for started in running_servers():
+            if id(started) not in earlier:
+                started.stop()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
