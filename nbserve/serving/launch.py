@@ -21,6 +21,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -513,19 +514,9 @@ def serve(model: Any = "smollm2", **kwargs: Any) -> None:
     """`launch(...)` and block until Ctrl-C (or SIGTERM), then stop cleanly: new requests get
     503, running ones get `stop_timeout` s to finish, the rest are cancelled."""
     earlier = {id(s) for s in running_servers()}
-    previous = None
+    restore = _take_stop_signals()
     try:
         server = launch(model, **kwargs)
-        if threading.current_thread() is threading.main_thread():
-            terminating = False
-
-            def on_term(signum: int, frame: Any) -> None:
-                nonlocal terminating
-                if not terminating:  # a second SIGTERM must not break the drain; Ctrl-C can
-                    terminating = True
-                    raise KeyboardInterrupt
-
-            previous = signal.signal(signal.SIGTERM, on_term)
         print("nbserve: press Ctrl-C to stop", flush=True)
         while server.running:
             # Not server._thread.join(0.5): a KeyboardInterrupt inside join() makes CPython
@@ -539,5 +530,31 @@ def serve(model: Any = "smollm2", **kwargs: Any) -> None:
         for started in running_servers():
             if id(started) not in earlier:
                 started.stop()
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        restore()
+
+
+def _take_stop_signals() -> Callable[[], None]:
+    """Make SIGINT and SIGTERM raise KeyboardInterrupt in the main thread while serve() runs,
+    and return what puts the earlier handlers back. SIGINT is taken only where Python would
+    not raise on it: a background job of a script inherits it ignored, and `kill -INT` must
+    still stop the server (as it stops uvicorn's and llama.cpp's); a handler someone
+    installed (a notebook kernel's) is left alone. A second SIGTERM must not break the drain;
+    a second Ctrl-C can."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # signals reach only the main thread; the caller handles them
+    terminating = False
+
+    def on_term(signum: int, frame: Any) -> None:
+        nonlocal terminating
+        if not terminating:
+            terminating = True
+            raise KeyboardInterrupt
+
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, on_term)}
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def restore() -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+    return restore
