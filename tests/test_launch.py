@@ -391,11 +391,11 @@ def test_app_py_help_lists_the_options():
         assert flag in out.stdout
 
 
-@pytest.mark.slow
 def _ignore_ctrl_c() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inherited", ["default", "ignored"])
 def test_cli_serve_answers_then_stops_cleanly_on_ctrl_c(tiny_llama_dir, inherited):
     """`nbserve serve` stops on SIGINT. "ignored": a background job of a script (`nbserve
