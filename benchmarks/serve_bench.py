@@ -724,9 +724,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-cpp-python", default=sys.executable,
                    help="Python interpreter that has llama-cpp-python[server] installed (default: "
                    "this one); a separate venv keeps its dependencies out of nbserve's")
-    p.add_argument("--llama-server-flavour", default="native", choices=["native", "avx2"],
+    p.add_argument("--llama-server-flavour", default="native",
+                   choices=["native", "avx2", "avx512"],
                    help="which llama_server.py build to run (avx2: AVX2-class figures on "
-                   "an AVX-512 machine; pair it with NBSERVE_KERNEL_ISA=avx2)")
+                   "an AVX-512 machine, pair it with NBSERVE_KERNEL_ISA=avx2; avx512: AVX-512 "
+                   "without AMX, where the native build's AMX path fails)")
     p.add_argument("--peer-timeout", type=float, default=600.0,
                    help="seconds a peer may take to get ready (model export and load)")
     p.add_argument("--plot", type=Path, default=DEFAULT_PLOT,
