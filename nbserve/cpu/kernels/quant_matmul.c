@@ -40,8 +40,9 @@
 #define ROW_PATH_MAX 8  /* inputs of up to this many rows take the row kernels (measured
                           faster there), more take the panels below */
 #define PREFETCH_ROWS 4  /* the row kernels ask for the weight blocks of the output row this
-                          many rows ahead of the one they multiply (measured faster on the
-                          AVX2 path, as fast on AVX-512; benchmarks/README.md) */
+                          many rows ahead of the one they multiply, into all cache levels
+                          (prefetcht0: the non-temporal hint was slower on both paths;
+                          benchmarks/README.md) */
 #define INLINE static inline __attribute__((always_inline))
 enum { Q4, Q8, F32 };  /* weight kinds */
 typedef uint16_t half_t;  /* an IEEE float16: the blocks' scales and minimums */
@@ -688,9 +689,9 @@ static int matmul(int kind, const float *x, int rows, int k, const void *codes, 
         const half_t *wd = d ? d + (size_t)r * nb : NULL, *wm = m ? m + (size_t)r * nb : NULL;
         if (kind != F32 && r + PREFETCH_ROWS < n) {  /* this thread's row PREFETCH_ROWS on */
             const char *ahead = (const char *)wq + PREFETCH_ROWS * row_bytes;
-            for (size_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(ahead + o, 0, 0);
-            __builtin_prefetch(wd + PREFETCH_ROWS * nb, 0, 0);
-            if (wm) __builtin_prefetch(wm + PREFETCH_ROWS * nb, 0, 0);
+            for (size_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(ahead + o, 0, 3);
+            __builtin_prefetch(wd + PREFETCH_ROWS * nb, 0, 3);
+            if (wm) __builtin_prefetch(wm + PREFETCH_ROWS * nb, 0, 3);
         }
         for (int i0 = 0; i0 < rows; i0 += TILE) {
             const float *xi = x + (size_t)i0 * k, *si = xs ? xs + (size_t)i0 * nb : NULL;
