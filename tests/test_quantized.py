@@ -22,6 +22,7 @@ from tiny_models import make_tiny_hf_dir
 
 import nbserve
 from nbserve.cpu.kernels import build
+from nbserve.cpu.kernels.tuning import round16_pays
 from nbserve.models.quant import KernelLinear, QuantBlocks
 from nbserve.models.weights import count_parameters
 
@@ -87,16 +88,18 @@ def _rounded16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("arch", PATHS)
 @pytest.mark.parametrize("kind", ["q4", "q8"])
-def test_round16_multiplies_the_input_rounded_to_16_bits(arch, kind):
-    """round16: where the build has the integer row kernels (AVX2 without AVX-512), steps of
-    up to nbq_round16_max_rows rows multiply each block of the input rounded to 16 bits (q4's
+def test_round16_multiplies_the_input_rounded_to_16_bits(arch, kind, monkeypatch):
+    """round16: where the build has the integer row kernels (AVX2 and AVX-512; taken there
+    whatever the AVX-512 machine measures, see test_tuning), steps of up to
+    nbq_round16_max_rows rows multiply each block of the input rounded to 16 bits (q4's
     m terms from the float32 input's block sums): the float64 product of those rounded inputs,
     up to float32 accumulation, and within max |x| / 65534 an input of the exact product.
     Larger steps, and builds without those kernels, give the exact kernel's bits."""
+    monkeypatch.setenv("NBSERVE_ROUND16", "1")
     kernels = build.quant_kernels(arch)
     most = kernels.nbq_round16_max_rows()
-    if arch is not None and "-mavx2" in arch:
-        assert most == 2  # the AVX2 path has them
+    if (arch is not None and "-mavx2" in arch) or kernels.nbq_simd_width() == 16:
+        assert most == 2  # the AVX2 and AVX-512 paths have them
     for rows, k, n in [(1, 96, 9), (2, 576, 50), (1, 320, 33), (2, 1536, 12), (3, 576, 20),
                        (9, 160, 17)]:  # 3, 18, 10, 48 blocks: groups of 8 and the rest
         blocks = _random_blocks(kind, n, k, seed=rows + k)
@@ -247,7 +250,7 @@ def test_a_gguf_is_multiplied_by_its_own_blocks(q4_gguf, monkeypatch):
     assert all(h.kernel.round16 for h in rounded._weight_holders())  # dtype="quantized"
     pre_r, one_r = _lone_steps(rounded, ids)
     assert torch.equal(pre_r, pre_q)  # 18 rows: the panels, never rounded
-    if build.quant_kernels().nbq_round16_max_rows():  # a lone row: its input rounded
+    if round16_pays(build.quant_kernels()):  # a lone row: its input rounded
         assert not torch.equal(one_r, one_q)
         assert ((one_r - one_p).norm() / one_p.norm()).item() < 1e-3
     else:

@@ -111,7 +111,8 @@ def load(source: Any, *, device: str | None = None, dtype: Any = None,
     lone stream, +50% weight memory, outputs can differ from float32 in rare near-ties, see
     `WeightFormats.use_16bit_weights`), or "quantized" (CPU: every matmul, of any step size, over
     a GGUF's own Q4_0/Q4_1/Q8_0 blocks or Q8_0 made at load, with float32 arithmetic except that
-    on AVX2 CPUs steps of one or two rows round their inputs to 16 bits per block of 32;
+    on AVX2 CPUs (and AVX-512 ones where that measures faster, `cpu.kernels.tuning`) steps of
+    one or two rows round their inputs to 16 bits per block of 32;
     "quantized-exact": float32 arithmetic throughout; compiles a
     small C kernel at first use; see `WeightFormats.use_quantized_weights`. A GGUF's own blocks
     are the float32 weights' exact values, so those are then dropped, see

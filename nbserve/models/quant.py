@@ -9,8 +9,9 @@ quantized to Q8_0 at load. Inputs, outputs and the arithmetic are float32: steps
 add d * sum(x q) + m * sum(x) per block, steps of more rows dequantize panels of weight rows
 (d * q + m, as GGUF does) and multiply them as float32, so a product differs from one over the
 dequantized weights only in rounding. One exception, `round16` (dtype="quantized"; not
-"quantized-exact"): on the AVX2 path, steps of one or two rows multiply their inputs rounded to
-16 bits per block of 32 with integer products, which decode the weights in fewer instructions.
+"quantized-exact"): on the AVX2 path, and on the AVX-512 path where they measure faster, steps
+of one or two rows multiply their inputs rounded to 16 bits per block of 32 with integer
+products, which decode the weights in fewer instructions.
 Activations are never rounded to 8 bits as llama.cpp's CPU kernels do: that changed most of the
 default model's greedy answers, 16 bits none (benchmarks/README.md).
 The blocks serve every step, so a model loaded from them needs no float32 copy of its weights.
@@ -158,17 +159,20 @@ class KernelLinear:
 
     def __init__(self, weight: QuantBlocks | torch.Tensor, bias: torch.Tensor | None = None,
                  kernels: ctypes.CDLL | None = None, round16: bool = False):
-        """`round16`: blocks' products of a few rows take the input rounded to 16 bits per
-        block of 32 (scale max |x| / 32767) where the kernel build has integer row kernels
-        for it (AVX2 without AVX-512): faster there, within max |x| / 65534 of each input;
-        exact float32 arithmetic elsewhere and for float32 weights."""
+        """`round16`: blocks' products of a few rows may take the input rounded to 16 bits
+        per block of 32 (scale max |x| / 32767), within max |x| / 65534 of each input: they
+        do where the kernel build has integer row kernels for it and they are the faster
+        path on this machine (always on AVX2, measured once on AVX-512: see
+        `cpu.kernels.tuning`); exact float32 arithmetic elsewhere and for float32 weights."""
         from ..cpu.kernels.build import quant_kernels
+        from ..cpu.kernels.tuning import round16_pays
 
         self.weight = weight
-        self.round16 = round16 and isinstance(weight, QuantBlocks)
+        self.round16 = round16 and isinstance(weight, QuantBlocks)  # allowed (dtype="quantized")
         self.bias = None if bias is None else bias.detach().float()
         self.out_features, self.in_features = weight.shape
         self._lib = kernels or quant_kernels()  # a build for another CPU path, in tests
+        self._rounds = self.round16 and round16_pays(self._lib, torch.get_num_threads())
         if isinstance(weight, QuantBlocks):
             self.kind, self.max_rows = weight.kind, None
             self._pointers = (weight.codes.data_ptr(), weight.scales.data_ptr(),
@@ -182,7 +186,7 @@ class KernelLinear:
     @property
     def flags(self) -> int:
         """The kernel's flags for this weight's products (ROUND16 or none; GATED per call)."""
-        return ROUND16 if self.round16 else 0
+        return ROUND16 if self._rounds else 0
 
     @property
     def nbytes(self) -> int:

@@ -161,9 +161,9 @@ class WeightFormats(nn.Module):
         kernel at first use (needs a C compiler). `only_lossless`: change nothing (and return
         False) unless every weight has its checkpoint's own blocks. `round16` (the default):
         steps of a few rows multiply the inputs rounded to 16 bits per block of 32 where the
-        kernel build has integer row kernels for that (AVX2 without AVX-512; see
-        `KernelLinear`), which is faster there; False (dtype="quantized-exact") keeps float32
-        arithmetic on every path."""
+        kernel build has integer row kernels for that and they are the faster path (AVX2;
+        AVX-512 where measured so, see `KernelLinear`); False (dtype="quantized-exact") keeps
+        float32 arithmetic on every path."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise ValueError("quantized weights are a CPU float32 option: load the model with "
                              "dtype='float32' on cpu (on a GPU use dtype='bfloat16')")

@@ -6,8 +6,9 @@
  *       nibble and code j + 16 in its high one (the GGUF Q4_0/Q4_1 order; Q4_0 is m = -8 d);
  *   q8: w = d * q, q a signed byte, 32 bytes a block (the GGUF Q8_0 order).
  * d and m are float16 arrays (N, K / 32), as GGUF stores them, read as float32 (exactly).
- * Everything else is float32, except with the flag ROUND16 on the AVX2 path: there inputs of one
- * or two rows are rounded to 16 bits per block of 32 (integer row kernels, faster there). Never
+ * Everything else is float32, except with the flag ROUND16 on the AVX2 and AVX-512 paths: there
+ * inputs of one or two rows are rounded to 16 bits per block of 32 (integer row kernels, faster
+ * there). Never
  * to 8 bits as llama.cpp's CPU kernels do: that changed most of the default model's greedy
  * answers, 16 bits none (benchmarks/activation_rounding.py).
  *
@@ -16,8 +17,9 @@
  *   among `threads` OpenMP threads, x read once per output row from L1, each weight block
  *   decoded once for up to TILE input rows. The AVX-512 path rebuilds each weight exactly as
  *   GGUF's dequantization does (d * q, then + m) and multiplies it as a float32 model would;
- *   the AVX2 and plain C paths add d * sum(x * q) + m * sum(x) per block (AVX2 with ROUND16:
- *   the same over the input's 16-bit codes, in integers, see row16).
+ *   the AVX2 and plain C paths add d * sum(x * q) + m * sum(x) per block. With ROUND16, the
+ *   AVX2 and AVX-512 paths do the same over the input's 16-bit codes, in integers (row16: the
+ *   same 256-bit code on both, which beat the AVX-512 table path at one row).
  * - more rows (batches, prefills), the panels below: weight rows dequantized exactly as GGUF
  *   does, then a register-blocked float32 kernel.
  * Either way a product differs from one over the dequantized weights only in summation order,
@@ -98,6 +100,43 @@ static inline void block_sums(const float *x, int rows, int k, float *sums) {
         }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)  /* also under AVX-512: the 16-bit row kernels */
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 8 float16 values as float32 */
+INLINE __m256 half8(const half_t *p) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    return _mm256_setr_ps(h2f(p[0]), h2f(p[1]), h2f(p[2]), h2f(p[3]), h2f(p[4]), h2f(p[5]),
+                          h2f(p[6]), h2f(p[7]));
+#endif
+}
+
+/* out[i] = the lanes of acc[i] + q4's m terms: the sum over blocks of m[b] * (the block sum of
+ * the input, xs), 8 blocks a vector into macc[i] (zeros on entry) */
+INLINE void q4_finish(const __m256 *acc, __m256 *macc, int rows, int nb, const half_t *m,
+                      const float *xs, float *out, int n_out) {
+    int b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        __m256 mv = half8(m + b);
+        for (int i = 0; i < rows; i++)
+            macc[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + i * nb + b), macc[i]);
+    }
+    for (int i = 0; i < rows; i++) {
+        float tail = 0.f;
+        for (int t = b; t < nb; t++) tail += h2f(m[t]) * xs[i * nb + t];
+        out[(size_t)i * n_out] = hsum(acc[i]) + (hsum(macc[i]) + tail);
+    }
+}
+
+#endif
+
 #if defined(__AVX512F__)
 /* Per block, the weights themselves: q4 codes index a 16-entry table d * j + m (one register,
  * vpermps), q8 codes are converted and scaled; both give the dequantized float32 weights
@@ -177,23 +216,6 @@ INLINE void f32_row(const float *x, int rows, int k, const float *w, float *out,
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* 8 float16 values as float32 */
-INLINE __m256 half8(const half_t *p) {
-#if defined(__F16C__)
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-#else
-    return _mm256_setr_ps(h2f(p[0]), h2f(p[1]), h2f(p[2]), h2f(p[3]), h2f(p[4]), h2f(p[5]),
-                          h2f(p[6]), h2f(p[7]));
-#endif
-}
-
 static inline __m256 i8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
 /* one block: its 32 codes as floats (four registers of 8) times v, summed lane-wise */
@@ -202,23 +224,6 @@ INLINE __m256 block_dot(const __m256 *w, const float *v) {
     t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(v + 8), t);
     t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(v + 16), t);
     return _mm256_fmadd_ps(w[3], _mm256_loadu_ps(v + 24), t);
-}
-
-/* out[i] = the lanes of acc[i] + q4's m terms: the sum over blocks of m[b] * (the block sum of
- * the input, xs), 8 blocks a vector into macc[i] (zeros on entry) */
-INLINE void q4_finish(const __m256 *acc, __m256 *macc, int rows, int nb, const half_t *m,
-                      const float *xs, float *out, int n_out) {
-    int b = 0;
-    for (; b + 8 <= nb; b += 8) {
-        __m256 mv = half8(m + b);
-        for (int i = 0; i < rows; i++)
-            macc[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + i * nb + b), macc[i]);
-    }
-    for (int i = 0; i < rows; i++) {
-        float tail = 0.f;
-        for (int t = b; t < nb; t++) tail += h2f(m[t]) * xs[i * nb + t];
-        out[(size_t)i * n_out] = hsum(acc[i]) + (hsum(macc[i]) + tail);
-    }
 }
 
 INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const half_t *d,
@@ -274,6 +279,48 @@ INLINE void f32_row(const float *x, int rows, int k, const float *w, float *out,
     for (int i = 0; i < rows; i++) out[(size_t)i * n_out] = hsum(acc[i]);
 }
 
+#else  /* plain C */
+INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const half_t *d,
+                   const half_t *m, const float *xs, float *out, int n_out) {
+    int nb = k / BLOCK;
+    for (int i = 0; i < rows; i++) {
+        float acc = 0.f;
+        for (int b = 0; b < nb; b++) {
+            const float *v = x + (size_t)i * k + (size_t)b * BLOCK;
+            const uint8_t *q = qs + (size_t)b * 16;
+            float t = 0.f;
+            for (int j = 0; j < 16; j++) t += (q[j] & 15) * v[j] + (q[j] >> 4) * v[j + 16];
+            acc += h2f(d[b]) * t + h2f(m[b]) * xs[i * nb + b];
+        }
+        out[(size_t)i * n_out] = acc;
+    }
+}
+
+INLINE void q8_row(const float *x, int rows, int k, const int8_t *qs, const half_t *d,
+                   float *out, int n_out) {
+    int nb = k / BLOCK;
+    for (int i = 0; i < rows; i++) {
+        float acc = 0.f;
+        for (int b = 0; b < nb; b++) {
+            const float *v = x + (size_t)i * k + (size_t)b * BLOCK;
+            const int8_t *q = qs + (size_t)b * BLOCK;
+            float t = 0.f;
+            for (int j = 0; j < BLOCK; j++) t += q[j] * v[j];
+            acc += h2f(d[b]) * t;
+        }
+        out[(size_t)i * n_out] = acc;
+    }
+}
+INLINE void f32_row(const float *x, int rows, int k, const float *w, float *out, int n_out) {
+    for (int i = 0; i < rows; i++) {
+        float acc = 0.f;
+        for (int j = 0; j < k; j++) acc += w[j] * x[(size_t)i * k + j];
+        out[(size_t)i * n_out] = acc;
+    }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
 /* The same with the input rounded to 16 bits per block (flag ROUND16, see round16): x16 the
  * codes, xsc their scales (rows x blocks). A block's products are integers: vpmaddwd (weight
  * code times input code, pairs summed), exact in int32. Eight blocks' sums are gathered into
@@ -362,45 +409,6 @@ INLINE void q8_row16(const int16_t *x16, const float *xsc, int rows, int k, cons
     row16(Q8, x16, xsc, rows, k, (const uint8_t *)qs, d, NULL, NULL, out, n_out);
 }
 
-#else  /* plain C */
-INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const half_t *d,
-                   const half_t *m, const float *xs, float *out, int n_out) {
-    int nb = k / BLOCK;
-    for (int i = 0; i < rows; i++) {
-        float acc = 0.f;
-        for (int b = 0; b < nb; b++) {
-            const float *v = x + (size_t)i * k + (size_t)b * BLOCK;
-            const uint8_t *q = qs + (size_t)b * 16;
-            float t = 0.f;
-            for (int j = 0; j < 16; j++) t += (q[j] & 15) * v[j] + (q[j] >> 4) * v[j + 16];
-            acc += h2f(d[b]) * t + h2f(m[b]) * xs[i * nb + b];
-        }
-        out[(size_t)i * n_out] = acc;
-    }
-}
-
-INLINE void q8_row(const float *x, int rows, int k, const int8_t *qs, const half_t *d,
-                   float *out, int n_out) {
-    int nb = k / BLOCK;
-    for (int i = 0; i < rows; i++) {
-        float acc = 0.f;
-        for (int b = 0; b < nb; b++) {
-            const float *v = x + (size_t)i * k + (size_t)b * BLOCK;
-            const int8_t *q = qs + (size_t)b * BLOCK;
-            float t = 0.f;
-            for (int j = 0; j < BLOCK; j++) t += q[j] * v[j];
-            acc += h2f(d[b]) * t;
-        }
-        out[(size_t)i * n_out] = acc;
-    }
-}
-INLINE void f32_row(const float *x, int rows, int k, const float *w, float *out, int n_out) {
-    for (int i = 0; i < rows; i++) {
-        float acc = 0.f;
-        for (int j = 0; j < k; j++) acc += w[j] * x[(size_t)i * k + j];
-        out[(size_t)i * n_out] = acc;
-    }
-}
 #endif
 
 #ifdef HAS_ROUND16
@@ -676,13 +684,15 @@ static int matmul(int kind, const float *x, int rows, int k, const void *codes, 
         round16(x, rows, k, x16, xsc);
     }
 #endif
-#ifndef HAS_TABLE_PATH  /* the table path needs no block sums */
+#ifdef HAS_TABLE_PATH  /* the table path needs no block sums, the 16-bit kernels do */
+    if (kind == Q4 && x16) {
+#else
     if (kind == Q4) {
+#endif
         xs = malloc(sizeof(float) * (size_t)rows * nb);
         if (!xs) { free(x16); free(xsc); free(buf); return -1; }
         block_sums(x, rows, k, xs);
     }
-#endif
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int r = 0; r < n; r++) {
         const uint8_t *wq = (const uint8_t *)codes + (size_t)r * row_bytes;
