@@ -26,8 +26,9 @@ from typing import Protocol, cast
 import numpy as np
 import torch
 
+from ..cpu.kernels import GATED, ROUND16  # the kernel's flags
+
 BLOCK = 32  # weights per block, along the input dimension (GGUF's Q4_0, Q4_1, Q8_0)
-GATED, ROUND16 = 1, 2  # the kernel's flags (quant_matmul.c)
 FLOAT_MAX_ROWS = 4  # the same for float32 weights; SmolLM2's matmuls in the engine's thread,
 # kernel against oneDNN-packed (ms): 1 row 13.6 / 20.3, 3: 17.3 / 20.2, 4: 16.7 / 17.1, 8: 29 / 22
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # fp16 scale [fp16 min] codes

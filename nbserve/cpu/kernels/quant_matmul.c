@@ -19,7 +19,8 @@
  *   GGUF's dequantization does (d * q, then + m) and multiplies it as a float32 model would;
  *   the AVX2 and plain C paths add d * sum(x * q) + m * sum(x) per block. With ROUND16, the
  *   AVX2 and AVX-512 paths do the same over the input's 16-bit codes, in integers (row16: the
- *   same 256-bit code on both, which beat the AVX-512 table path at one row).
+ *   same 256-bit code on both; whether an AVX-512 machine takes it or its table path is timed
+ *   once per machine, nbserve/cpu/kernels/tuning.py).
  * - more rows (batches, prefills), the panels below: weight rows dequantized exactly as GGUF
  *   does, then a register-blocked float32 kernel.
  * Either way a product differs from one over the dequantized weights only in summation order,

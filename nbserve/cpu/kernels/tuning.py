@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROUND16 = 2  # quant_matmul.c's flag
+from . import ROUND16
+
 _choices: dict[str, bool] = {}  # by library path, for this process
 _lock = threading.Lock()
 
@@ -41,7 +42,7 @@ def round16_pays(lib: ctypes.CDLL, threads: int = 1) -> bool:
                          "two-row steps to 16 bits), 0 (keep them float32) or leave it unset")
     if lib.nbq_simd_width() != 16:  # AVX2: no other fast row path
         return True
-    name = str(getattr(lib, "_name", ""))
+    name = lib._name
     with _lock:
         if name not in _choices:
             _choices[name] = _remembered_or_measured(lib, Path(name), threads)
