@@ -7,6 +7,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nbserve.engine import sampling
 from nbserve.engine.sampling import SeqSampler, _top_k_, _top_p_sorted_, process_logits, sample
@@ -319,3 +321,38 @@ def test_benchmark_print(capsys):
                 times.append((time.perf_counter() - t0) * 1e3)
             times = sorted(times[1:])
             print(f"  {name:<50} median {times[len(times) // 2]:7.3f} ms   best {times[0]:7.3f} ms")
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 5), width=st.integers(1, 70), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       layout=st.sampled_from(["contiguous", "expanded", "strided"]))
+def test_greedy_ids_are_torchs_argmax(rows, width, seed, dtype, layout):
+    """Ties (values drawn from a few integers) go to the first index, NaN counts as the
+    largest, -inf rows give 0: as torch's argmax, on every layout the engine hands it."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 3, (rows, width), generator=g).to(dtype)
+    x[torch.rand(rows, width, generator=g) < 0.05] = float("nan")
+    x[torch.rand(rows, width, generator=g) < 0.1] = float("-inf")
+    if layout == "expanded":  # a prefill's one row of logits for n > 1 choices
+        x = x[:1].expand(rows, -1)
+    elif layout == "strided":
+        x = torch.cat([x, x], -1)[:, ::2]
+    with torch.inference_mode():
+        assert sampling.greedy_ids(x) == x.argmax(-1).tolist()
+
+
+def test_a_lone_biased_row_is_biased_once_per_step():
+    """The one row with a logit_bias (its tensors kept on the sampler) gets exactly its bias,
+    at every step; the rows around it are untouched."""
+    logits = torch.randn(3, V)
+    ss = make(1, temperature=0) + make(1, temperature=0, logit_bias={3: 2.5, 7: -100.0}) + \
+        make(1, temperature=0)
+    want = logits.clone()
+    want[1, 3] += 2.5
+    want[1, 7] += -100.0
+    for _ in range(3):
+        assert torch.equal(process_logits(logits, ss), want)
+        assert sample(logits, ss).token_ids == want.argmax(-1).tolist()
+    alone = ss[1:2]
+    assert torch.equal(process_logits(logits[1:2], alone), want[1:2])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter, is_, itemgetter
 from typing import Any
 
 import torch
@@ -65,35 +66,39 @@ def unfit_reason(model: Any) -> str | None:
     return None
 
 
+_KERNEL = attrgetter("kernel")
+_PARAMETERS = attrgetter("_parameters")
+_WEIGHT = itemgetter("weight")
+_POINTER = torch.Tensor.data_ptr
+
+
 @dataclass
 class _Built:
     """The ctypes description of the layers over one cache, and what it was built from."""
 
     array: Any
-    layers: list[Any]
+    layers: tuple[Any, ...]
     cache: tuple[int, int]  # (id, first key pointer)
-    kernels: list[tuple[Any, Any]]  # (holder, its kernel)
-    weights: list[tuple[torch.Tensor, int]]  # float32 kernels': (weight, pointer)
-    norms: list[tuple[Any, torch.Tensor, int]]  # (norm, weight, pointer)
+    holders: tuple[Any, ...]  # the modules whose `.kernel` each matmul is
+    kernels: tuple[Any, ...]  # their kernels
+    weights: tuple[torch.Tensor, ...]  # float32 kernels' weights
+    weight_pointers: list[int]  # and their pointers
+    norms: tuple[Any, ...]  # the RMSNorm modules
+    norm_weights: tuple[torch.Tensor, ...]  # their parameters
+    norm_pointers: list[int]  # and their pointers
     max_rows: int | None  # the most rows every kernel takes (None: any)
 
     def current(self, model: Any, cache: Any) -> bool:
-        """Whether every object and pointer it was built from is still in place (cheap, once
-        a step)."""
-        if self.cache != (id(cache), cache.k[0].data_ptr()):
-            return False
-        if any(a is not b for a, b in zip(model.model.decoder_layers, self.layers)):
-            return False
-        for holder, kernel in self.kernels:
-            if holder.kernel is not kernel:
-                return False
-        for weight, ptr in self.weights:  # a float32 weight given new storage (`.data =`)
-            if weight.data_ptr() != ptr:
-                return False
-        for norm, weight, ptr in self.norms:  # a norm given a new parameter, or new storage
-            if norm._parameters["weight"] is not weight or weight.data_ptr() != ptr:
-                return False
-        return True
+        """Whether every object and pointer it was built from is still in place: a layer, a
+        kernel, a norm given a new parameter, a weight or norm given new storage (`.data =`).
+        Once a step, so the loops run in C (map), not in Python."""
+        return (self.cache == (id(cache), cache.k[0].data_ptr())
+                and all(map(is_, model.model.decoder_layers, self.layers))
+                and all(map(is_, map(_KERNEL, self.holders), self.kernels))
+                and list(map(_POINTER, self.weights)) == self.weight_pointers
+                and all(map(is_, map(_WEIGHT, map(_PARAMETERS, self.norms)),
+                            self.norm_weights))
+                and list(map(_POINTER, self.norm_weights)) == self.norm_pointers)
 
 
 class DecodeStack:
@@ -175,8 +180,11 @@ class DecodeStack:
             keys, values = cache.k[layer.self_attn.layer], cache.v[layer.self_attn.layer]
             entry.keys, entry.values = keys.data_ptr(), values.data_ptr()
         limits = [kernel.max_rows for _, kernel in kernels if kernel.max_rows is not None]
-        return _Built(array, layers, (id(cache), cache.k[0].data_ptr()), kernels, weights,
-                      norms, min(limits) if limits else None)
+        return _Built(array, tuple(layers), (id(cache), cache.k[0].data_ptr()),
+                      tuple(h for h, _ in kernels), tuple(k for _, k in kernels),
+                      tuple(w for w, _ in weights), [p for _, p in weights],
+                      tuple(n for n, _, _ in norms), tuple(w for _, w, _ in norms),
+                      [p for _, _, p in norms], min(limits) if limits else None)
 
     def serves(self, max_pos: int, cache: Any) -> bool:
         """Whether a step whose rows reach `max_pos` can run as one call on `cache`."""
