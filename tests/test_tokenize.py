@@ -4,10 +4,13 @@ naming the field."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
+from server_util import running_server
 
+from nbserve.server import create_app
 from nbserve.types import Request
 
 HI = [{"role": "user", "content": "Hello there, how are you?"}]
@@ -60,3 +63,27 @@ def test_bad_input_is_a_400_naming_the_field(server_url: str) -> None:
     r = post(server_url, "/tokenize", {"prompt": "a", "model": "gpt-4o"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert post(server_url, "/tokenize", {"prompt": "still serving"}).status_code == 200
+
+
+def test_a_14_mb_detokenize_body_is_a_413_with_an_openai_error(server_url: str) -> None:
+    body = json.dumps({"tokens": [1] * 4_800_000}).encode()
+    assert len(body) > 14_000_000
+    r = httpx.post(server_url + "/detokenize", content=body,
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413, r.text[:200]
+    assert r.json()["error"]["code"] == "request_too_large"
+    assert post(server_url, "/detokenize", {"tokens": [1, 2]}).status_code == 200
+
+
+def test_tokenize_calls_count_toward_the_rate_limit(tiny_engine: Any) -> None:
+    """One bucket per client for every route: a chat call and a /tokenize call use up a
+    2-per-minute budget, and then /tokenize, /detokenize and chat are all refused."""
+    with running_server(create_app(tiny_engine, rate_limit_per_minute=2, ui=False)) as url:
+        chat = {"messages": HI, "max_tokens": 1}
+        assert post(url, "/v1/chat/completions", chat).status_code == 200
+        assert post(url, "/tokenize", {"prompt": "hi"}).status_code == 200
+        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]}),
+                           ("/v1/chat/completions", chat)):
+            r = post(url, path, body)
+            assert r.status_code == 429, (path, r.text)
+            assert r.json()["error"]["code"] == "rate_limit_exceeded" and r.headers["retry-after"]

@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -34,6 +35,13 @@ from .options import ServerOptions
 
 log = logging.getLogger("nbserve.server")
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+# Every route is behind the API keys and the rate limit (an app-level dependency, so a route
+# added later is too) and every path behind the body limit (a middleware), except these, which
+# tests/test_route_limits.py lists again with their reasons. Open: probes and the static docs.
+OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
+# Behind the keys, outside the rate limit: monitors poll them, and reading counters must not
+# take a key's budget for generation.
+UNMETERED_PATHS = frozenset({"/metrics", "/stats"})
 
 
 class ObservabilityMiddleware:
@@ -83,10 +91,11 @@ class ObservabilityMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Refuses /v1 request bodies over `max_bytes` with an OpenAI-shaped 413."""
+    """Refuses request bodies over `max_bytes` with an OpenAI-shaped 413, on every path (the
+    API's routes, the UI's, and any added later)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, prefix: str = "/v1"):
-        self.app, self.max_bytes, self.prefix = app, max_bytes, prefix
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
 
     async def _too_large(self, send: Send, close: bool) -> None:
         err = APIError(413, f"The request body is over the limit of {self.max_bytes} bytes. "
@@ -97,7 +106,7 @@ class BodyLimitMiddleware:
         await resp({"type": "http"}, _no_receive, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         declared = Headers(scope=scope).get("content-length")
@@ -147,14 +156,15 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
                options: ServerOptions | None = None) -> FastAPI:
     """The ASGI app serving `backend` (an Engine or a Pool).
 
-    api_keys: required bearer keys for /v1, /stats and /metrics (none: open). /health stays open.
+    api_keys: required bearer keys for every route but /health and the docs (none: open).
     cors_origins: browser origins allowed to call the API (none by default).
     limits: request size and parameter limits (see `Limits`; a dict of its fields works too).
-    rate_limit_per_minute: generation requests per minute per key (per client address without
-        keys). ui: mount the Gradio chat at / (after the API routes); it asks for a key as its
-        login when there are keys, and its turns obey the same limits and rate limit (one
-        bucket with /v1 per key or address). log_messages: put message contents in the request
-        log lines (off by default).
+    rate_limit_per_minute: requests per minute per key (per client address without keys), on
+        every route but /health, the docs, /stats and /metrics.
+    ui: mount the Gradio chat at / (after the API routes); it asks for a key as its login when
+        there are keys, and its turns obey the same limits and rate limit (one bucket with /v1
+        per key or address); its routes are behind the body limit, as every path is.
+    log_messages: put message contents in the request log lines (off by default).
     accept_unknown_fields: drop request fields nbserve does not know, logging each name once
         (off by default: a 400 `unknown_parameter` naming the field, so a typo is never
         silently ignored). Fields nbserve knows and cannot serve are refused either way.
@@ -179,18 +189,21 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
     metrics = Metrics(backend.stats)
 
     # async (they do no I/O): FastAPI would run plain functions in a worker thread per request
-    async def authorize(request: Request) -> None:
-        request.state.client_key = keys.check(request) if keys else None
+    async def guard(request: Request) -> None:
+        """The keys, then the rate limit, for every route of the app but OPEN_PATHS."""
+        route = request.scope.get("route")
+        path = route.path if isinstance(route, APIRoute) else ""  # "": nothing is exempt
+        if path in OPEN_PATHS:
+            return
+        request.state.client_key = client = keys.check(request) if keys else None
+        if limiter is not None and path not in UNMETERED_PATHS:
+            limiter.check(client or (request.client.host if request.client else "unknown"))
 
     async def admit(request: Request) -> None:
         if not app.state.accepting:
             raise APIError(503, "The server is shutting down; retry on another replica or "
                            "in a few seconds.", "service_unavailable", None, "shutting_down",
                            {"Retry-After": "5"})
-        if limiter is not None:
-            client = getattr(request.state, "client_key", None) or (
-                request.client.host if request.client else "unknown")
-            limiter.check(client)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -201,7 +214,8 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
         app.state.accepting = False
 
     app = FastAPI(title="nbserve", summary="OpenAI-compatible API for one model",
-                  lifespan=lifespan, docs_url="/docs", redoc_url=None)
+                  lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  dependencies=[Depends(guard)])
     app.state.backend, app.state.metrics, app.state.limits = backend, metrics, limits
     # The chat UI checks its turns with these same objects (one rate-limit bucket per client).
     app.state.key_auth, app.state.rate_limiter = keys, limiter
@@ -230,20 +244,18 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
         status, body = health_body()
         return JSONResponse(body, status_code=status)
 
-    @app.get("/stats", dependencies=[Depends(authorize)])
+    @app.get("/stats")
     async def stats() -> dict[str, Any]:
         return {**backend.stats(), "model": backend.model_name, "server": metrics.snapshot()}
 
-    @app.get("/metrics", dependencies=[Depends(authorize)])
+    @app.get("/metrics")
     async def prometheus() -> Response:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    app.include_router(build_tokenize_router(backend, limits, dependencies=[Depends(authorize)],
-                                             unknown=UnknownFields(
-                                                 accept=opts.accept_unknown_fields)))
+    app.include_router(build_tokenize_router(backend, limits, unknown=UnknownFields(
+        accept=opts.accept_unknown_fields)))
     app.include_router(build_router(backend, limits, log_messages=log_messages,
-                                    dependencies=[Depends(authorize)],
                                     gen_dependencies=[Depends(admit)],
                                     accept_unknown_fields=opts.accept_unknown_fields))
     base_openapi = app.openapi

@@ -71,8 +71,8 @@ class ServerOptions:
     """
 
     api_keys: tuple[str, ...] = field(default=(), metadata=cli(
-        "--api-key", "require this key (Authorization: Bearer KEY) for /v1, /stats and "
-        "/metrics; repeat for several", repeat=True, metavar="KEY"))
+        "--api-key", "require this key (Authorization: Bearer KEY) on every route but "
+        "/health and the docs; repeat for several", repeat=True, metavar="KEY"))
     cors_origins: tuple[str, ...] = field(default=(), metadata=cli(
         "--cors-origin", "a browser origin allowed to call the API (e.g. https://app.example); "
         "repeat for several", repeat=True, metavar="ORIGIN"))
@@ -81,8 +81,9 @@ class ServerOptions:
         "--limit", "raise or lower a request limit, e.g. max_tokens=1024 (a field of Limits); "
         "repeat for several", repeat=True, parse=limit_item, metavar="NAME=VALUE"))
     rate_limit_per_minute: float | None = field(default=None, metadata=cli(
-        "--rate-limit-per-minute", "generation requests per minute per API key (per client "
-        "address without keys); default: no limit", parse=float, metavar="N"))
+        "--rate-limit-per-minute", "requests per minute per API key (per client address "
+        "without keys) on every route but /health, the docs, /stats and /metrics; default: "
+        "no limit", parse=float, metavar="N"))
     ui: bool = field(default=True, metadata=cli("--no-ui", "serve only the API (no chat UI)"))
     log_messages: bool = field(default=False, metadata=cli(
         "--log-messages", "put message contents in the request log lines"))

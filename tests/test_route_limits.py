@@ -1,0 +1,94 @@
+"""Every route that does work sits behind the API keys, the body limit and the rate limit, the
+ones there are today and any added later: one test walks a real app's routes on a real port.
+The routes left outside are listed here, each with its reason; a new one must be added here."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import httpx
+from fastapi.routing import APIRoute
+from server_util import running_server
+from starlette.routing import BaseRoute, Mount, Route
+
+from nbserve.server import create_app
+
+# Outside the keys and the rate limit (the body limit still holds), and why.
+OPEN = {"/health": "probes and load balancers poll it without a key",
+        "/docs": "the API's documentation page (static)",
+        "/docs/oauth2-redirect": "part of the documentation page (static)",
+        "/openapi.json": "the API's schema, which /docs reads (built once)"}
+# Behind the keys, outside the rate limit: monitors poll them on a schedule, and reading a few
+# counters must not take a key's budget for generation.
+UNMETERED = {"/metrics": "Prometheus scrapes it", "/stats": "dashboards poll it"}
+# The chat UI at /: its own login (the keys), and each chat turn takes the rate limit itself
+# (tests/test_ui_limits.py, tests/test_ui_access.py); only the body limit is checked here.
+UI_MOUNT = ""
+
+BODY_LIMIT = 4096
+RATE = 2  # requests per minute per key
+
+
+def _routes(app: Any) -> list[BaseRoute]:
+    """The app's routes, each included router opened up (newer FastAPI versions keep an
+    included router as one entry of app.routes; older ones list its routes there)."""
+    try:
+        from fastapi.routing import iter_route_contexts
+    except ImportError:
+        return list(app.routes)
+    return [c.original_route for c in iter_route_contexts(app.routes)]
+
+
+def _concrete(path: str) -> str:
+    return re.sub(r"\{[^}]*\}", "no-such-id", path)
+
+
+def _error(resp: httpx.Response, status: int, code: str) -> None:
+    assert resp.status_code == status, (resp.request.method, resp.request.url, resp.text)
+    err = resp.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["code"] == code, err
+
+
+def test_every_route_that_does_work_is_behind_the_keys_the_body_limit_and_the_rate_limit(
+        tiny_engine: Any) -> None:
+    keys = [f"sk-route-{i}" for i in range(64)]
+    app = create_app(tiny_engine, api_keys=keys, rate_limit_per_minute=RATE,
+                     limits={"max_body_bytes": BODY_LIMIT})
+    unused = iter(keys)
+    seen: set[str] = set()
+    with running_server(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        def call(method: str, path: str, key: str | None = None,
+                 body: bytes = b"{}") -> httpx.Response:
+            headers = {"content-type": "application/json"}
+            if key:
+                headers["authorization"] = f"Bearer {key}"
+            return http.request(method, path, content=body, headers=headers)
+
+        too_large = b"x" * (BODY_LIMIT + 1)
+        for route in _routes(app):
+            if isinstance(route, Mount):
+                assert route.path == UI_MOUNT, f"a mount that is not the UI: {route.path!r}"
+                _error(call("POST", "/gradio_api/upload", body=too_large), 413,
+                       "request_too_large")
+                continue
+            assert isinstance(route, (APIRoute, Route)), f"an unknown kind of route: {route!r}"
+            seen.add(route.path)
+            path = _concrete(route.path)
+            for method in sorted((route.methods or set()) - {"HEAD"}):
+                _error(call(method, path, keys[0], too_large), 413, "request_too_large")
+                if route.path in OPEN:
+                    answers = [call(method, path).status_code for _ in range(RATE + 1)]
+                    assert 401 not in answers and 429 not in answers, (method, path, answers)
+                    continue
+                _error(call(method, path), 401, "missing_api_key")
+                key = next(unused)
+                answers = [call(method, path, key).status_code for _ in range(RATE)]
+                assert 401 not in answers and 429 not in answers, (method, path, answers)
+                if route.path in UNMETERED:
+                    assert call(method, path, key).status_code == 200, (method, path)
+                else:
+                    _error(call(method, path, key), 429, "rate_limit_exceeded")
+    # The exempt lists hold only routes that exist: they cannot grow stale and wide.
+    assert set(OPEN) | set(UNMETERED) <= seen, (set(OPEN) | set(UNMETERED)) - seen
+    assert {"/tokenize", "/detokenize", "/v1/chat/completions", "/v1/models"} <= seen
