@@ -485,7 +485,8 @@ MSG = [{"role": "user", "content": "Tell me a story."}]
 
 
 def test_a_client_that_stops_reading_is_cancelled_past_max_backlog_in_a_pool(loaded):
-    pool = make_pool(loaded, max_backlog=32, max_context=512)
+    # slow_client_timeout=0: the count alone decides (the grace time: the sync test below)
+    pool = make_pool(loaded, max_backlog=32, max_context=512, slow_client_timeout=0)
     with pool, small_send_buffers(pool) as url:
         # top_logprobs make each chunk ~1.5 KB: the buffers are full after a few dozen tokens
         sock = non_reading_stream(url, {"messages": MSG, "stream": True, "max_tokens": 480,
@@ -509,15 +510,34 @@ def test_a_client_that_stops_reading_is_cancelled_past_max_backlog_in_a_pool(loa
     assert "max_backlog=32" in last["error"]["message"]
 
 
+class SlowModel:
+    """Wraps a model; every forward takes 10 ms longer."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.01)
+        return self.inner.forward(*args, **kwargs)
+
+
 def test_the_sync_stream_of_a_pool_keeps_max_backlog(loaded):
-    with make_pool(loaded, max_backlog=4, max_context=512) as pool:
+    """A caller that reads nothing is cancelled once more than max_backlog events wait and the
+    oldest has waited past slow_client_timeout (steps of 10 ms: 200 tokens take 2 s at least)."""
+    with make_pool(loaded, max_backlog=4, max_context=512, slow_client_timeout=0.3) as pool:
+        for rep in pool.replicas:
+            rep.engine.model = SlowModel(rep.engine.model)
         events = pool.stream(Request(prompt="x", params=SamplingParams(
             temperature=0, max_tokens=200, ignore_eos=True)))
         assert isinstance(next(events), Started)  # then read nothing while it generates
         assert wait_for(lambda: pool.stats()["requests_finished"].get("error") == 1, 20)
         rest = list(events)
         assert isinstance(rest[-1], ErrorEvent) and rest[-1].kind == "client_too_slow"
-        assert len(rest) < 50
+        assert "slow_client_timeout=0.3 s" in rest[-1].message
+        assert len(rest) < 200  # cancelled before the end of its answer
 
 
 def test_metrics_have_a_series_per_replica(loaded):

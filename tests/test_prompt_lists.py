@@ -190,10 +190,12 @@ def test_queue_timeouts_before_and_after_the_stream_started(loaded: Any, sdk: An
 
 def test_a_client_that_stops_reading_a_prompt_list_is_cancelled(loaded: Any) -> None:
     """The merge of the prompts' streams holds at most one event per prompt: the rest waits in
-    the engine, whose max_backlog cancels both prompts of a client that reads nothing."""
+    the engine, whose max_backlog cancels both prompts of a client that reads nothing once
+    their oldest unread events have waited past slow_client_timeout."""
     # a 500-character model name and logprobs make each chunk ~1 KB: the socket buffers are
-    # full after a few dozen tokens
-    engine = engine_of(loaded, max_batch=4, max_backlog=32, name="m" * 500)
+    # full after a few dozen tokens; steps of 10 ms keep both generating well past the grace
+    engine = engine_of(loaded, delay=0.01, max_batch=4, max_backlog=32, name="m" * 500,
+                       slow_client_timeout=0.5)
     with engine, small_send_buffers(engine) as url:
         body = {"prompt": PROMPTS[:2], "stream": True, "max_tokens": 480, "logprobs": 5,
                 "logit_bias": NO_EOS}

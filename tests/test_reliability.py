@@ -146,7 +146,10 @@ def test_queue_timeout_is_an_engine_option(loaded: Any) -> None:
 
 
 def test_a_client_that_stops_reading_is_cancelled_past_max_backlog(loaded: Any) -> None:
-    engine, _ = faulty_engine(loaded, max_backlog=32)
+    """Once more than max_backlog events wait unread and the oldest has waited longer than
+    slow_client_timeout, the request is cancelled; steps of 10 ms keep it generating well past
+    that (480 tokens: 4.8 s at least)."""
+    engine, _ = faulty_engine(loaded, delay=0.01, max_backlog=32, slow_client_timeout=0.5)
     with engine, small_send_buffers(engine) as url:
         # top_logprobs make each chunk ~1.5 KB: the buffers are full after a few dozen tokens
         sock = non_reading_stream(url, {"messages": MSG, "stream": True, "max_tokens": 480,
@@ -167,6 +170,41 @@ def test_a_client_that_stops_reading_is_cancelled_past_max_backlog(loaded: Any) 
         last = json.loads(data[-2])
         assert last["error"]["code"] == "client_too_slow"
         assert "max_backlog=32" in last["error"]["message"]
+        assert "slow_client_timeout=0.5 s" in last["error"]["message"]
+
+
+def test_a_stream_read_by_a_stalled_event_loop_is_not_cancelled(loaded: Any) -> None:
+    """A slow machine is not a slow client: the server's event loop stalls (a callback blocks
+    it until the stream's unread events are five times max_backlog, well within the default
+    slow_client_timeout), then reads on; the stream gets its whole answer, no error. (A count
+    alone cancelled it at the ninth unread event.)"""
+    engine, model = faulty_engine(loaded, max_backlog=8)
+    body = {"messages": MSG, "stream": True, "max_tokens": 300, "logit_bias": NO_EOS,
+            "stream_options": {"include_usage": True}}
+    piled: list[int] = []
+    with engine, app_running(engine) as url, \
+            httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        model.hang()  # the answer cannot end before the stall begins
+        (group,) = engine._groups.values()
+        box = group.sink.__self__  # the Mailbox its consumer on the server's loop reads
+
+        def stall() -> None:  # on the server's loop: nothing there runs until it returns
+            model.release()
+            wait_until(lambda: len(box.events) > 5 * 8, 10)
+            piled.append(len(box.events))
+
+        box.loop.call_soon_threadsafe(stall)
+        payloads = [first[len("data: "):]] + [line[len("data: "):] for line in lines
+                                              if line.startswith("data: ")]
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert [c["error"] for c in chunks if "error" in c] == []
+    assert piled and piled[0] > 5 * 8  # the backlog went far past max_backlog meanwhile
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 300
+    assert engine.stats()["requests_finished"].get("error") is None
 
 
 def _stream_tokens(url: str, max_tokens: int) -> int:

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from nbserve.engine.requests import Mailbox, count_down
+from nbserve.engine.requests import Mailbox, SyncMailbox, count_down
 from nbserve.types import Delta, ErrorEvent, Finished, Started, Usage
 
 
@@ -18,6 +18,16 @@ class AbortRecorder:
 
     def __call__(self, request_id: str, why: str) -> None:
         self.calls.append((request_id, why))
+
+
+class Clock:
+    """A monotonic clock the test moves by hand: a mailbox's grace time without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def delta(i: int) -> Delta:
@@ -94,6 +104,76 @@ async def test_events_read_in_time_never_trip_the_backlog() -> None:
         await box.get()
         await box.get()
     assert abort.calls == []
+
+
+async def test_a_backlog_over_the_limit_is_not_too_slow_within_the_grace_time() -> None:
+    """A caller's loop late for a moment (events piled far past the limit, the oldest 0.9 s
+    old with a grace of 1 s) catches up: no abort, then or later."""
+    abort, clock = AbortRecorder(), Clock()
+    box = Mailbox(abort, "late", asyncio.get_running_loop(), limit=4, grace=1.0, clock=clock)
+    for i in range(100):
+        box.post(delta(i))
+        clock.now += 0.009
+    assert abort.calls == []
+    got = [await box.get() for _ in range(100)]
+    assert [ev.token_ids[0] for ev in got] == list(range(100))
+    clock.now += 60  # long after: what it read no longer counts
+    for i in range(4):
+        box.post(delta(i))
+    assert abort.calls == []
+
+
+async def test_a_reader_late_by_a_steady_lag_over_the_limit_is_not_too_slow() -> None:
+    """Always 20 events behind (limit 4) but taking each within 0.2 s of its post (grace 1 s):
+    what it fails to read over time is nothing, so it is never cancelled."""
+    abort, clock = AbortRecorder(), Clock()
+    box = Mailbox(abort, "lag", asyncio.get_running_loop(), limit=4, grace=1.0, clock=clock)
+    for i in range(20):
+        box.post(delta(i))
+    for i in range(20, 1000):
+        clock.now += 0.01
+        box.post(delta(i))
+        assert (await box.get()).token_ids[0] == i - 20
+    assert abort.calls == []
+
+
+async def test_a_reader_that_stops_is_too_slow_once_its_oldest_event_passes_the_grace() -> None:
+    abort, clock = AbortRecorder(), Clock()
+    box = Mailbox(abort, "stopped", asyncio.get_running_loop(), limit=4, grace=0.5, clock=clock)
+    for i in range(9):
+        box.post(delta(i))
+        clock.now += 0.0625  # the oldest is 0.5 s old at the ninth post: not more
+    assert abort.calls == []
+    box.post(delta(9))
+    assert abort.calls == [("stopped", "backlog")]
+    for i in range(10, 40):
+        clock.now += 1
+        box.post(delta(i))
+    assert abort.calls == [("stopped", "backlog")]  # once
+    got = [await box.get() for _ in range(40)]  # nothing is dropped
+    assert [ev.token_ids[0] for ev in got] == list(range(40))
+
+
+async def test_a_few_old_unread_events_under_the_limit_are_not_too_slow() -> None:
+    abort, clock = AbortRecorder(), Clock()
+    box = Mailbox(abort, "idle", asyncio.get_running_loop(), limit=4, grace=0.5, clock=clock)
+    for i in range(4):
+        box.post(delta(i))
+        clock.now += 10
+    assert abort.calls == []
+
+
+def test_the_sync_mailbox_judges_a_reader_the_same_way() -> None:
+    abort, clock = AbortRecorder(), Clock()
+    box: SyncMailbox[Delta] = SyncMailbox(abort, "s", limit=2, grace=1.0, clock=clock)
+    for i in range(10):  # late for a moment, far past the limit
+        box.post(delta(i))
+    assert [box.get().token_ids[0] for _ in range(10)] == list(range(10))
+    for i in range(10, 20):  # then it stops reading
+        clock.now += 0.4
+        box.post(delta(i))
+    assert abort.calls == [("s", "backlog")]
+    assert [box.get().token_ids[0] for _ in range(10)] == list(range(10, 20))
 
 
 async def test_no_limit_never_aborts() -> None:

@@ -52,8 +52,11 @@ class EngineConfig:
     float16 for a quantized CPU model, else its dtype). max_queue: requests
     waiting for admission before new ones get BusyError. prefill_chunk: prompt tokens
     prefilled per step (long prompts are split). queue_timeout: seconds a request may wait
-    for admission. max_backlog: events per choice a caller may leave unread before its
-    request is cancelled. restart_on_failure: restart the engine thread if it dies.
+    for admission. max_backlog: events per choice a caller may leave unread (None: no
+    limit). slow_client_timeout: seconds the oldest of them may wait: a caller over
+    max_backlog whose oldest unread event is older is too slow, and its request is cancelled
+    (0: the count alone decides); a busy machine's event loop that is late for a moment is not
+    a slow client. restart_on_failure: restart the engine thread if it dies.
     threads: torch intra-op threads of the engine thread (None: tuned per forward size on
     CPU). step_timeout: seconds one step may run before the engine counts as stuck. name:
     the served model name (default: the model's). quiet: no start-up line. static_decode:
@@ -71,6 +74,7 @@ class EngineConfig:
     prefill_chunk: int = 512
     queue_timeout: float | None = 600.0
     max_backlog: int | None = 1024
+    slow_client_timeout: float = 10.0
     restart_on_failure: bool = True
     threads: int | None = None
     step_timeout: float | None = 300.0
@@ -91,6 +95,10 @@ class EngineConfig:
         _int_at_least("threads", self.threads, 1, "tuned")
         _seconds_or_none("queue_timeout", self.queue_timeout)
         _seconds_or_none("step_timeout", self.step_timeout)
+        grace = self.slow_client_timeout
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+            raise ValueError("slow_client_timeout must be a number of seconds >= 0 (0: "
+                             f"max_backlog alone decides), got {grace!r}")
         if self.static_decode is not None and not isinstance(self.static_decode, bool):
             raise ValueError("static_decode must be True, False or None (on for a CUDA model), "
                              f"got {self.static_decode!r}")

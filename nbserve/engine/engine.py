@@ -7,7 +7,8 @@ Events reach an async caller through a `Mailbox`, a sync caller through a `SyncM
 (requests.py).
 
 Reliability: a request that waits more than `queue_timeout` s for a slot fails with a clear
-error; a caller that stops reading (more than `max_backlog` events undelivered) is cancelled;
+error; a caller that stops reading (more than `max_backlog` events undelivered, the oldest for
+more than `slow_client_timeout` s) is cancelled;
 if the engine thread dies it restarts with a fresh cache and scheduler (`restart_on_failure`).
 """
 
@@ -89,6 +90,7 @@ class Engine(SyncHelpers):
         self.model_name = config.name or model.name
         self.max_queue = config.max_queue
         self.queue_timeout, self.max_backlog = config.queue_timeout, config.max_backlog
+        self.slow_client_timeout = config.slow_client_timeout
         self.restart_on_failure, self.step_timeout = config.restart_on_failure, config.step_timeout
         self.threads, self.prefill_chunk = config.threads, config.prefill_chunk
         self.restarts = 0
@@ -150,7 +152,8 @@ class Engine(SyncHelpers):
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         """Stream the events of `request`. Raises before the first event if it is refused."""
         mailbox: Mailbox[Event] = Mailbox(self.abort, request.request_id,
-                                          asyncio.get_running_loop(), self._backlog_limit(request))
+                                          asyncio.get_running_loop(), self._backlog_limit(request),
+                                          self.slow_client_timeout)
         if (request.tools or request.params.constraint is not None) and \
                 not has_grammars(self.tokenizer, self.vocab_size):
             await asyncio.to_thread(self.grammars)  # built once, off the caller's loop
@@ -169,7 +172,8 @@ class Engine(SyncHelpers):
         """Sync version of `generate`, for scripts and notebook cells. Submits at once (so a
         refusal raises here); closing the returned iterator cancels the request."""
         mailbox: SyncMailbox[Event] = SyncMailbox(self.abort, request.request_id,
-                                                   self._backlog_limit(request))
+                                                   self._backlog_limit(request),
+                                                   self.slow_client_timeout)
         group = self.submit(request, mailbox.post)
         return self._iterate(group, mailbox)
 

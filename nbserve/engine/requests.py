@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ from .sampling import SeqSampler
 from .scheduler import Sequence
 
 Sink = Callable[[Event], None]
+Clock = Callable[[], float]  # seconds, monotonic
 Abort = Callable[[str, str], None]  # (request id, why): Engine.abort or Pool.abort
 T = TypeVar("T")
 
@@ -74,23 +76,24 @@ def count_down(remaining: int, ev: Event) -> tuple[int, bool]:
 class Mailbox(Generic[T]):
     """Events from the engine thread to one async caller. The engine appends without waking
     the caller's loop unless the caller waits for an event, so a caller stuck elsewhere (on a
-    client that stopped reading) costs the loop nothing; past `limit` unread events it asks the
-    engine (or the pool routing the request; `abort`), once, to cancel the request."""
+    client that stopped reading) costs the loop nothing. A caller that is too slow (`Backlog`)
+    is reported to the engine (or the pool routing the request; `abort`), once, which cancels
+    the request."""
 
-    __slots__ = ("abort", "events", "limit", "loop", "request_id", "tripped", "waiter")
+    __slots__ = ("abort", "backlog", "events", "loop", "request_id", "waiter")
 
     def __init__(self, abort: Abort, request_id: str, loop: asyncio.AbstractEventLoop,
-                 limit: int | None):
-        self.abort, self.request_id, self.loop, self.limit = abort, request_id, loop, limit
+                 limit: int | None, grace: float = 0.0, clock: Clock = time.monotonic):
+        self.abort, self.request_id, self.loop = abort, request_id, loop
+        self.backlog = Backlog(limit, grace, clock)
         self.events: deque[T] = deque()
         self.waiter: asyncio.Future[None] | None = None
-        self.tripped = False
 
     def post(self, ev: T) -> None:
         """The request's sink (engine thread): append first, then wake a waiting caller."""
+        too_slow = self.backlog.posted()
         self.events.append(ev)
-        if self.limit is not None and not self.tripped and len(self.events) > self.limit:
-            self.tripped = True
+        if too_slow:
             self.abort(self.request_id, "backlog")
         waiter = self.waiter
         if waiter is None:
@@ -114,26 +117,79 @@ class Mailbox(Generic[T]):
                     await self.waiter
             finally:
                 self.waiter = None
-        return self.events.popleft()
+        ev = self.events.popleft()
+        self.backlog.taken()
+        return ev
 
 
 class SyncMailbox(Generic[T]):
-    """Events to one caller that blocks in `get` (a thread-safe queue); past `limit` unread
-    events it asks the engine (`abort`), once, to cancel the request, like `Mailbox`."""
+    """Events to one caller that blocks in `get` (a thread-safe queue); a caller that is too
+    slow (`Backlog`) is reported to the engine (`abort`), once, like `Mailbox`."""
 
-    def __init__(self, abort: Abort, request_id: str, limit: int | None):
-        self.abort, self.request_id, self.limit = abort, request_id, limit
+    def __init__(self, abort: Abort, request_id: str, limit: int | None, grace: float = 0.0,
+                 clock: Clock = time.monotonic):
+        self.abort, self.request_id = abort, request_id
+        self.backlog = Backlog(limit, grace, clock)
         self.events: queue.SimpleQueue[T] = queue.SimpleQueue()
-        self.tripped = False
 
     def post(self, ev: T) -> None:
+        too_slow = self.backlog.posted()
         self.events.put(ev)
-        if self.limit is not None and not self.tripped and self.events.qsize() > self.limit:
-            self.tripped = True
+        if too_slow:
             self.abort(self.request_id, "backlog")
 
     def get(self) -> T:
-        return self.events.get()
+        ev = self.events.get()
+        self.backlog.taken()
+        return ev
+
+
+class Backlog:
+    """Whether the caller of one request is too slow: more than `limit` events unread AND the
+    oldest of them posted more than `grace` seconds ago. A count alone would cancel a caller
+    whose event loop (or thread) is only late for a moment on a busy machine, while events
+    pile up at the engine's pace; a caller that stopped reading stays over the limit, and
+    its oldest event only gets older. Events held meanwhile are bounded by the request's
+    tokens. Says so once (`posted`); grace 0: the count alone decides; no limit: never.
+
+    `posted` runs on the engine thread, `taken` on the caller's, each appending to or popping
+    from its own end of a deque of post times (thread-safe in CPython); the unread count is
+    the deque's length."""
+
+    __slots__ = ("clock", "grace", "limit", "times", "tripped")
+
+    def __init__(self, limit: int | None, grace: float, clock: Clock = time.monotonic):
+        self.limit = 0 if limit is None else limit
+        self.grace, self.clock = grace, clock
+        self.times: deque[float] = deque()  # when each unread event was posted
+        self.tripped = limit is None  # no limit: never too slow, nothing kept
+
+    def posted(self) -> bool:
+        """An event is posted (engine thread; counted before the caller can take it). True
+        once: the caller is too slow."""
+        if self.tripped:
+            return False
+        times, now = self.times, self.clock()
+        times.append(now)
+        if len(times) <= self.limit:
+            return False
+        if self.grace > 0:
+            try:
+                oldest = times[0]
+            except IndexError:  # the caller took them all meanwhile
+                return False
+            if now - oldest <= self.grace:
+                return False
+        self.tripped = True
+        times.clear()
+        return True
+
+    def taken(self) -> None:
+        """The caller took an event (its thread; after taking it)."""
+        try:
+            self.times.popleft()
+        except IndexError:  # none kept: no limit, or tripped (then cleared)
+            pass
 
 
 def backlog_limit(max_backlog: int | None, n: object) -> int | None:

@@ -125,11 +125,14 @@ class EngineStep:
 
     def abort(self, group: RequestGroup, why: str) -> None:
         """End `group` early: "cancel" (the caller left), "shutdown" (the server stops) or
-        "backlog" (the caller left too many events unread)."""
+        "backlog" (the caller left too many events unread for too long)."""
         if why == "backlog":
-            self.fail(group, f"the client left more than max_backlog={self.config.max_backlog} "
-                      "events per choice of this stream unread, so the request was cancelled "
-                      "to free its slot; read the stream as it arrives", "client_too_slow")
+            cfg = self.config
+            self.fail(group, f"the client left more than max_backlog={cfg.max_backlog} events "
+                      "per choice of this stream unread for more than "
+                      f"slow_client_timeout={cfg.slow_client_timeout:g} s, so the request was "
+                      "cancelled to free its slot; read the stream as it arrives",
+                      "client_too_slow")
         elif why == "shutdown" and not group.admitted:
             self.fail(group, "the server is shutting down and this request had not started; "
                       "retry it later or on another server", "service_unavailable")

@@ -141,6 +141,7 @@ class Pool(SyncHelpers):
         self.vocab_size: int = first.vocab_size
         self.max_context: int = min(r.engine.max_context for r in self.replicas)
         self.max_backlog: int | None = first.max_backlog  # the same on every replica
+        self.slow_client_timeout: float = first.slow_client_timeout
         self._lock = threading.Lock()
         self._tickets: dict[str, _Ticket] = {}
         self._closed = False
@@ -172,9 +173,11 @@ class Pool(SyncHelpers):
     async def generate(self, request: Request) -> AsyncIterator[Event]:
         """Stream the events of `request` from one replica. Raises before the first event if
         it is refused; closing the iterator cancels it. A caller that leaves more than
-        `max_backlog` events per choice unread is cancelled, as with one Engine."""
+        `max_backlog` events per choice unread, the oldest for more than `slow_client_timeout`
+        s, is cancelled, as with one Engine."""
         mailbox: Mailbox[_Item] = Mailbox(self.abort, request.request_id,
-                                          asyncio.get_running_loop(), self._backlog_limit(request))
+                                          asyncio.get_running_loop(), self._backlog_limit(request),
+                                          self.slow_client_timeout)
         ticket = self._open(request, mailbox.post)
         done = False
         try:
@@ -188,7 +191,8 @@ class Pool(SyncHelpers):
     def stream(self, request: Request) -> Iterator[Event]:
         """Sync `generate` for scripts and notebook cells; a refusal raises here."""
         mailbox: SyncMailbox[_Item] = SyncMailbox(self.abort, request.request_id,
-                                                   self._backlog_limit(request))
+                                                   self._backlog_limit(request),
+                                                   self.slow_client_timeout)
         ticket = self._open(request, mailbox.post)
         return self._iterate(ticket, mailbox)
 
