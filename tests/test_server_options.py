@@ -213,3 +213,21 @@ def test_a_bad_kv_memory_flag_says_what_it_takes(text, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", f"--kv-memory={text}"])
     assert "is not a KV budget: give bytes" in capsys.readouterr().err
+
+
+def test_the_slow_client_flags_reach_the_engine_options(capsys):
+    from nbserve.engine.config import EngineConfig
+    from nbserve.serving.cli import build_parser, serve_kwargs
+
+    kwargs = serve_kwargs(build_parser().parse_args(
+        ["serve", "--max-backlog", "64", "--slow-client-timeout", "2.5"]))
+    assert kwargs["max_backlog"] == 64 and kwargs["slow_client_timeout"] == 2.5
+    cfg = EngineConfig.from_options(max_backlog=64, slow_client_timeout=2.5)
+    assert (cfg.max_backlog, cfg.slow_client_timeout) == (64, 2.5)
+    assert "max_backlog" not in serve_kwargs(build_parser().parse_args(["serve"]))
+    for flag, bad, says in (("--slow-client-timeout", "-1", "not a number of seconds >= 0"),
+                            ("--slow-client-timeout", "soon", "not a number of seconds >= 0"),
+                            ("--max-backlog", "0", "not an integer >= 1")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", flag, bad])
+        assert says in capsys.readouterr().err

@@ -42,6 +42,28 @@ def parse_kv_memory(text: str) -> int | float:
     return int(value * _UNITS[unit])
 
 
+def positive_int(text: str) -> int:
+    """An integer >= 1 (an argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A number of seconds >= 0 (an argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
+
+
 def add_serve_options(parser: argparse.ArgumentParser) -> None:
     """The options `nbserve serve` and `python app.py` share."""
     parser.add_argument("--port", type=int, default=8000, help="port (0: pick a free one)")
@@ -75,6 +97,13 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
                         "in memory; on AVX2 CPUs steps of a few rows round their inputs to 16 "
                         "bits per block; nbserve's C kernels build with the system's compiler), "
                         "or quantized-exact (the same in float32 arithmetic throughout)")
+    parser.add_argument("--max-backlog", type=positive_int, default=None, metavar="N",
+                        help="events per choice a streaming client may leave unread (default "
+                        "1024); see --slow-client-timeout")
+    parser.add_argument("--slow-client-timeout", type=seconds, default=None, metavar="S",
+                        help="a client over --max-backlog whose oldest unread event has waited "
+                        "longer than S seconds is too slow: its request is cancelled, its "
+                        "stream ends with client_too_slow (default 10; 0: the count alone)")
     add_cli_options(parser)  # the server options: one flag per ServerOptions field
 
 
@@ -82,7 +111,8 @@ def serve_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """launch() keywords from parsed `add_serve_options` flags."""
     kwargs: dict[str, Any] = {"port": args.port, "host": args.host, "share": args.share,
                               "devices": parse_devices(args.devices)}
-    for name in ("max_batch", "max_context", "dtype", "kv_memory", "kv_block_size", "kv_dtype"):
+    for name in ("max_batch", "max_context", "dtype", "kv_memory", "kv_block_size", "kv_dtype",
+                 "max_backlog", "slow_client_timeout"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
     kwargs.update(cli_kwargs(args))
