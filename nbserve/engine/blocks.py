@@ -4,8 +4,9 @@ finished or running sequences can be shared by a new one.
 Pure Python, no torch. Two implementations of one interface (`KVSpace`), chosen by the model:
 
 - `BlockSpace`, for models with a paged cache: fixed-size blocks from one pool, a block table
-  per sequence, full blocks identified by a hash chain over their tokens (a block's key is its
-  tokens and its parent's key, so equal keys mean equal prefixes) and shared, reference-
+  per sequence, full blocks identified by a hash chain over their tokens (a block's key is a
+  keyed 128-bit hash of its tokens and its parent's key, `prefix_keys.py`: equal keys mean
+  equal prefixes, even for a prompt crafted to collide) and shared, reference-
   counted, between sequences. Blocks nobody uses keep their contents and their key, and are
   reused least-recently-used first when the pool needs room: a later turn of a chat, the
   sixteenth user of one system prompt, the n choices of one request prefill only what is new.
@@ -21,18 +22,13 @@ Pure Python, no torch. Two implementations of one interface (`KVSpace`), chosen 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence as Seq
 from typing import Any, Protocol
 
-ROOT_KEY = 0  # the parent key of a sequence's first block
+from .prefix_keys import ROOT_KEY, block_key
+
 # cached blocks compared with a prompt's partly matching block, the newest first: enough for
 # the variants of one system prompt a server sees; bounded so that admission stays cheap
 PARTIAL_CANDIDATES = 32
-
-
-def block_key(parent: int, tokens: Seq[int]) -> int:
-    """The key of a full block: its tokens under its parent block's key."""
-    return hash((parent, tuple(tokens)))
 
 
 class KVSpace(Protocol):
@@ -112,13 +108,13 @@ class BlockSpace:
         # lightly used server touches (and keeps resident) only the start of its cache
         self._free = list(range(n_blocks - 1, -1, -1))
         self._unused: OrderedDict[int, None] = OrderedDict()  # keyed, refs 0: oldest first
-        self._by_key: dict[int, int] = {}
-        self._key_of: dict[int, int] = {}
+        self._by_key: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
         # block -> (parent key, tokens): keyed full blocks, and the partly filled last blocks
         # of finished sequences (no key; found only through `_under`)
-        self._content: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._content: dict[int, tuple[bytes, tuple[int, ...]]] = {}
         # (parent key, first token) -> blocks with contents under that parent, newest last
-        self._under: dict[tuple[int, int], dict[int, None]] = {}
+        self._under: dict[tuple[bytes, int], dict[int, None]] = {}
         self.evictions = 0
         self._touched = bytearray(n_blocks)
         self.n_touched = 0
@@ -153,7 +149,7 @@ class BlockSpace:
         bs, parent, found = self.block_size, ROOT_KEY, []
         for start in range(0, limit - bs + 1, bs):
             chunk = tuple(tokens[start:start + bs])
-            key = hash((parent, chunk))
+            key = block_key(parent, chunk)
             block = self._by_key.get(key)
             if block is None or self._content.get(block) != (parent, chunk):
                 break
@@ -241,7 +237,7 @@ class BlockSpace:
         while (seq.keyed + 1) * bs <= computed:
             i = seq.keyed
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
-            key = hash((seq.last_key, chunk))
+            key = block_key(seq.last_key, chunk)
             block = seq.table[i]
             if block not in self._key_of and key not in self._by_key:  # else: a twin exists
                 self._by_key[key], self._key_of[block] = block, key
@@ -284,7 +280,7 @@ class BlockSpace:
         if self.refs[block] == 1 and block not in self._content:
             self._remember(block, seq.last_key, tuple(tokens[full * self.block_size:]))
 
-    def _remember(self, block: int, parent: int, tokens: tuple[int, ...]) -> None:
+    def _remember(self, block: int, parent: bytes, tokens: tuple[int, ...]) -> None:
         self._content[block] = (parent, tokens)
         self._under.setdefault((parent, tokens[0]), {})[block] = None
 

@@ -41,7 +41,7 @@ class Sequence:
     parent: Sequence | None = None  # for n > 1: the choice whose prefill this one copies
     table: list[int] = field(default_factory=list)  # cache blocks, in position order
     keyed: int = 0  # leading blocks of `table` whose keys are known (see BlockSpace.commit)
-    last_key: int = ROOT_KEY  # the key of block keyed - 1
+    last_key: bytes = ROOT_KEY  # the key of block keyed - 1
     # (src block, dst block, positions): cached positions admission found in part of a block,
     # to be copied into this sequence's own block before the next forward
     copy: tuple[int, int, int] | None = None
