@@ -290,3 +290,31 @@ def test_a_closed_engine_gives_its_cache_back_while_still_referenced(loaded):
     assert eng.stats()["kv_cache_bytes"] == 0 and eng.health()["status"] == "stopped"
     with pytest.raises(Exception, match="not running"):
         ids_of(eng, Request(prompt_ids=[3, 4], params=greedy(2)))
+
+
+def test_free_pages_returns_the_memory_of_freed_blocks_and_keeps_the_rest() -> None:
+    """`free_pages`: the pages wholly inside the given runs of blocks go back to the system in
+    every layer (the process's resident set falls, and they read back as zeros); the blocks
+    outside the runs keep their keys and values, also those that share a page with a run."""
+    from nbserve.models.kv_cache import PagedKVCache
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    # 2 layers, blocks of 3 x 4 x 40 float32 = 1920 bytes: a page spans parts of 3 blocks
+    cache = PagedKVCache(2, 40000, 4, 3, 40, torch.device("cpu"), torch.float32)
+    assert cache.lazy and cache.page_reach == 3 and cache.nbytes > 290 * 2**20
+    before = rss()
+    for t in cache.k + cache.v:
+        t[:cache.n_blocks].fill_(1.0)
+    assert rss() - before > 280 * 2**20
+    written = rss()
+    given = cache.free_pages([(10, 20), (100, 39000)])
+    assert given > 280 * 2**20
+    assert written - rss() > 280 * 2**20  # the resident set fell by what was given back
+    for t in cache.k + cache.v:
+        assert t[10:20].sum() < t[10:20].numel()  # the pages inside the run are zeros
+        assert (t[103:38997] == 0).all()  # (a page spans parts of 3 blocks)
+        assert (t[:10] == 1).all() and (t[20:100] == 1).all() and (t[39000:-1] == 1).all()
+    assert cache.free_pages([]) == 0

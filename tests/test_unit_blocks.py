@@ -34,9 +34,11 @@ def check(space: BlockSpace, running: list[Sequence]) -> None:
     for b in range(space.n_blocks):
         assert space.refs[b] == held.count(b)
     in_use = set(held)
-    assert not in_use & set(space._free) and not in_use & set(space._unused)
-    assert not set(space._free) & set(space._unused)
-    assert len(space._free) + len(space._unused) + len(in_use) == space.n_blocks
+    free = set(space._free) | set(space._fresh)
+    assert not in_use & free and not in_use & set(space._unused)
+    assert not free & set(space._unused) and not set(space._free) & set(space._fresh)
+    assert len(free) + len(space._unused) + len(in_use) == space.n_blocks
+    assert space.n_touched == sum(space._touched) == space.n_blocks - len(space._fresh)
     assert space.n_free + space.n_used == space.n_blocks
     assert all(b in space._content for b in space._unused)
     for (parent, first), blocks in space._under.items():
@@ -175,7 +177,7 @@ def test_release_with_keep_false_drops_the_keys() -> None:
     a = computed_seq(space, [1, 2, 3, 4, 5])
     space.release(a, a.tokens, keep=False)
     assert space.n_cached == 0 and space.n_keyed == 0 and space._by_key == {}
-    assert len(space._free) == 8
+    assert len(space._free) + len(space._fresh) == 8
     assert space.cached_prefix([1, 2, 3, 4, 5], 5) == (0, 0)
     check(space, [])
 
@@ -196,18 +198,18 @@ def test_eviction_takes_the_least_recently_released_block_first() -> None:
     b = computed_seq(space, [2, 2])
     space.release(a, a.tokens, keep=True)  # released first: oldest
     space.release(b, b.tokens, keep=True)
-    c = computed_seq(space, [3, 3, 3, 3])  # takes the two never-used blocks
-    assert space.evictions == 0 and space.n_cached == 2
-    d = seq([4, 4, 4, 4, 4, 4])
-    assert space.grow(d, 2)  # the pool is full: one cached block is evicted
-    assert space.evictions == 1
+    c = computed_seq(space, [3, 3])  # a cached block before a never-used one: a's, the oldest
+    assert space.evictions == 1 and space.n_cached == 1 and space.n_touched == 2
     assert space.cached_prefix([1, 1], 2) == (0, 0)
     assert space.cached_prefix([2, 2], 2) == (2, 1)
-    assert space.grow(d, 4) and space.evictions == 2
+    d = seq([4, 4, 4, 4, 4, 4])
+    assert space.grow(d, 2) and space.evictions == 2  # then b's
     assert space.cached_prefix([2, 2], 2) == (0, 0)
+    assert space.grow(d, 6) and space.evictions == 2  # nothing cached left: never-used ones
+    assert space.n_touched == 4
     # Every block is in use now: nothing is evicted from a running sequence.
-    assert not space.grow(d, 6)
-    assert space.cached_prefix([3, 3, 3, 3], 4) == (4, 0)
+    assert not space.grow(d, 8)
+    assert space.cached_prefix([3, 3], 2) == (2, 0)
     check(space, [c, d])
 
 
@@ -221,7 +223,7 @@ def test_reuse_makes_a_cached_block_the_most_recently_used() -> None:
     assert space.admit(again, again.tokens, 2) == 2
     space.release(again, again.tokens, keep=True)  # [1, 1] is now newer than [2, 2]
     x = seq([9] * 6)
-    assert space.grow(x, 4)  # the free block, then the oldest cached: [2, 2]'s
+    assert space.grow(x, 2)  # the oldest cached block, [2, 2]'s, before the never-used one
     assert space.cached_prefix([1, 1], 2) == (2, 1)
     assert space.cached_prefix([2, 2], 2) == (0, 0)
 
@@ -269,26 +271,61 @@ def test_low_block_ids_are_handed_out_first() -> None:
 
 
 def test_touched_counts_blocks_that_ever_held_contents() -> None:
-    """What a lazily committed cache has made resident: freed blocks come back before
-    never-used ones, and cached ones keep theirs."""
+    """What a lazily committed cache has made resident: freed blocks come back first, then
+    cached ones (evicted), never-used ones last."""
     space = BlockSpace(8, 2)
     assert space.n_touched == 0
     a = computed_seq(space, [1, 2, 3, 4, 5])  # 3 blocks
     assert space.n_touched == 3
     space.release(a, a.tokens, keep=False)
     b = computed_seq(space, [6, 7, 8, 9, 10])  # the same 3 blocks again
-    assert space.n_touched == 3
+    assert space.n_touched == 3 and b.table == [0, 1, 2]
     space.release(b, b.tokens, keep=True)  # all 3 stay cached (2 full, 1 partly filled)
-    c = computed_seq(space, [11, 12, 13, 14, 15])  # 3 never used
-    assert space.n_touched == 6
+    c = computed_seq(space, [11, 12, 13, 14, 15])  # the 3 cached ones, evicted
+    assert space.n_touched == 3 and space.evictions == 3
+    d = computed_seq(space, [16, 17, 18, 19, 20])  # c holds all touched: 3 never used
+    assert space.n_touched == 6 and d.table == [3, 4, 5]
     space.release(c, c.tokens, keep=False)
-    d = computed_seq(space, [16, 17, 18, 19, 20])  # the 3 freed ones first
-    assert space.n_touched == 6
-    c = d
-    space.release(c, c.tokens, keep=True)
-    for start in (20, 30, 40):  # the pool is full of cached blocks: evictions, no new ones
+    space.release(d, d.tokens, keep=True)
+    for start in (20, 30, 40):  # distinct prompts, one at a time: no new block is touched
         space.release(computed_seq(space, list(range(start, start + 5))), [], keep=True)
-    assert space.n_touched == 8 and space.evictions > 0
+    assert space.n_touched == 6 and space.n_cached == 5  # (the full blocks of the last one)
+    check(space, [])
+
+
+def test_distinct_prompts_one_at_a_time_touch_one_prompt_of_blocks() -> None:
+    """450 distinct prompts, each cached after it ends, fill no more of the pool than one
+    of them needs (the issue: every new prompt took never-used blocks until the pool was
+    full, and the cache's resident memory grew with every prompt seen)."""
+    space = BlockSpace(4096, 16)
+    for i in range(450):
+        prompt = [i] + list(range(1000, 1100))  # 101 tokens: 7 blocks
+        s = computed_seq(space, prompt)
+        space.release(s, s.tokens, keep=True)
+    assert space.n_touched == 7 and space.n_cached == 7
+    check(space, [])
+
+
+def test_give_back_returns_freed_blocks_as_runs_and_counts_them_untouched() -> None:
+    space = BlockSpace(16, 2)
+    held = [computed_seq(space, [i, i + 1, i + 2]) for i in range(0, 15, 3)]  # 2 blocks each
+    assert space.n_touched == 10 and space.give_back(4) == []  # nothing freed
+    space.release(held[1], [], keep=False)  # blocks 2, 3
+    space.release(held[3], [], keep=False)  # blocks 6, 7
+    assert space.give_back(0) == [(2, 4), (6, 8)]
+    assert space.n_touched == 6 and space.give_back(0) == []
+    check(space, [held[0], held[2], held[4]])
+    space.release(held[4], held[4].tokens, keep=True)  # blocks 8, 9: cached, not given back
+    space.release(held[2], [], keep=False)  # blocks 4, 5: between two runs given back
+    # the run grows over never-used neighbours (2, 3 and 6, 7 given back before), up to `reach`
+    assert space.give_back(1) == [(3, 7)]
+    assert space.give_back(1) == []
+    space.release(held[0], [], keep=False)  # blocks 0, 1: the never-used 2.. up to reach 8
+    assert space.give_back(8) == [(0, 8)]
+    assert space.n_touched == 2 == space.n_cached
+    again = seq([5] * 6)
+    assert space.grow(again, 6) and again.table == [9, 8, 0]  # cached (the tail first), then 0
+    check(space, [again])
 
 
 def test_fork_shares_the_full_blocks_and_copies_the_partial_one() -> None:
@@ -404,12 +441,12 @@ def test_a_sequence_released_before_its_copy_lets_the_source_go_and_keeps_no_tai
 
 def test_without_a_block_for_the_copy_only_whole_blocks_are_taken() -> None:
     space = BlockSpace(4, 2)
-    a = computed_seq(space, [1, 2, 3])  # blocks 0 and 1, cached after the release
-    space.release(a, a.tokens, keep=True)
     hog = seq([9])
-    assert space.grow(hog, 2)  # block 2: one never-used block left
+    assert space.grow(hog, 2)  # block 0
+    a = computed_seq(space, [1, 2, 3])  # blocks 1 and 2, cached after the release
+    space.release(a, a.tokens, keep=True)  # one never-used block left
     b = seq([1, 2, 3, 4])
-    assert space.admit(b, b.tokens, 3) == 3 and b.copy == (1, 3, 1)
+    assert space.admit(b, b.tokens, 3) == 3 and b.copy == (2, 3, 1)
     c = seq([1, 2, 3, 4])
     assert space.admit(c, c.tokens, 3) == 2 and c.copy is None  # no block left for a copy
     check(space, [hog, b, c])

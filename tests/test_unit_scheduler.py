@@ -815,8 +815,8 @@ def check_books(sched: Scheduler, kv: FakeKV | None = None) -> None:
     if isinstance(space, BlockSpace):
         for b in range(space.n_blocks):
             assert space.refs[b] == held[b], f"block {b}"
-        free, unused = set(space._free), set(space._unused)
-        assert len(free) == len(space._free) and not free & unused
+        free, unused = set(space._free) | set(space._fresh), set(space._unused)
+        assert len(free) == len(space._free) + len(space._fresh) and not free & unused
         assert not set(held) & free and not set(held) & unused
         assert len(free) + len(unused) + len(held) == space.n_blocks
         assert space.n_free + space.n_used == space.n_blocks

@@ -14,6 +14,11 @@ Pure Python, no torch. Two implementations of one interface (`KVSpace`), chosen 
   the partly filled last block of a finished sequence) gets a copy of those positions in a
   block of its own, so reuse is as fine as one token, like llama-server's slots and SGLang's
   radix cache, while sharing stays by whole blocks.
+  A new block comes from the blocks that have held contents before (a freed one, then the
+  least recently used cached one) before a never-used one: on CPU, where the cache is
+  committed page by page, the resident part of it grows with what the traffic holds at once,
+  not with how many distinct prompts it has seen. `give_back` then hands the engine the freed
+  blocks of an idle server, whose pages the cache returns to the system.
 - `SlotSpace`, for models with the older one-row-per-sequence cache (`make_cache`): one
   "block" of `max_context` tokens per sequence; a free row remembers its tokens, and a new
   prompt takes the free row that shares its longest prefix.
@@ -21,6 +26,7 @@ Pure Python, no torch. Two implementations of one interface (`KVSpace`), chosen 
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from typing import Any, Protocol
 
@@ -53,8 +59,14 @@ class KVSpace(Protocol):
 
     @property
     def n_touched(self) -> int:
-        """Blocks that have ever held keys/values: on CPU, where the cache is committed
-        lazily, the part of it that is resident."""
+        """Blocks that hold, or have held since their pages were last given back, keys and
+        values: on CPU, where the cache is committed lazily, the part of it that is resident."""
+
+    def give_back(self, reach: int) -> list[tuple[int, int]]:
+        """The freed blocks (no holder, no cached contents), now counted as never used: as
+        runs [start, end) of blocks that hold nothing, each run widened by up to `reach`
+        never-used neighbours on either side (so that pages shared with them count too). The
+        caller returns their memory; a later `grow` or `admit` may hand them out again."""
 
     def admit(self, seq: Any, tokens: list[int], limit: int, partial: bool = True) -> int:
         """Give `seq` the cached blocks of the longest prefix of `tokens[:limit]` that the
@@ -104,9 +116,11 @@ class BlockSpace:
         self.n_blocks, self.block_size, self.share = n_blocks, block_size, share
         self.reserve = max(1, n_blocks // 100)  # kept free for running sequences' growth
         self.refs = [0] * n_blocks
-        # never-used and freed blocks without a key; popped from the end: low ids first, so a
-        # lightly used server touches (and keeps resident) only the start of its cache
-        self._free = list(range(n_blocks - 1, -1, -1))
+        # freed blocks without a key (their pages resident): taken first, the last freed first
+        self._free: list[int] = []
+        # never-used blocks (or given back), a heap: low ids first, so that a lightly used
+        # server touches (and keeps resident) only the start of its cache
+        self._fresh = list(range(n_blocks))
         self._unused: OrderedDict[int, None] = OrderedDict()  # keyed, refs 0: oldest first
         self._by_key: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
@@ -123,7 +137,7 @@ class BlockSpace:
 
     @property
     def n_free(self) -> int:
-        return len(self._free) + len(self._unused)
+        return len(self._free) + len(self._fresh) + len(self._unused)
 
     @property
     def n_used(self) -> int:
@@ -302,19 +316,47 @@ class BlockSpace:
         self.refs[block] += 1
 
     def _take(self) -> int:
-        """A block for new contents: never-used or freed ones first, then the least recently
-        used cached one (its key is dropped)."""
+        """A block for new contents: a freed one first, then the least recently used cached
+        one (its key is dropped), a never-used one last (it adds to the resident pages)."""
         if self._free:
             block = self._free.pop()
-            if not self._touched[block]:
-                self._touched[block] = 1
-                self.n_touched += 1
-        else:
+        elif self._unused:
             block, _ = self._unused.popitem(last=False)
             self._forget(block)
             self.evictions += 1
+        else:
+            block = heapq.heappop(self._fresh)
+            self._touched[block] = 1
+            self.n_touched += 1
         self.refs[block] = 1
         return block
+
+    def give_back(self, reach: int) -> list[tuple[int, int]]:
+        freed, self._free = sorted(self._free), []
+        if not freed:
+            return []
+        touched = self._touched
+        for b in freed:
+            touched[b] = 0
+            heapq.heappush(self._fresh, b)
+        self.n_touched -= len(freed)
+        was_freed = set(freed)
+        runs: list[tuple[int, int]] = []
+        for b in freed:
+            if runs and b < runs[-1][1]:
+                continue  # inside the run before
+            start = b
+            while start > 0 and b - start < reach and not touched[start - 1]:
+                start -= 1
+            end, last = b + 1, b  # last: the run's last freed block
+            while end < self.n_blocks and not touched[end] and \
+                    (end in was_freed or end - last <= reach):
+                last = end if end in was_freed else last
+                end += 1
+            if runs and start <= runs[-1][1]:
+                start = runs.pop()[0]
+            runs.append((start, end))
+        return runs
 
     def _forget(self, block: int) -> None:
         key = self._key_of.pop(block, None)
@@ -406,6 +448,9 @@ class SlotSpace:
 
     def commit(self, seq: Any, tokens: list[int], computed: int) -> None:
         pass
+
+    def give_back(self, reach: int) -> list[tuple[int, int]]:
+        return []  # a row keeps the prefix it remembers: nothing is freed without contents
 
     def take_copy(self, seq: Any) -> tuple[int, int, int] | None:
         return None  # a row's cached prefix is in place: nothing to copy

@@ -20,6 +20,7 @@ import torch
 
 from ..cpu.threads import ThreadTuner
 from ..models.base import LoadedModel
+from ..models.kv_cache import PagedKVCache
 from ..types import (
     Delta,
     ErrorEvent,
@@ -147,6 +148,7 @@ class EngineStep:
         for copy in self.scheduler.take_copies():  # cached positions found in part of a block
             self.cache.copy_prefix(*copy)
         if plan.empty:
+            self._give_back_pages()
             return False
         for seq in plan.admitted:
             g = seq.group
@@ -164,7 +166,29 @@ class EngineStep:
             model_time, sample_time = model_time + m, sample_time + s
         self.stats.record_step(time.perf_counter() - t0, model_time, sample_time,
                                len(plan.decode))
+        if not self.busy:
+            self._give_back_pages()
         return True
+
+    def _give_back_pages(self) -> None:
+        """(idle) Return the memory pages of the blocks that hold nothing (a cancelled or
+        failed sequence's, a preempted one's partial block) to the system: a cache committed
+        lazily (on CPU) then holds resident what its running and cached blocks need."""
+        cache = self.cache
+        if isinstance(cache, PagedKVCache) and cache.lazy:
+            runs = self.space.give_back(cache.page_reach)
+            if runs:
+                cache.free_pages(runs)
+
+    @property
+    def kv_committed_bytes(self) -> int:
+        """Bytes of the KV cache that hold memory: on CPU (committed as blocks are first
+        written, given back when they hold nothing), the blocks touched; else all of it."""
+        cache = self.cache
+        nbytes = int(getattr(cache, "nbytes", 0))
+        if isinstance(cache, PagedKVCache) and cache.lazy:
+            return nbytes * self.space.n_touched // max(self.space.n_blocks, 1)
+        return nbytes
 
     def fail_running(self, message: str, kind: str) -> None:
         """Fail every running request (after a bug in the step's own bookkeeping)."""
@@ -195,6 +219,9 @@ class EngineStep:
         """A fresh scheduler and block pool (after a stuck step returned: its sequences were
         failed; what the cache holds is forgotten with them)."""
         self.scheduler = self._make_scheduler()
+        cache = self.cache
+        if isinstance(cache, PagedKVCache):  # the new pool counts no block touched
+            cache.free_pages([(0, cache.n_blocks)])
 
     def renew(self) -> None:
         """After a crash of the engine thread: a fresh KV cache (the old one is freed first)

@@ -5,9 +5,11 @@ lists its blocks in position order: position p lives in block table[p // block_s
 offset p % block_size. The extra block (`pad_block`) takes the writes of padding positions
 and fills the unused entries of a table row; nothing reads it.
 
-On CPU the storage is an anonymous memory map: zero-filled, and committed by the OS page by
-page as blocks are first written, so a cache sized for many tokens holds resident only the
-blocks that were used. Elsewhere it is one tensor allocated up front.
+On CPU the storage is a private anonymous memory map: zero-filled, and committed by the OS
+page by page as blocks are first written, so a cache sized for many tokens holds resident only
+the blocks that were used; `free_pages` returns the pages of blocks that hold nothing any more
+(the engine calls it when it goes idle). Elsewhere it is one tensor allocated up front, and
+its memory stays committed.
 """
 
 from __future__ import annotations
@@ -29,9 +31,13 @@ class PagedKVCache:
         shape = (n_blocks + 1, n_kv_heads, block_size, head_dim)
         per = shape[0] * shape[1] * shape[2] * shape[3]
         self._map: mmap.mmap | None = None
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self._block_bytes = n_kv_heads * block_size * head_dim * itemsize  # one layer's K
         if self.device.type == "cpu":
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            self._map = mmap.mmap(-1, max(per * 2 * n_layers * itemsize, 1))
+            size = max(per * 2 * n_layers * itemsize, 1)
+            # private: pages given back with MADV_DONTNEED are freed, and read back as zeros
+            self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) \
+                if hasattr(mmap, "MAP_PRIVATE") else mmap.mmap(-1, size)
             flat = torch.frombuffer(self._map, dtype=dtype, count=per * 2 * n_layers)
         else:
             flat = torch.zeros(per * 2 * n_layers, dtype=dtype, device=self.device)
@@ -51,6 +57,37 @@ class PagedKVCache:
     @property
     def bytes_per_token(self) -> int:
         return self.nbytes // max(self.n_blocks * self.block_size, 1)
+
+    @property
+    def lazy(self) -> bool:
+        """Whether memory is committed as blocks are first written (and can be given back by
+        `free_pages`): on CPU. Elsewhere all of `nbytes` is committed from the start."""
+        return self._map is not None
+
+    @property
+    def page_reach(self) -> int:
+        """Blocks that one memory page of a layer's keys can span (at least 1): how far the
+        caller widens a run of freed blocks over unused neighbours (`KVSpace.give_back`)."""
+        return -(-mmap.PAGESIZE // max(self._block_bytes, 1))
+
+    def free_pages(self, runs: list[tuple[int, int]]) -> int:
+        """Return to the system the memory pages that lie wholly inside the blocks
+        [start, end) of `runs`, in every layer's keys and values; those blocks must hold
+        nothing a sequence still needs (they read back as zeros). Returns the bytes given
+        back (0 off CPU, where the cache's memory stays committed)."""
+        if self._map is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return 0
+        page, bb = mmap.PAGESIZE, self._block_bytes
+        part = (self.n_blocks + 1) * bb  # one layer's keys (or values), with the pad block
+        given = 0
+        for i in range(2 * len(self.k)):
+            for start, end in runs:
+                lo = -(-(i * part + start * bb) // page) * page
+                hi = (i * part + min(end, self.n_blocks) * bb) // page * page
+                if hi > lo:
+                    self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+                    given += hi - lo
+        return given
 
     def row_tables(self, rows: torch.Tensor) -> torch.Tensor:
         """Block tables (B, blocks_per_row) of cache rows (B,), for a cache made per row."""

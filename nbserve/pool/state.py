@@ -18,7 +18,7 @@ AFFINITY_FRACTION = 0.5
 AFFINITY_MIN_TOKENS = 8  # below this, reuse saves too little to matter
 SUMMED = ("running", "waiting", "slots_used", "slots_total", "kv_cache_bytes",
           "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached",
-          "kv_blocks_touched", "kv_budget_bytes",
+          "kv_blocks_touched", "kv_committed_bytes", "kv_budget_bytes",
           "tokens_prefilled", "tokens_decoded", "tokens_reused", "prefix_cache_queries",
           "prefix_cache_hits", "preemptions", "requests_rejected", "model_errors", "steps",
           "decode_tokens_per_s")

@@ -36,7 +36,9 @@ class _BackendCollector:
         "kv_blocks_cached": ("nbserve_kv_blocks_cached",
                              "KV cache blocks nobody runs that keep a reusable prefix"),
         "kv_blocks_touched": ("nbserve_kv_blocks_touched",
-                              "KV cache blocks that have held keys/values (resident on CPU)"),
+                              "KV cache blocks that hold memory pages (on CPU: resident)"),
+        "kv_committed_bytes": ("nbserve_kv_committed_bytes",
+                               "Bytes of the KV cache that hold memory now (on CPU: resident)"),
         "decode_tokens_per_s": ("nbserve_decode_tokens_per_second",
                                 "Engine decode throughput over the last seconds"),
     }
