@@ -80,7 +80,9 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-memory", type=parse_kv_memory, default=None,
                         help='KV cache budget: bytes ("2GiB", "512MiB", "1000000") or a '
                         'fraction of the free memory / available RAM ("0.3"); default 0.25 of '
-                        "the RAM on CPU, 0.9 of the GPU's free memory; committed as used on CPU")
+                        "the RAM on CPU (within a cgroup's limit), 0.9 of the GPU's free "
+                        "memory, at most max-batch sequences of max-context; committed as used "
+                        "on CPU")
     parser.add_argument("--kv-block-size", type=int, default=None, help="tokens per KV block "
                         "(default 16; full blocks are shared between requests by prefix)")
     parser.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16"],
