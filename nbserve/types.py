@@ -238,9 +238,10 @@ class Request:
     `messages` are OpenAI-style dicts (role, content, optional tool_calls / tool_call_id / name)
     rendered through the model's chat template; `prompt` is raw text encoded as it is.
     With `tools`, the answer is text or calls written in the model's own tool-call format, and
-    the engine enforces them with a grammar: `tool_choice` "auto" (text or calls) or "required"
-    (one call or more), `tool_name` (exactly one call of that function), `parallel_tool_calls`
-    False (one call at most). A `params.constraint` then applies to the text answer.
+    the engine enforces them with a grammar: `tool_choice` "auto" (text, calls, or text then
+    calls) or "required" (one call or more), `tool_name` (exactly one call of that function),
+    `parallel_tool_calls` False (one call at most). A `params.constraint` then applies to the
+    text answer. A thinking model's thought comes first, free up to its `</think>`.
     """
 
     messages: list[dict[str, Any]] | None = None

@@ -22,8 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..text.reasoning import ThoughtRule
 from ..text.tool_calls import HERMES, JSON_STYLE, ToolFormat, closed_schema, function_of
 from ..types import Constraint, InvalidRequestError, Request
+from .thoughts import after_thought
 
 log = logging.getLogger("nbserve.engine")
 
@@ -116,10 +118,16 @@ class Grammars:
                     self._compiled.popitem(last=False)
         return base.deep_copy()
 
-    def for_request(self, request: Request, fmt: ToolFormat | None) -> str | None:
+    def for_request(self, request: Request, fmt: ToolFormat | None,
+                    thought: ThoughtRule = "none") -> str | None:
         """The grammar of a request (its tools and its constraint), or None when it has
-        neither. Strict tools' parameter schemas are checked on their own first, so that a
-        keyword they cannot have enforced gets a 400 that names the tool."""
+        neither; it applies after the thought that `thought` allows. Strict tools' parameter
+        schemas are checked on their own first, so that a keyword they cannot have enforced
+        gets a 400 that names the tool."""
+        grammar = self._request_grammar(request, fmt)
+        return None if grammar is None else after_thought(grammar, thought, self.special_id)
+
+    def _request_grammar(self, request: Request, fmt: ToolFormat | None) -> str | None:
         c = request.params.constraint
         if request.tools:
             fmt = fmt or HERMES

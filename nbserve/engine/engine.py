@@ -28,7 +28,7 @@ from ..cpu.openmp_pool import release_after_each_cell, release_openmp_pool
 from ..cpu.threads import torch_threads
 from ..models.base import LoadedModel
 from ..text import IncrementalDetokenizer, StopStringMatcher
-from ..text.reasoning import starts_inside, thinks
+from ..text.reasoning import ThoughtRule, starts_inside, thinks, thought_rule
 from ..text.tool_calls import HERMES, ToolFormat
 from ..types import (
     BusyError,
@@ -249,7 +249,7 @@ class Engine(SyncHelpers):
             kv_cache_bytes=getattr(self.cache, "nbytes", 0), max_context=self.max_context,
             kv_block_size=space.block_size, kv_blocks_total=space.n_blocks,
             kv_blocks_used=space.n_used, kv_blocks_cached=space.n_cached,
-            kv_blocks_touched=space.n_touched, kv_committed_bytes=self._step.kv_committed_bytes,
+            kv_blocks_touched=space.n_touched,
             kv_budget_bytes=self._step.budget.budget_bytes if self._step.budget else
             getattr(self.cache, "nbytes", 0), preemptions=s.preemptions,
             device=str(self.model.device), dtype=str(self.model.dtype).replace("torch.", ""),
@@ -376,11 +376,15 @@ class Engine(SyncHelpers):
             stop_ids.update(self.stop_token_ids)
         group = RequestGroup(request.request_id, params, ids, frozenset(stop_ids), sink,
                        remaining=params.n, submitted=time.perf_counter())
+        thought: ThoughtRule = "none"
         if request.messages is not None and self.template is not None and \
                 thinks(self.template.source):
             group.reasoning = True
-            group.thought_open = starts_inside(self.tokenizer.decode(ids[-16:]))
-        matcher = self._matcher(request, group)
+            tail = self.tokenizer.decode(ids[-16:])
+            group.thought_open = starts_inside(tail)
+            thought = thought_rule(tail, request.template_kwargs.get("enable_thinking")
+                                   is not False)
+        matcher = self._matcher(request, group, thought)
         device = self.model.device
         for i in range(params.n):
             group.seqs.append(Sequence(group, i, ids))
@@ -412,15 +416,16 @@ class Engine(SyncHelpers):
         """The tokenizer's grammar data (built on first use, then shared)."""
         return grammars_for(self.tokenizer, self.vocab_size, self.stop_token_ids)
 
-    def _matcher(self, request: Request, group: RequestGroup) -> Any:
+    def _matcher(self, request: Request, group: RequestGroup, thought: ThoughtRule) -> Any:
         """The compiled grammar of a request with tools or a constraint (None without),
-        which each choice copies; the tool format goes on the group for the Started event."""
+        which each choice copies, applied after the thought that `thought` allows; the tool
+        format goes on the group for the Started event."""
         if request.tools:
             group.tool_format = self.tool_format.name
         if not request.tools and request.params.constraint is None:
             return None
         grammars = self.grammars()
-        grammar = grammars.for_request(request, self.tool_format)
+        grammar = grammars.for_request(request, self.tool_format, thought)
         if grammar is None:
             return None
         group.grammars = grammars

@@ -3,13 +3,15 @@
 
 A template that writes the tags says the model is one of them (`thinks`). Some templates open
 the thought in the generation prompt (the R1 distills end it with `<think>\\n`), so the answer
-starts inside it (`starts_inside`). `ReasoningSplitter` then cuts a streamed answer into
-reasoning and content as it comes, holding back only what may be the start of a tag.
+starts inside it (`starts_inside`); `thought_rule` says how a constrained answer may think.
+`ReasoningSplitter` then cuts a streamed answer into reasoning and content as it comes,
+holding back only what may be the start of a tag.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -24,6 +26,21 @@ def starts_inside(prompt_text: str) -> bool:
     """Whether a rendered prompt leaves the answer inside an open thought."""
     tail = prompt_text.rstrip()
     return tail.endswith(OPEN)
+
+
+ThoughtRule = Literal["open", "optional", "none"]
+
+
+def thought_rule(prompt_text: str, thinking: bool = True) -> ThoughtRule:
+    """How a thinking model's answer may think, read off the end of its rendered prompt:
+    `open`, the prompt opened the thought and the answer must close it; `none`, thinking is
+    off (`thinking` False: the request's `enable_thinking`, or the empty thought that a
+    template writes then ends the prompt); `optional`, the answer may start with a thought."""
+    if starts_inside(prompt_text):
+        return "open"
+    if not thinking or prompt_text.rstrip().endswith(CLOSE):
+        return "none"
+    return "optional"
 
 
 def _partial(text: str, marker: str) -> int:

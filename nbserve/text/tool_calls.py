@@ -62,38 +62,53 @@ class ToolFormat:
     def grammar(self, tools: list[dict[str, Any]], *, required: bool = False,
                 name: str | None = None, parallel: bool = True, answer: str | None = None,
                 special: Callable[[str], int | None] = lambda s: None) -> str:
-        """A Lark grammar: the text answer (`answer`, a Lark expression; free text when None)
-        or calls (`required` or `name`: calls only; `name`: one call of that function;
-        `parallel` False: one call at most). `special(marker)` gives the token id of a marker
-        that is one special token of the tokenizer (the grammar then names that token)."""
+        """A Lark grammar: the text answer (`answer`, a Lark expression; free text when None,
+        which calls may then follow: `Let me check.` and a call) or calls (`required` or
+        `name`: calls only; `name`: one call of that function; `parallel` False: one call at
+        most). `special(marker)` gives the token id of a marker that is one special token of
+        the tokenizer (the grammar then names that token)."""
         chosen = [t for t in tools if function_of(t)["name"] == name] if name else tools
         schemas = [self._call_schema(t) for t in chosen]
         body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         one = "%json " + json.dumps({**body, "x-guidance": {**JSON_STYLE, "lenient": True}},
                                     ensure_ascii=False)
         many = parallel and name is None
+        closer = _marker(self.close, special) if self.close else ""
         if self.listed:
             inner = f'"[" call_obj ("{", "}" call_obj)* "]"' if many else '"[" call_obj "]"'
-            region = f"{_marker(self.open, special)} {inner}"
-            if self.close:
-                region += f" {_marker(self.close, special)}"
-            calls = "calls: " + region
+            rest = f"{inner} {closer}".strip()  # a region after its opener
+            calls = f"calls: {_marker(self.open, special)} rest"
+            more = ""
         else:
             opener = _marker(self.open, special) if self.open else ""
             if opener and self.bare:
                 opener += "?"
-            closer = _marker(self.close, special) if self.close else ""
             pad = _lark_str("\n") if self.close else ""  # <tool_call>\n{...}\n</tool_call>
-            call = " ".join(x for x in (opener, pad, "call_obj", pad, closer) if x)
+            rest = " ".join(x for x in (pad, "call_obj", pad, closer) if x)  # a call's
             sep = _lark_str(self.separator)
-            calls = f"calls: call ({sep} call)*\ncall: {call}" if many else \
-                f"calls: call\ncall: {call}"
+            more = f" ({sep} call)*" if many else ""
+            calls = f"calls: call{more}\ncall: " + " ".join(x for x in (opener, "rest") if x)
         text = answer if answer is not None else "TEXT"
         start = "start: calls" if required or name else f"start: {text} | calls"
-        lines = [start, calls, f"call_obj: {one}"]
+        lines = [start, calls, f"rest: {rest}", f"call_obj: {one}"]
         if answer is None and not (required or name):
+            lead = self._lead(special)
+            if lead:
+                lines[0] += f" | lead rest{more}"
+                lines.append(lead)
             lines.append(self._free_text())
         return "\n".join(lines) + "\n"
+
+    def _lead(self, special: Callable[[str], int | None]) -> str | None:
+        """lead: text that ends with the first call's opener (`Let me check.\n<tool_call>`),
+        lazy so that it ends at the first opener; None for a format without an opener."""
+        if not self.open:
+            return None
+        bare = " & ~/[ \\t\\n]*\\{(.|\\n)*/" if self.bare else ""  # not a bare call's start
+        tid = special(self.open)
+        if tid is not None:  # a special token: no text can hold it
+            return f"lead: LEAD_TEXT <[{tid}]>\nLEAD_TEXT: /(.|\\n)*/{bare}"
+        return f"lead[lazy]: LEAD\nLEAD: /(.|\\n)*{_regex_escape(re.escape(self.open))}/{bare}"
 
     def _call_schema(self, tool: dict[str, Any]) -> dict[str, Any]:
         fn = function_of(tool)
