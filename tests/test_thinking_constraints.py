@@ -256,6 +256,7 @@ def r1_tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_family_model_dir(tmp_path_factory.mktemp("r1_tiny"), family)
 
 
+@pytest.mark.slow
 def test_a_random_model_that_closes_its_thought_answers_json(r1_tiny_dir: Path) -> None:
     """A random-weight model whose `</think>` a logit_bias makes likely: whatever it writes,
     the JSON is the content and the thought holds none of it."""
