@@ -12,18 +12,22 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from array import array
-from collections.abc import Sequence
+import struct
+from collections.abc import Callable, Sequence
 
 ROOT_KEY = bytes(16)  # the parent key of a sequence's first block
 
 # Made once (the key schedule is the costly part), then copied for each block.
 _KEYED = hashlib.blake2b(digest_size=16, key=secrets.token_bytes(32))
+# A packer of n 64-bit integers per block length n (one length per cache): faster than array.
+_PACKERS: dict[int, Callable[..., bytes]] = {}
 
 
 def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The key of a full block: its tokens (as 64-bit integers) under its parent's key."""
+    pack = _PACKERS.get(len(tokens))
+    if pack is None:
+        pack = _PACKERS[len(tokens)] = struct.Struct(f"<{len(tokens)}q").pack
     h = _KEYED.copy()
-    h.update(parent)
-    h.update(array("q", tokens))
+    h.update(parent + pack(*tokens))
     return h.digest()
