@@ -1,9 +1,11 @@
 """launch() and serve(): the app on uvicorn in a background thread, and the `Server` handle.
 
 The server runs on its own asyncio loop in a daemon thread, so it works inside a Jupyter kernel
-(whose loop is already running) and never blocks the cell. One server per port per process:
-launching again on a port that one of ours holds stops that one first; launching the same model
-again without a port (a notebook cell run twice) stops the server already serving it.
+(whose loop is already running) and never blocks the cell; the model loads on another thread
+while the server already answers (`/health` says "loading", see `startup`). In a Jupyter kernel
+launch() returns at once; elsewhere it returns once the model is ready. One server per port per
+process: launching again on a port that one of ours holds stops that one first; launching the
+same model again without a port (a notebook cell run twice) stops the server already serving it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import signal
 import socket
 import ssl
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +34,7 @@ from .access import Access, decide_access
 from .backend_ref import SwappableBackend, backend_option_names, build_backend, is_backend
 from .options import ServerOptions, option_names, suggest
 from .share import close_share_links, open_share_link
+from .startup import LoadingBackend, LoadingGate, LoadState
 
 _SERVERS: dict[int, Server] = {}
 _FLUSH_S = 3.0  # after the grace period: time for cancelled answers to reach their clients
@@ -92,12 +96,17 @@ def _get_json(host: str, port: int, path: str, timeout: float = 2.0,
 
 
 class Server:
-    """A running nbserve server: its URLs, its backend, `update()` and `stop()`."""
+    """A running nbserve server: its URLs, its backend, `ready`/`wait()` (the model loads in
+    the background), `update()` and `stop()`."""
 
     def __init__(self, app: Any, ref: SwappableBackend, sock: socket.socket, host: str,
                  *, owned: bool, options: ServerOptions, share_url: str | None,
-                 model: Any, build_options: dict[str, Any], drain_s: float = 5.0):
+                 model: Any, build_options: dict[str, Any], drain_s: float = 5.0,
+                 load: LoadState | None = None):
         self.app, self._ref, self._sock = app, ref, sock
+        self._load = load or LoadState.loaded(ref.model_name)
+        self._loader: threading.Thread | None = None
+        self._announce_load = False  # print when the background load ends (launch(wait=False))
         self.host, self.port = host, sock.getsockname()[1]
         self.options = options
         scheme = "https" if options.tls else "http"
@@ -115,7 +124,8 @@ class Server:
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # uvicorn annotates timeout_graceful_shutdown as int; it waits with asyncio, seconds
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+        config = uvicorn.Config(LoadingGate(app, self._load, options.ui), log_level="warning",
+                                access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=drain_s,  # type: ignore[arg-type]
                                 ssl_certfile=options.ssl_certfile, ssl_keyfile=options.ssl_keyfile)
         self._uvicorn = uvicorn.Server(config)
@@ -154,16 +164,75 @@ class Server:
                 raise RuntimeError(f"the server on port {self.port} failed to start: "
                                    f"{self._error or 'see the log above'}") from self._error
             if self._uvicorn.started:
-                try:
+                try:  # it answers (ready, or 503 while the model loads)
                     status, body = _get_json(host, self.port, "/health", tls=self.options.tls)
-                    if status == 200 and (not isinstance(body, dict) or body.get("ready", True)):
+                    if status in (200, 503) and isinstance(body, dict):
                         return
                 except OSError:
                     pass
             time.sleep(0.05)
         self.stop()
-        raise TimeoutError(f"the server on port {self.port} did not answer /health as ready "
+        raise TimeoutError(f"the server on port {self.port} did not answer /health "
                            f"within {timeout:.0f} s")
+
+    def _load_in_background(self, model: Any, build: dict[str, Any]) -> None:
+        """Start building the backend of `model` on a thread; `_loaded` swaps it in."""
+        def run() -> None:
+            try:
+                backend, owned = build_backend(model, **build)
+            except BaseException as exc:  # noqa: BLE001 -- surfaced by wait() and /health
+                self._loaded(None, False, exc)
+            else:
+                self._loaded(backend, owned, None)
+
+        self._loader = threading.Thread(target=run, name=f"nbserve-load-{self.port}",
+                                        daemon=True)
+        self._loader.start()
+
+    def _loaded(self, backend: Backend | None, owned: bool, error: BaseException | None) -> None:
+        """The load ended: serve `backend`, or report `error`; a server stopped meanwhile
+        closes what was built."""
+        with self._stop_lock:
+            stopped = self._stopped
+            if not stopped and backend is not None:
+                self._ref.swap(backend, close_old=False)  # the placeholder: nothing to close
+                self._owned = owned
+            if not stopped:
+                self._load.finish(error)
+            announce = self._announce_load and not stopped
+        if stopped:
+            if backend is not None and owned:
+                backend.close()
+            return
+        if announce:
+            print(self._load_line(), flush=True)
+
+    def _load_line(self) -> str:
+        """What a finished load prints in a notebook."""
+        if self._load.error is not None:
+            return (f"nbserve: loading {self._load.name} failed: {self._load.describe_error()};"
+                    " srv.wait() raises it, srv.update(model) serves another model")
+        return (f"nbserve: {self._ref.model_name} is ready at {self.url} (loaded in "
+                f"{self._load.seconds or 0:.1f} s)")
+
+    @property
+    def ready(self) -> bool:
+        """Whether the model has loaded and the server answers requests with it."""
+        return self._load.ready and self.running
+
+    def wait(self, timeout: float | None = None) -> Server:
+        """Block until the model has loaded (at most `timeout` s: then TimeoutError) and return
+        this server. Raises the load's own error if the load failed, RuntimeError if the
+        server was stopped before it loaded."""
+        if not self._load.wait(timeout):
+            raise TimeoutError(f"the model {self._load.name!r} is still loading after "
+                               f"{timeout:g} s")
+        if self._load.error is not None:
+            raise self._load.error
+        loader = self._loader
+        if loader is not None and loader is not threading.current_thread():
+            loader.join()  # it ends right after finishing the load
+        return self
 
     @property
     def running(self) -> bool:
@@ -178,6 +247,9 @@ class Server:
             if self._stopped:
                 return
             self._stopped = True
+            if not self._load.done:  # what was built is closed once the load ends
+                self._load.finish(RuntimeError("this server was stopped before its model "
+                                               f"{self._load.name!r} loaded"))
         with _REGISTRY_LOCK:
             if _SERVERS.get(self.port) is self:
                 del _SERVERS[self.port]
@@ -255,6 +327,7 @@ class Server:
         """
         if self._stopped:
             raise RuntimeError("this server is stopped: call nbserve.launch(...) again")
+        self._load.wait()  # the first load first (a failed one is replaced here)
         source = self._model if model is None else model
         if model is None and is_backend(source):
             raise ValueError("update() needs a model: this server was given an engine, which "
@@ -263,6 +336,7 @@ class Server:
         new, owned = build_backend(source, **options)
         self._ref.swap(new, close_old=self._owned)
         self._owned, self._model, self._model_key = owned, source, _model_key(source)
+        self._load.recover()
         print(f"nbserve: {self.url} now serves {new.model_name}", flush=True)
         return self
 
@@ -270,7 +344,9 @@ class Server:
 
     @property
     def backend(self) -> Backend:
-        """The backend serving new requests (an Engine or a Pool)."""
+        """The backend serving new requests (an Engine or a Pool); waits for the model to load
+        (see `wait`)."""
+        self.wait()
         return self._ref.current
 
     engine = backend
@@ -280,9 +356,11 @@ class Server:
         return self.api_keys[0] if self.api_keys else None
 
     def openai_client(self, **kwargs: Any) -> Any:
-        """An `openai.OpenAI` client for this server (with its API key, if any)."""
+        """An `openai.OpenAI` client for this server (with its API key, if any), once the
+        model has loaded (see `wait`)."""
         import openai
 
+        self.wait()
         kwargs.setdefault("api_key", self.api_key or "nbserve")
         if self.options.tls and "http_client" not in kwargs:
             import httpx
@@ -300,10 +378,17 @@ class Server:
         self.stop()
 
     def __repr__(self) -> str:
-        state = "running" if self.running else "stopped"
+        state = self._state()
         share = f", share_url={self.share_url!r}" if self.share_url else ""
         return (f"Server({self._ref.model_name!r}, url={self.url!r}, api_base={self.api_base!r}"
                 f"{share}, {state})")
+
+    def _state(self) -> str:
+        if not self.running:
+            return "stopped"
+        if not self._load.done:
+            return "loading"
+        return "load failed" if self._load.error is not None else "running"
 
     def _repr_html_(self) -> str:
         if not self.running:
@@ -313,8 +398,9 @@ class Server:
                  f"API base <code>{self.api_base}</code>"]
         if self.share_url:
             links.append(f'public <a href="{self.share_url}" target="_blank">{self.share_url}</a>')
-        head = (f"<div><b>nbserve</b> · <code>{html.escape(self._ref.model_name)}</code> · "
-                + " · ".join(links) + "</div>")
+        state = {"loading": " (loading&hellip;)", "load failed": " (load failed: see wait())"}
+        head = (f"<div><b>nbserve</b> · <code>{html.escape(self._ref.model_name)}</code>"
+                f"{state.get(self._state(), '')} · " + " · ".join(links) + "</div>")
         if not self.ui:
             return head
         src = self.share_url or self.url
@@ -345,7 +431,7 @@ def _free_memory() -> None:
 
 
 _LAUNCH_OWN = ("port", "host", "share", "devices", "tokenizer", "startup_timeout",
-               "stop_timeout", "options")
+               "stop_timeout", "wait", "options")
 
 
 def split_launch_options(kwargs: dict[str, Any], options: ServerOptions | None = None,
@@ -398,13 +484,19 @@ def _stop_earlier(port: int | None, model: Any) -> None:
 
 def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.0.0.1",
            share: bool = False, devices: Any = None, tokenizer: Any = None,
-           startup_timeout: float = 120.0, stop_timeout: float = 5.0,
+           startup_timeout: float = 120.0, stop_timeout: float = 5.0, wait: bool | None = None,
            options: ServerOptions | None = None, **kwargs: Any) -> Server:
     """Serve `model` (a source like "smollm2", a HF dir or .gguf; a LoadedModel; or an
     Engine/Pool, served as is) on http://host:port (https:// with a certificate): OpenAI API
     under /v1, chat UI at /.
 
-    Returns once /health answers ready. `port=None` picks a free port, and stops the server
+    The server answers at once; the model loads on a background thread (until it is ready,
+    /health and the API answer 503 "loading" and the UI shows a loading page). `wait`: return
+    only once the model is ready (raising the load's error if it fails); the default is
+    False in a Jupyter kernel (the cell returns at once: `srv.ready`, `srv.wait()`; `srv.engine`
+    and `srv.openai_client()` wait for the model) and True elsewhere (a script, `serve`).
+    `startup_timeout` bounds the server's start, not the load. `port=None` picks a free port,
+    and stops the server
     of ours already serving the same model (the same source or object: a cell run again); a
     port held by one of our servers is taken over (that server is stopped first).
     `stop_timeout`: seconds running requests get to finish when the server stops (stop() or
@@ -426,11 +518,18 @@ def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.
     access = decide_access(share=share, api_keys=list(opts.api_keys),
                            ui_password=opts.ui_password, ui=opts.ui)
     opts = dataclasses.replace(opts, api_keys=tuple(access.api_keys))
+    if wait is None:
+        wait = not in_jupyter_kernel()
     _stop_earlier(port, model)
     sock = _bind(host, port)
+    build = dict(devices=devices, tokenizer=tokenizer, **engine_options)
+    load: LoadState | None = None
     try:
-        build = dict(devices=devices, tokenizer=tokenizer, **engine_options)
-        backend, owned = build_backend(model, **build)
+        if is_backend(model):  # served as is: nothing to load
+            backend, owned = build_backend(model, **build)
+        else:
+            load = LoadState(_source_name(model))
+            backend, owned = LoadingBackend(load), False
     except BaseException:
         sock.close()
         raise
@@ -446,29 +545,61 @@ def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.
         server = Server(app, ref, sock, host, owned=owned, options=opts,
                         share_url=share_url, model=model,
                         build_options={k: v for k, v in build.items() if v is not None},
-                        drain_s=float(stop_timeout))
+                        drain_s=float(stop_timeout), load=load)
     except BaseException:
         sock.close()
         ref.close(close_current=owned)
         raise
     try:
+        if load is not None:
+            server._load_in_background(model, build)
         server._start(startup_timeout)
-        _announce(server, backend.model_name, opts.ui, share_url, access)
-    except BaseException:  # Ctrl-C while starting or announcing, or a failed start:
-        server.stop()      # leave nothing running
+        if wait:
+            server.wait()
+        _announce(server, opts.ui, share_url, access)
+    except BaseException:  # Ctrl-C while starting, loading or announcing, a failed start or
+        server.stop()      # load: leave nothing running
         raise
     return server
 
 
-def _announce(server: Server, model_name: str, ui: bool, share_url: str | None,
-              access: Access) -> None:
-    """Register a started server and print where it is (and its key, once)."""
+def in_jupyter_kernel() -> bool:
+    """Whether this code runs in a Jupyter kernel (a notebook, JupyterLab, Colab, VS Code)."""
+    ipython, zmqshell = sys.modules.get("IPython"), sys.modules.get("ipykernel.zmqshell")
+    if ipython is None or zmqshell is None:
+        return False
+    return isinstance(ipython.get_ipython(), zmqshell.ZMQInteractiveShell)
+
+
+def _source_name(model: Any) -> str:
+    """What to call a model before it has loaded: its source as given, or its type."""
+    from ..loading import LoadedModel
+
+    if isinstance(model, (str, os.PathLike)):
+        return os.fspath(model)
+    if isinstance(model, LoadedModel):
+        return model.name
+    return type(model).__name__
+
+
+def _announce(server: Server, ui: bool, share_url: str | None, access: Access) -> None:
+    """Register a started server and print where it is (and its key, once); while its model
+    loads, say so (the load prints a line when it ends)."""
     with _REGISTRY_LOCK:
         others = sorted(_SERVERS)
         _SERVERS[server.port] = server
-    line = f"nbserve: {model_name} at {server.url}"
-    line += f" · OpenAI API base {server.api_base}" + (" (UI at /)" if ui else "")
-    print(line, flush=True)
+    with server._stop_lock:  # the load's own line comes after this one
+        loading = not server._load.done
+        server._announce_load = loading
+        what = server._ref.model_name if server._load.ready else \
+            f"loading {server._ref.model_name}"
+        line = f"nbserve: {what} at {server.url} · OpenAI API base {server.api_base}"
+        line += " (UI at /)" if ui else ""
+        if loading:
+            line += "; the API answers 503 until it is ready (srv.wait() waits for it)"
+        print(line, flush=True)
+        if server._load.done and not server._load.ready:
+            print(server._load_line(), flush=True)
     if share_url:
         print(f"nbserve: public link {share_url}", flush=True)
     if access.generated_key:
@@ -516,7 +647,7 @@ def serve(model: Any = "smollm2", **kwargs: Any) -> None:
     earlier = {id(s) for s in running_servers()}
     restore = _take_stop_signals()
     try:
-        server = launch(model, **kwargs)
+        server = launch(model, **{"wait": True, **kwargs})
         print("nbserve: press Ctrl-C to stop", flush=True)
         while server.running:
             # Not server._thread.join(0.5): a KeyboardInterrupt inside join() makes CPython

@@ -1,0 +1,168 @@
+"""The model loading in the background while the server already answers (as llama-server does).
+
+`launch()` in a notebook binds its port and serves at once; the model loads on a thread. Until
+it is ready, `LoadingBackend` stands in for it (`/health` says "loading", then "error" if the
+load failed, both with 503) and `LoadingGate` answers the API routes with an OpenAI-style 503
+and the chat UI's page with a "loading" page that reloads itself.
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import HTMLResponse
+from starlette.routing import Match, Mount
+from starlette.types import Message, Receive, Scope, Send
+
+from ..api.errors import APIError
+from ..types import EngineStoppedError, Event, Request
+
+OPEN_PATHS = frozenset({"/health", "/stats", "/metrics"})  # answered while loading
+RETRY_AFTER_S = 2  # what a 503 "loading" asks clients to wait before retrying
+
+
+class LoadState:
+    """Where the load of a server's model stands: loading, ready, or failed (with its error)."""
+
+    def __init__(self, name: str):
+        self.name = name  # what is loading: the source as given, until the model names itself
+        self.error: BaseException | None = None
+        self.seconds: float | None = None  # how long the load took, once done
+        self._started = time.monotonic()
+        self._done = threading.Event()
+
+    @classmethod
+    def loaded(cls, name: str) -> LoadState:
+        """The state of a server given a backend that already serves (nothing to load)."""
+        state = cls(name)
+        state.finish(None)
+        return state
+
+    def finish(self, error: BaseException | None) -> None:
+        """Mark the load done: ready when `error` is None, failed otherwise."""
+        self.error = error
+        self.seconds = time.monotonic() - self._started
+        self._done.set()
+
+    def recover(self) -> None:
+        """A model was served after a failed load (`Server.update`): ready from now on."""
+        self.error = None
+        self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def ready(self) -> bool:
+        return self._done.is_set() and self.error is None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the load is done (or `timeout` s pass); whether it is done."""
+        return self._done.wait(timeout)
+
+    def describe_error(self) -> str:
+        err = self.error
+        return f"{type(err).__name__}: {err}" if err is not None else ""
+
+
+class LoadingBackend:
+    """Stands in for the model while it loads (and after a failed load): a Backend whose
+    health says "loading" or "error" and which refuses requests."""
+
+    def __init__(self, state: LoadState):
+        self.state = state
+
+    @property
+    def model_name(self) -> str:
+        return self.state.name
+
+    def _why(self) -> str:
+        if self.state.error is not None:
+            return f"the model {self.state.name!r} failed to load ({self.state.describe_error()})"
+        return f"the model {self.state.name!r} is still loading; retry in a moment"
+
+    async def generate(self, request: Request) -> AsyncIterator[Event]:
+        raise EngineStoppedError(self._why())
+        yield  # an async generator, like an Engine's
+
+    def stats(self) -> dict[str, Any]:
+        failed = self.state.error is not None
+        return {"running": 0, "waiting": 0, "loading": not failed,
+                **({"load_error": self.state.describe_error()} if failed else {})}
+
+    def health(self) -> dict[str, Any]:
+        if self.state.error is not None:
+            return {"ready": False, "status": "error", "model": self.state.name,
+                    "detail": f"loading failed: {self.state.describe_error()}"}
+        return {"ready": False, "status": "loading", "model": self.state.name}
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"LoadingBackend({self.state.name!r})"
+
+
+class LoadingGate:
+    """ASGI wrapper of the app: until the model is ready, its API routes (every route of the
+    app but /health, /stats, /metrics, the API docs and the UI mounted at /) answer 503 with an
+    OpenAI-style error body, and the chat UI's page (GET /) is a "loading" page that reloads
+    itself; then it steps aside."""
+
+    def __init__(self, app: FastAPI, state: LoadState, ui: bool):
+        self.app, self.state, self.ui = app, state, ui
+        docs = (app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url)
+        self._open = OPEN_PATHS | {url for url in docs if url}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.state.ready:
+            await self.app(scope, receive, send)
+            return
+        if self._is_api(scope):
+            await self._refuse(scope, send)
+        elif self.ui and scope["path"] == "/" and scope.get("method") in ("GET", "HEAD"):
+            await self._loading_page(scope, send)
+        else:
+            await self.app(scope, receive, send)
+
+    def _is_api(self, scope: Scope) -> bool:
+        if scope["path"] in self._open:
+            return False
+        return any(not isinstance(route, Mount) and route.matches(scope)[0] != Match.NONE
+                   for route in self.app.routes)
+
+    async def _refuse(self, scope: Scope, send: Send) -> None:
+        if self.state.error is not None:
+            err = APIError(503, f"The model {self.state.name!r} failed to load: "
+                           f"{self.state.describe_error()}. Serve another with srv.update(model) "
+                           "or launch again.", "service_unavailable", None, "model_load_failed")
+        else:
+            err = APIError(503, f"The model {self.state.name!r} is still loading; retry in a "
+                           "moment (GET /health answers 200 once it is ready).",
+                           "service_unavailable", None, "model_loading",
+                           {"Retry-After": str(RETRY_AFTER_S)})
+        await err.response()(scope, _no_receive, send)
+
+    async def _loading_page(self, scope: Scope, send: Send) -> None:
+        name = html.escape(self.state.name)
+        if self.state.error is not None:
+            text = (f"Loading {name} failed: {html.escape(self.state.describe_error())}. "
+                    "Serve another model with <code>srv.update(model)</code>.")
+            refresh = ""
+        else:
+            text = f"Loading {name}&hellip; the chat opens here once the model is ready."
+            refresh = f'<meta http-equiv="refresh" content="{RETRY_AFTER_S}">'
+        page = (f"<!doctype html><html><head><title>nbserve · loading</title>{refresh}</head>"
+                f'<body style="font-family:sans-serif;margin:2em"><h2>nbserve</h2>'
+                f'<p id="nbserve-loading">{text}</p></body></html>')
+        await HTMLResponse(page, status_code=503)(scope, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
