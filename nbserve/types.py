@@ -124,7 +124,9 @@ class SamplingParams:
     `max_tokens=None` generates until a stop condition or the end of the context.
     `stop_token_ids` end a choice like the model's own end-of-turn tokens, which `ignore_eos`
     switches off. Until a choice has `min_tokens` tokens, none of those stop tokens can be
-    sampled (stop strings still apply), as in vLLM.
+    sampled (stop strings still apply), as in vLLM. Under a `constraint` a stop string or stop
+    token ends the answer only where the grammar accepts the text before it, and min_tokens and
+    ignore_eos hold the end back only while the grammar lets the answer go on.
     """
 
     temperature: float = 1.0

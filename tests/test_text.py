@@ -446,8 +446,8 @@ def test_detokenizer_property_byte_fallback_text(byte_fallback_tokenizer, text, 
 # ----------------------------------------------------------------------------- stop strings
 
 
-def _run_stops(stops, deltas):
-    matcher = StopStringMatcher(stops)
+def _run_stops(stops, deltas, ends_answer=None):
+    matcher = StopStringMatcher(stops, ends_answer)
     out, matched = [], None
     for d in deltas:
         text, matched = matcher.feed(d)
@@ -481,6 +481,32 @@ def test_several_stops_first_completed_wins():
     assert _run_stops(["abcd", "bc"], ["abcd"]) == _run_stops(["abcd", "bc"], list("abcd")) \
         == ("a", "bc")
     assert _run_stops(["\n\n", "END"], ["one\n", "\ntwo END"]) == ("one", "\n\n")
+
+
+def test_a_stop_counts_only_where_the_answer_may_end():
+    """A constrained answer (`ends_answer`: its grammar accepts the text so far) passes over
+    a stop string that would cut it short."""
+    whole = {"yes", "yes sir"}.__contains__
+    assert _run_stops(["e", " "], list("yes sir!"), whole) == ("yes", " ")
+    assert _run_stops(["s"], ["yes s", "ir"], whole) == ("yes sir", None)
+    assert _run_stops(["s"], ["y", "es sir"], lambda t: t == "yes ") == ("yes ", "s")
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(text=st.text(alphabet="ab.", max_size=30),
+       stops=st.lists(st.text(alphabet="ab.", min_size=1, max_size=4), min_size=1, max_size=3),
+       cuts=st.lists(st.integers(0, 30), max_size=6))
+def test_stop_property_only_where_the_answer_may_end(text, stops, cuts):
+    """The first stop string (by its end) whose text before it may end the answer, however
+    the text is chunked."""
+    def ends_answer(before):
+        return before.endswith(".")
+    hits = sorted((at + len(s), at, s) for s in stops for at in range(len(text))
+                  if text.startswith(s, at) and ends_answer(text[:at]))
+    expected = (text[:hits[0][1]], hits[0][2]) if hits else (text, None)
+    bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
+    chunks = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    assert _run_stops(stops, chunks, ends_answer) == expected
 
 
 def test_stop_after_match_and_no_stops():

@@ -147,6 +147,14 @@ class Grammars:
                                answer=answer, special=self.special_id)
         return None if c is None else grammar_text(c)
 
+    def accepts(self, start: Any, text: str) -> bool:
+        """Whether `text` is a whole answer of the grammar whose matcher `start` has consumed
+        nothing (`start` is left as it is): a stop string or a stop token may end a
+        constrained answer only there."""
+        m = start.deep_copy()
+        ids = self.tokenizer.tokenize_str(text)
+        return m.try_consume_tokens(ids) == len(ids) and bool(m.is_accepting())
+
     @property
     def executor(self) -> Any:
         """llguidance's thread pool for a batch's masks (made on first use)."""
@@ -227,6 +235,17 @@ def apply_masks_(logits: torch.Tensor, rows: Sequence[int], masks: torch.Tensor)
         return
     idx = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
     logits.index_add_(0, idx, penalty)
+
+
+def allows_besides(mask: torch.Tensor, ids: Sequence[int]) -> bool:
+    """Whether the bitmask row `mask` (W,) int32 allows some token not in `ids`: the end
+    tokens that min_tokens or ignore_eos hold back are held only where the grammar lets the
+    answer go on."""
+    words = mask.numpy().view(np.uint32).copy()
+    for i in ids:
+        if i >> 5 < len(words):
+            words[i >> 5] &= np.uint32(~(1 << (i & 31)) & 0xFFFFFFFF)
+    return bool(words.any())
 
 
 class MaskJob:

@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -386,12 +387,17 @@ class Engine(SyncHelpers):
                                    is not False)
         matcher = self._matcher(request, group, thought)
         device = self.model.device
+        # a constrained answer ends only where its grammar accepts it: a stop string (or token,
+        # step.py) elsewhere is not matched; ignore_eos holds the end tokens while it may go on
+        ends_answer = None if matcher is None else partial(group.grammars.accepts, matcher)
         for i in range(params.n):
             group.seqs.append(Sequence(group, i, ids))
             sampler = SeqSampler.create(params, ids, device, seed_offset=i, stop_ids=stop_ids)
             sampler.matcher = None if matcher is None else matcher.deep_copy()
+            if matcher is not None and params.ignore_eos:
+                sampler.eos_ids = tuple(self.stop_token_ids)
             group.choices.append(ChoiceState(sampler, IncrementalDetokenizer(self.tokenizer),
-                                             StopStringMatcher(params.stop)))
+                                             StopStringMatcher(params.stop, ends_answer)))
         with self._lock:
             self._check_running()
             if request.request_id in self._groups:

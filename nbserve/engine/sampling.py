@@ -32,6 +32,7 @@ class SeqSampler:
     prompt_ids: list[int] = field(default_factory=list)  # repetition penalty: prompt + output
     output_counts: dict[int, int] = field(default_factory=dict)  # presence/frequency: output only
     stop_ids: tuple[int, ...] = ()  # masked while fewer than params.min_tokens were generated
+    eos_ids: tuple[int, ...] = ()  # a constrained row with ignore_eos: the model's end tokens
     generated: int = 0  # tokens observed
     seen_ids: set[int] = field(init=False, repr=False)  # prompt ∪ output ids, kept by observe()
     matcher: Any = None  # an llguidance matcher when the output is constrained (constraints.py)
@@ -77,11 +78,19 @@ class SeqSampler:
             self.matcher.consume_token(token_id)
 
     @property
+    def held_ids(self) -> tuple[int, ...]:
+        """The end tokens masked at this step: the stop tokens until min_tokens, and for a
+        constrained row with ignore_eos the model's end tokens. A constrained row's are
+        masked only where its grammar allows another token (process_logits): where the grammar
+        is complete and allows nothing more, the answer ends."""
+        held = self.stop_ids if self.generated < self.params.min_tokens else ()
+        return held + self.eos_ids if self.eos_ids else held
+
+    @property
     def holds_stops(self) -> bool:
-        """Whether the stop tokens are masked at this step (min_tokens not reached yet). Not
-        for a constrained row: its grammar says when the answer may end."""
-        return bool(self.stop_ids) and self.generated < self.params.min_tokens and \
-            self.matcher is None
+        """Whether some end tokens are masked at this step (`held_ids`)."""
+        return bool(self.eos_ids) or (bool(self.stop_ids) and
+                                      self.generated < self.params.min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -136,8 +145,10 @@ def process_logits(logits: torch.Tensor, samplers: list[SeqSampler],
     """A float32 copy of `logits` (B, V) with, per row: logit_bias (added), repetition penalty
     (HF: positive / p, negative * p over prompt+output ids), then presence/frequency penalties
     (OpenAI: -= presence * (count > 0) + frequency * count over output ids), -inf on the
-    stop tokens of rows below their min_tokens (vLLM; after the bias, which cannot undo it), and
-    -inf on what a constrained row's grammar forbids (`masks`; last, so nothing undoes it)."""
+    end tokens a row holds back (`SeqSampler.held_ids`: min_tokens, as vLLM, and ignore_eos
+    under a grammar; after the bias, which cannot undo it; a constrained row's only where its
+    mask allows another token), and -inf on what a constrained row's grammar forbids
+    (`masks`; last, so nothing undoes it)."""
     x = logits.to(torch.float32, copy=True)  # (B, V); the caller's tensor is never modified
     dev = x.device
     ps = [s.params for s in samplers]
@@ -169,7 +180,13 @@ def process_logits(logits: torch.Tensor, samplers: list[SeqSampler],
         freq = _tensor([p.frequency_penalty for p in ps], torch.float32, dev)[r]  # (N,)
         x.index_put_((r, c), -(pres + freq * n), accumulate=True)
     if any(s.holds_stops for s in samplers):
-        r, c = _flat([s.stop_ids if s.holds_stops else () for s in samplers], dev)  # (N,) each
+        held = [s.held_ids if s.holds_stops else () for s in samplers]
+        if masks is not None and masks[0]:
+            from .constraints import allows_besides
+            for j, i in enumerate(masks[0]):
+                if held[i] and not allows_besides(masks[1][j], held[i]):
+                    held[i] = ()  # the grammar allows only the end: it ends
+        r, c = _flat(held, dev)  # (N,) each
         x[r, c] = -math.inf
     if masks is not None and masks[0]:
         from .constraints import apply_masks_

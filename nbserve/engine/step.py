@@ -438,8 +438,12 @@ class EngineStep:
         choice = group.choices[seq.index]
         params = group.params
         seq.output_ids.append(tok)
-        choice.sampler.observe(tok)
         matcher = choice.sampler.matcher
+        # a stop token ends a constrained answer only where the answer is complete; elsewhere
+        # (a stop_token_ids entry the grammar allows as text) it is text
+        ends = (tok in group.stop_ids or tok in choice.sampler.eos_ids) and \
+            (matcher is None or matcher.is_accepting())
+        choice.sampler.observe(tok)
         if matcher is not None and matcher.is_error():  # only a bug lets a masked row stray
             self.fail(group, f"the output left its grammar: {matcher.get_error()}",
                       "server_error")
@@ -457,7 +461,7 @@ class EngineStep:
         matched: int | str | None = None  # the stop token or string
         stop_string: str | None = None
         text = ""
-        if tok in group.stop_ids:  # a stop token: not part of the text
+        if ends:  # a stop token: not part of the text
             reason, matched = "stop", tok
         else:
             text, stop_string = choice.stopper.feed(choice.detok.add([tok]))

@@ -4,7 +4,7 @@ matcher that holds back what could still become a stop string."""
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 # ----------------------------------------------------------------------------- streaming text
@@ -90,29 +90,52 @@ class StopStringMatcher:
     holds back the longest tail that could still begin a stop string and never returns the stop
     string or anything after it. When two stops complete, the one that ends first wins, so the
     result does not depend on how the text was chunked.
+
+    `ends_answer(text)`, when given, says whether the whole answer may end with `text` (a
+    constrained answer: its grammar accepts it); a stop string counts only where the text before
+    it may end the answer, and is passed over elsewhere.
     """
 
-    def __init__(self, stops: Iterable[str]):
+    def __init__(self, stops: Iterable[str], ends_answer: Callable[[str], bool] | None = None):
         self.stops = [s for s in dict.fromkeys(stops) if s]
         self._held = ""
         self.matched: str | None = None
+        self._ends_answer = ends_answer
+        self._said: list[str] = []  # the text returned so far (kept for `ends_answer` only)
 
     def feed(self, text: str) -> tuple[str, str | None]:
         """Add a text delta; return `(text to emit, matched stop or None)`."""
         if self.matched is not None:
             return "", self.matched
         buf = self._held + text
-        best: tuple[int, int, str] | None = None
-        for stop in self.stops:
-            at = buf.find(stop)
-            if at >= 0 and (best is None or (at + len(stop), at) < best[:2]):
-                best = (at + len(stop), at, stop)
-        if best is not None:
-            self._held, self.matched = "", best[2]
-            return buf[:best[1]], best[2]
+        hit = self._first_stop(buf)
+        if hit is not None:
+            self._held, self.matched = "", hit[1]
+            return buf[:hit[0]], hit[1]
         keep = self._partial_tail(buf)
         self._held = buf[len(buf) - keep:]
-        return buf[:len(buf) - keep], None
+        out = buf[:len(buf) - keep]
+        if self._ends_answer is not None and out:
+            self._said.append(out)
+        return out, None
+
+    def _first_stop(self, buf: str) -> tuple[int, str] | None:
+        """(where, which) of the stop string in `buf` that ends first (and may end the answer
+        there), or None."""
+        if self._ends_answer is None:
+            best: tuple[int, int, str] | None = None
+            for stop in self.stops:
+                at = buf.find(stop)
+                if at >= 0 and (best is None or (at + len(stop), at) < best[:2]):
+                    best = (at + len(stop), at, stop)
+            return None if best is None else (best[1], best[2])
+        hits = sorted((at + len(stop), at, stop) for stop in self.stops
+                      for at in _occurrences(buf, stop))
+        said = "".join(self._said) if hits else ""
+        for _, at, stop in hits:
+            if self._ends_answer(said + buf[:at]):
+                return at, stop
+        return None
 
     def flush(self) -> str:
         """End of stream: return the held-back tail (it never completed a stop)."""
@@ -126,3 +149,11 @@ class StopStringMatcher:
             if any(len(s) > k and s.startswith(tail) for s in self.stops):
                 return k
         return 0
+
+
+def _occurrences(text: str, sub: str) -> Iterator[int]:
+    """Every index where `sub` starts in `text`, overlapping ones too."""
+    at = text.find(sub)
+    while at >= 0:
+        yield at
+        at = text.find(sub, at + 1)
