@@ -213,6 +213,32 @@ def test_a_schema_keyword_that_cannot_be_enforced_is_a_clear_error(engine: Any) 
     assert engine.chat("hi", max_tokens=2)  # still serving
 
 
+def test_numbers_a_schema_leaves_unbounded_get_a_bounded_length(grammars: Grammars) -> None:
+    """|x| <= 2**53 - 1 and at most 10 decimals, so that a model cannot write digits forever;
+    a schema's own bounds decide instead, looser or tighter."""
+    def ok(schema: dict[str, Any], text: str) -> bool:
+        return _accepts(grammars, grammar_text(Constraint("json_schema", schema)), text)
+
+    city = {"type": "object", "properties": {"population": {"type": "integer"}},
+            "required": ["population"]}
+    assert ok(city, '{"population": 9007199254740991}')
+    assert ok(city, '{"population": -9007199254740991}')
+    assert not ok(city, '{"population": 9007199254740992}')
+    assert not ok(city, '{"population": 11111111111111111}')
+    number = {"type": ["number", "null"]}
+    assert ok(number, "3.1415926535") and ok(number, "null") and ok(number, "-2")
+    assert not ok(number, "3.14159265358") and not ok(number, "1e5")
+    own = {"type": "integer", "minimum": 0, "maximum": 10**18}
+    assert ok(own, "1" * 18) and not ok(own, "-1")
+    assert ok({"type": "number", "multipleOf": 0.5}, "2.5")
+    assert not ok({"type": "number", "multipleOf": 0.5}, "2.25")
+    nested = {"anyOf": [{"$ref": "#/$defs/n"}, {"type": "string"}],
+              "$defs": {"n": {"type": "integer"}}}
+    assert ok(nested, "12") and ok(nested, '"12"') and not ok(nested, "1" * 17)
+    assert not ok({"type": "integer", "exclusiveMaximum": 5}, "5")
+    assert ok({"type": "integer", "exclusiveMaximum": 5}, "-9007199254740991")
+
+
 def test_ignore_eos_under_a_grammar_still_ends_with_the_grammar(engine: Any) -> None:
     (texts, reasons, _), = run_all(engine, [chat(temperature=1.0, seed=3, ignore_eos=True,
                                                  constraint=Constraint("choice", ["yes", "no"]))])

@@ -6,9 +6,13 @@ extension, and a property test over generated JSON schemas."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import io
 import json
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import jsonschema
@@ -117,6 +121,86 @@ def test_json_object_answers_are_json_objects(client: openai.OpenAI) -> None:
         assert c.message.content.startswith("{") and c.finish_reason in ("stop", "length")
     for c in done:
         assert isinstance(json.loads(c.message.content), dict)
+
+
+# ----------------------------------------------------------------------------- loops
+
+
+class Town(BaseModel):
+    name: str
+    country: str
+    population: int
+
+
+class Resident(BaseModel):  # a town nested
+    name: str
+    age: int
+    town: Town
+
+
+class Color(BaseModel):
+    name: str
+    hex: str
+
+
+class Palette(BaseModel):
+    title: str
+    colors: list[Color]
+
+
+@pytest.mark.parametrize("model,ask", [(Town, "Tell me about Paris."),
+                                       (Resident, "Invent a person who lives in a city.")],
+                         ids=["flat", "nested"])
+def test_parse_gets_a_greedy_answer_whose_integer_would_run_on(client: openai.OpenAI,
+                                                               model: type[BaseModel],
+                                                               ask: str) -> None:
+    """Greedy, the default model writes `"population": 1111…` until max_tokens; the grammar
+    bounds an integer the schema leaves unbounded to |x| <= 2**53 - 1."""
+    r = client.chat.completions.parse(model="", messages=[{"role": "user", "content": ask}],
+                                      response_format=model, temperature=0, max_tokens=200)
+    parsed = r.choices[0].message.parsed
+    assert r.choices[0].finish_reason == "stop" and isinstance(parsed, model)
+    town = parsed if isinstance(parsed, Town) else parsed.town
+    assert abs(town.population) <= 2**53 - 1
+
+
+PALETTE_ASK = [{"role": "user", "content": "Make a color palette for a beach house."}]
+
+
+def test_greedy_the_default_model_repeats_a_list_item_until_max_tokens(
+        client: openai.OpenAI) -> None:
+    """The loop that the penalties below break (an unbounded list: no grammar ends it)."""
+    with pytest.raises(openai.LengthFinishReasonError):
+        client.chat.completions.parse(model="", messages=PALETTE_ASK, response_format=Palette,
+                                      temperature=0, max_tokens=200)
+
+
+@pytest.mark.parametrize("penalty", [{"frequency_penalty": 1.0}, {"presence_penalty": 1.0},
+                                     {"extra_body": {"repetition_penalty": 1.1}}],
+                         ids=["frequency", "presence", "repetition"])
+def test_a_sampling_penalty_breaks_a_loop_under_a_constraint(client: openai.OpenAI,
+                                                             penalty: dict[str, Any]) -> None:
+    r = client.chat.completions.parse(model="", messages=PALETTE_ASK, response_format=Palette,
+                                      temperature=0, max_tokens=200, **penalty)
+    parsed = r.choices[0].message.parsed
+    assert r.choices[0].finish_reason == "stop" and isinstance(parsed, Palette)
+    assert 1 <= len(parsed.colors) <= 8
+
+
+def test_the_readme_structured_output_example_prints_what_it_says(
+        client: openai.OpenAI) -> None:
+    """README.md's `parse` example, run as written against a real server of the default
+    model: it prints the line its last comment shows."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S)
+                 if "chat.completions.parse(" in b)
+    *_, expected = block.rstrip().splitlines()
+    assert expected.startswith("# ")
+    code = block.replace("http://127.0.0.1:8000/v1", str(client.base_url).rstrip("/"))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
+    assert out.getvalue().strip() == expected[2:]
 
 
 # ----------------------------------------------------------------------------- tools

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..text.json_bounds import bounded_numbers
 from ..text.reasoning import ThoughtRule
 from ..text.tool_calls import HERMES, JSON_STYLE, ToolFormat, closed_schema, function_of
 from ..types import Constraint, InvalidRequestError, Request
@@ -43,7 +44,9 @@ def _llg() -> Any:
 
 
 def _with_style(schema: dict[str, Any], strict: bool) -> dict[str, Any]:
-    schema = closed_schema(schema)
+    """The schema as nbserve's grammars enforce it: the JSON style, closed objects, bounded
+    numbers (json_bounds.py)."""
+    schema = bounded_numbers(closed_schema(schema))
     return {**schema, "x-guidance": {**JSON_STYLE, **schema.get("x-guidance", {}),
                                      "lenient": not strict}}
 
