@@ -15,7 +15,7 @@ import torch
 from server_util import app_running, engine_running, wait_until
 from tiny_models import make_tiny_hf_dir
 
-from nbserve.engine.kv_budget import available_bytes, plan_blocks
+from nbserve.engine.kv_budget import KVBudget, available_bytes, plan_blocks, retained_blocks
 
 MiB = 2**20
 
@@ -68,9 +68,12 @@ def test_distinct_prompts_then_idle_hold_what_the_cached_prefixes_need(wide_kv_d
         stats = httpx.get(url + "/stats").json()
         grew = rss() - before
 
-    # what 4 requests (and blocks twin requests filled alongside them) hold at once: what the
-    # cached prefixes the server keeps may need
-    need = 2 * concurrency * -(-(length + 2 + 2) // 16) * block_bytes
+    # what 4 requests (and blocks twin requests filled alongside them) hold at once, beside
+    # the cached prefixes the server keeps (at most `retained_blocks`): what may stay resident
+    budget = KVBudget(stats["kv_blocks_total"], 16, block_bytes // 16, 256 * MiB, "")
+    retained = retained_blocks(budget, stats["max_context"])
+    assert 0 < retained < stats["kv_blocks_total"] // 2
+    need = (2 * concurrency * -(-(length + 2 + 2) // 16) + retained) * block_bytes
     assert grew <= need + 64 * MiB, (grew / MiB, stats)
     assert stats["kv_committed_bytes"] == stats["kv_blocks_touched"] * block_bytes <= need, stats
     assert stats["kv_blocks_touched"] == stats["kv_blocks_cached"]  # idle: nothing else held

@@ -306,6 +306,41 @@ def test_distinct_prompts_one_at_a_time_touch_one_prompt_of_blocks() -> None:
     check(space, [])
 
 
+def test_distinct_prompts_with_retention_touch_at_most_the_retained_blocks_more() -> None:
+    """With `retain` cached blocks kept, 450 distinct prompts fill the retained part of the
+    pool and no more: past it, each new prompt evicts the least recently used prefix."""
+    space = BlockSpace(4096, 16, retain=64)
+    for i in range(450):
+        s = computed_seq(space, [i] + list(range(1000, 1100)))  # 7 blocks
+        space.release(s, s.tokens, keep=True)
+    assert 64 <= space.n_cached <= 64 + 7 and space.n_touched == space.n_cached
+    check(space, [])
+
+
+def test_two_conversations_taking_turns_keep_their_prefixes() -> None:
+    """Two users' chats, one request at a time, each turn its chat so far plus a few new
+    tokens: with a few contexts retained, every turn finds its whole history cached, where
+    evicting before touching a never-used block made each user's turn evict the other's
+    history (a found prefix of 0 blocks from the third turn on)."""
+    space = BlockSpace(1024, 4, retain=64)
+    chats: dict[int, list[int]] = {0: [], 1: []}
+    for turn in range(6):
+        for user in (0, 1):
+            history = chats[user]
+            prompt = history + [1000 * (user + 1) + 10 * turn + j for j in range(9)]
+            found = space.cached_prefix(prompt, len(prompt) - 1)[0]
+            assert found >= len(history) - len(history) % 4 - 4 * (turn == 0), (turn, user)
+            s = computed_seq(space, prompt)
+            space.release(s, s.tokens, keep=True)
+            chats[user] = prompt
+    check(space, [])
+
+
+def test_retain_is_checked() -> None:
+    with pytest.raises(ValueError, match="retain must be between 0 and n_blocks=8"):
+        BlockSpace(8, 2, retain=9)
+
+
 def test_give_back_returns_freed_blocks_as_runs_and_counts_them_untouched() -> None:
     space = BlockSpace(16, 2)
     held = [computed_seq(space, [i, i + 1, i + 2]) for i in range(0, 15, 3)]  # 2 blocks each

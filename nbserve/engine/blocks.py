@@ -14,11 +14,12 @@ Pure Python, no torch. Two implementations of one interface (`KVSpace`), chosen 
   the partly filled last block of a finished sequence) gets a copy of those positions in a
   block of its own, so reuse is as fine as one token, like llama-server's slots and SGLang's
   radix cache, while sharing stays by whole blocks.
-  A new block comes from the blocks that have held contents before (a freed one, then the
-  least recently used cached one) before a never-used one: on CPU, where the cache is
-  committed page by page, the resident part of it grows with what the traffic holds at once,
-  not with how many distinct prompts it has seen. `give_back` then hands the engine the freed
-  blocks of an idle server, whose pages the cache returns to the system.
+  A new block comes from the blocks that have held contents before (a freed one; then, past
+  `retain` cached blocks, the least recently used cached one) before a never-used one: on
+  CPU, where the cache is committed page by page, the resident part of it grows with what the
+  traffic holds at once plus the cached prefixes kept, not with how many distinct prompts it
+  has seen. `give_back` then hands the engine the freed blocks of an idle server, whose pages
+  the cache returns to the system.
 - `SlotSpace`, for models with the older one-row-per-sequence cache (`make_cache`): one
   "block" of `max_context` tokens per sequence; a free row remembers its tokens, and a new
   prompt takes the free row that shares its longest prefix.
@@ -107,13 +108,18 @@ class KVSpace(Protocol):
 
 
 class BlockSpace:
-    """A pool of `n_blocks` blocks of `block_size` positions, shared by hash chain."""
+    """A pool of `n_blocks` blocks of `block_size` positions, shared by hash chain. Up to
+    `retain` cached blocks are kept before a new block evicts one (while never-used blocks
+    remain): enough for a few conversations' prefixes, however many distinct prompts come."""
 
-    def __init__(self, n_blocks: int, block_size: int, share: bool = True):
+    def __init__(self, n_blocks: int, block_size: int, share: bool = True, retain: int = 0):
         if n_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of one position, got {n_blocks} x "
                              f"{block_size}")
+        if not 0 <= retain <= n_blocks:
+            raise ValueError(f"retain must be between 0 and n_blocks={n_blocks}, got {retain}")
         self.n_blocks, self.block_size, self.share = n_blocks, block_size, share
+        self.retain = retain
         self.reserve = max(1, n_blocks // 100)  # kept free for running sequences' growth
         self.refs = [0] * n_blocks
         # freed blocks without a key (their pages resident): taken first, the last freed first
@@ -316,11 +322,12 @@ class BlockSpace:
         self.refs[block] += 1
 
     def _take(self) -> int:
-        """A block for new contents: a freed one first, then the least recently used cached
-        one (its key is dropped), a never-used one last (it adds to the resident pages)."""
+        """A block for new contents: a freed one first; then, once `retain` blocks are cached
+        (or no never-used one is left), the least recently used cached one (its key is
+        dropped); else a never-used one (it adds to the resident pages)."""
         if self._free:
             block = self._free.pop()
-        elif self._unused:
+        elif self._unused and (len(self._unused) >= self.retain or not self._fresh):
             block, _ = self._unused.popitem(last=False)
             self._forget(block)
             self.evictions += 1

@@ -250,7 +250,7 @@ class Engine(SyncHelpers):
             kv_cache_bytes=getattr(self.cache, "nbytes", 0), max_context=self.max_context,
             kv_block_size=space.block_size, kv_blocks_total=space.n_blocks,
             kv_blocks_used=space.n_used, kv_blocks_cached=space.n_cached,
-            kv_blocks_touched=space.n_touched,
+            kv_blocks_touched=space.n_touched, kv_committed_bytes=self._step.kv_committed_bytes,
             kv_budget_bytes=self._step.budget.budget_bytes if self._step.budget else
             getattr(self.cache, "nbytes", 0), preemptions=s.preemptions,
             device=str(self.model.device), dtype=str(self.model.dtype).replace("torch.", ""),

@@ -120,6 +120,18 @@ def _room(level: Path, limit_file: str, usage_file: str, inactive_key: str) -> i
     return max(int(limit_text) - max(usage - inactive, 0), 0)
 
 
+RETAINED_FRACTION = 4  # cached prefixes kept: at most 1/4 of the blocks ...
+RETAINED_CONTEXTS = 2  # ... and at most two full contexts
+
+
+def retained_blocks(budget: KVBudget, max_context: int) -> int:
+    """How many cached blocks a paged cache keeps before a new block evicts one rather than
+    touch a never-used block: a quarter of the cache or two full contexts, whichever is less
+    (a few conversations' prefixes, however many distinct prompts pass through)."""
+    contexts = -(-RETAINED_CONTEXTS * max_context // budget.block_size)
+    return min(budget.n_blocks // RETAINED_FRACTION, contexts)
+
+
 def check_kv_memory(value: object) -> None:
     """`kv_memory`: bytes (an int >= 1), a fraction in (0, 1], or None (the default)."""
     if value is None:

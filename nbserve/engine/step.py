@@ -33,7 +33,7 @@ from ..types import (
 from .blocks import BlockSpace, KVSpace, SlotSpace
 from .config import EngineConfig
 from .constraints import MaskJob
-from .kv_budget import KVBudget, plan_blocks
+from .kv_budget import KVBudget, plan_blocks, retained_blocks
 from .requests import RequestGroup, drop_event, gathered_wakeups
 from .sampling import sample
 from .scheduler import PrefillWork, Scheduler, Sequence, StepPlan
@@ -106,7 +106,8 @@ class EngineStep:
 
     def _make_scheduler(self) -> Scheduler:
         space: KVSpace = SlotSpace(self.max_batch, self.max_context) if self.budget is None \
-            else BlockSpace(self.budget.n_blocks, self.budget.block_size)
+            else BlockSpace(self.budget.n_blocks, self.budget.block_size,
+                            retain=retained_blocks(self.budget, self.max_context))
         return Scheduler(self.max_batch, self.config.prefill_chunk, space)
 
     @property
