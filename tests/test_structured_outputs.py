@@ -268,6 +268,25 @@ def test_a_named_function_is_the_one_call(client: openai.OpenAI) -> None:
         assert choice.message.content is None
 
 
+def test_a_tool_call_whose_integer_would_run_on_ends(client: openai.OpenAI) -> None:
+    """Greedy, the default model writes `"population": 1111…` into the call's arguments until
+    max_tokens (as instructor's tool mode asks); the arguments' integers are bounded too."""
+    city = {"type": "function", "function": {
+        "name": "City", "description": "Record a city.", "parameters": {
+            "type": "object", "properties": {"name": {"type": "string"},
+                                             "country": {"type": "string"},
+                                             "population": {"type": "integer"}},
+            "required": ["name", "country", "population"]}}}
+    r = client.chat.completions.create(
+        model="", messages=[{"role": "user", "content": "Tell me about Paris."}], tools=[city],
+        tool_choice={"type": "function", "function": {"name": "City"}}, temperature=0,
+        max_tokens=200)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    args = Town.model_validate_json(choice.message.tool_calls[0].function.arguments)
+    assert abs(args.population) <= 2**53 - 1
+
+
 def test_parallel_tool_calls_false_never_yields_two(client: openai.OpenAI) -> None:
     for choice in _many(client, 20, tool_choice="required", parallel_tool_calls=False):
         assert choice.finish_reason == "tool_calls", choice

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .json_bounds import bounded_numbers
+
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
               "coerce_one_of": True}  # how grammars make models write JSON (no runaway spaces)
 
@@ -112,7 +114,7 @@ class ToolFormat:
 
     def _call_schema(self, tool: dict[str, Any]) -> dict[str, Any]:
         fn = function_of(tool)
-        params = closed_schema(fn.get("parameters") or {"type": "object"})
+        params = bounded_numbers(closed_schema(fn.get("parameters") or {"type": "object"}))
         return {"type": "object", "additionalProperties": False,
                 "properties": {"name": {"const": fn["name"]}, self.args_key: params},
                 "required": ["name", self.args_key]}
