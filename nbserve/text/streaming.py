@@ -115,7 +115,7 @@ class StopStringMatcher:
         keep = self._partial_tail(buf)
         self._held = buf[len(buf) - keep:]
         out = buf[:len(buf) - keep]
-        if self._ends_answer is not None and out:
+        if self._ends_answer is not None and self.stops and out:
             self._said.append(out)
         return out, None
 
