@@ -6,6 +6,7 @@ Server and UI both go messages -> `ChatTemplate.render` -> `Tokenizer.encode`, a
 
 from .chat_template import ChatTemplate
 from .streaming import IncrementalDetokenizer, StopStringMatcher
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, TokenizerProtocol
 
-__all__ = ["ChatTemplate", "IncrementalDetokenizer", "StopStringMatcher", "Tokenizer"]
+__all__ = ["ChatTemplate", "IncrementalDetokenizer", "StopStringMatcher", "Tokenizer",
+           "TokenizerProtocol"]

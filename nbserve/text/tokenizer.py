@@ -9,7 +9,7 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import tokenizers
 
@@ -28,6 +28,36 @@ def _gpt2_byte_decoder() -> dict[str, int]:
             chars[b] = chr(256 + extra)
             extra += 1
     return {c: b for b, c in chars.items()}
+
+
+@runtime_checkable
+class TokenizerProtocol(Protocol):
+    """What the engine, the grammar layer and the streaming text code read of a tokenizer.
+
+    `Tokenizer` is the one implementation; code that only reads a tokenizer types its argument
+    with this protocol so the interface it relies on is written down in one place.
+    """
+
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    special_ids: set[int]
+    vocab_size: int
+    add_bos_token: bool
+
+    @property
+    def added_tokens(self) -> dict[int, str]:
+        """Added (special) tokens: id -> their text, e.g. 2 -> "<|im_end|>"."""
+        ...
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def id_to_token(self, i: int) -> str: ...
+
+    def token_to_id(self, token: str) -> int | None: ...
+
+    def token_bytes(self, i: int) -> bytes: ...
 
 
 class _DuckBackend:
@@ -105,6 +135,11 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos_token_id={self.bos_token_id}, "
                 f"eos_token_ids={self.eos_token_ids})")
+
+    @property
+    def added_tokens(self) -> dict[int, str]:
+        """Added (special) tokens: id -> their text, e.g. 2 -> "<|im_end|>"."""
+        return self._added
 
     # -- construction
 
