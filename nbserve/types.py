@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -359,8 +359,30 @@ Event = Started | PromptLogprobs | Delta | Finished | ErrorEvent
 
 
 @runtime_checkable
+class TokenCodec(Protocol):
+    """What the server and the UI read of a backend's tokenizer (`nbserve.text.Tokenizer`
+    satisfies it; this module imports no layer, so the view is declared here)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def id_to_token(self, i: int) -> str: ...
+
+    def token_bytes(self, i: int) -> bytes: ...
+
+
+@runtime_checkable
 class Backend(Protocol):
-    """What the server, the UI and launch depend on: an Engine or a Pool of them."""
+    """What the server, the UI and launch use of a backend: an Engine, a Pool of them, or
+    `serving/backend_ref.py`'s SwappableBackend forwarding to one.
+
+    The first five members every backend has. The others say what a backend knows of its
+    model and prompts; one that cannot tell answers None (0 for `cancel_all`), as
+    `BackendDefaults` does for the classes that take it as a base (stand-ins, test doubles)."""
 
     @property
     def model_name(self) -> str: ...  # read only: launch's SwappableBackend forwards it
@@ -376,3 +398,52 @@ class Backend(Protocol):
     def health(self) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
+
+    @property
+    def tokenizer(self) -> TokenCodec | None:
+        """The model's tokenizer (for /tokenize, /detokenize, logprob bytes, echo)."""
+        ...
+
+    @property
+    def max_context(self) -> int | None:
+        """The most tokens one request may hold (prompt and answer)."""
+        ...
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size (token ids are below it)."""
+        ...
+
+    def prompt_token_ids(self, request: Request) -> list[int] | None:
+        """The request's prompt as it would be served (chat template applied, encoded), even
+        past max_context: what /tokenize answers for messages."""
+        ...
+
+    def count_prompt_tokens(self, request: Request) -> int | None:
+        """How many tokens the request's prompt takes, even past max_context: the UI fits a
+        long chat into the context with it."""
+        ...
+
+    def cancel_all(self) -> int:
+        """Cancel every request (a shutdown): running ones finish with reason "cancelled",
+        waiting ones end with a "service_unavailable" error. Returns how many."""
+        ...
+
+
+class BackendDefaults:
+    """`Backend`'s answers for a backend that knows no tokenizer, context or prompt (one that
+    stands in while a model loads or after it stopped, a test double): a base class that
+    leaves model_name, generate, stats, health and close to the subclass."""
+
+    tokenizer: TokenCodec | None = None
+    max_context: int | None = None
+    vocab_size: int | None = None
+
+    def prompt_token_ids(self, request: Request) -> list[int] | None:
+        return None
+
+    def count_prompt_tokens(self, request: Request) -> int | None:
+        return None
+
+    def cancel_all(self) -> int:
+        return 0

@@ -209,6 +209,10 @@ class Pool(SyncHelpers):
         finally:
             self._leave(ticket, done)
 
+    def cancel_all(self) -> int:
+        """Cancel every request on every replica (see `Engine.cancel_all`); how many."""
+        return sum(r.engine.cancel_all() for r in self.replicas)
+
     def abort(self, request_id: str, why: str = "cancel") -> None:
         """Cancel a request wherever it runs (`why` as for Engine.abort: "backlog" ends it with
         a client_too_slow error). Unknown ids are ignored."""

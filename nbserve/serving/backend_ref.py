@@ -11,10 +11,10 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..types import Backend, EngineStoppedError, Event, Request
+from ..types import Backend, BackendDefaults, EngineStoppedError, Event, Request
 
 
-class StoppedBackend:
+class StoppedBackend(BackendDefaults):
     """Stands in for a closed backend so that nothing keeps its weights alive."""
 
     def __init__(self, model_name: str):
