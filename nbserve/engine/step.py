@@ -9,17 +9,17 @@ front's registry of requests in flight up to date.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
 
 from ..cpu.threads import ThreadTuner
-from ..models.base import LoadedModel
+from ..models.adapters.step_model import served
+from ..models.base import LoadedModel, PagedModel, SlotCache, SlotModel, StaticSteps
 from ..models.kv_cache import PagedKVCache
 from ..types import (
     Delta,
@@ -58,24 +58,23 @@ class EngineStep:
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, stats: EngineStats,
                  hooks: StepHooks):
-        self.model = loaded.model
+        # the path is the model's declared type: a paged cache for a PagedModel, else one row
+        # per sequence (a user's StepModel is wrapped once to declare which)
+        self.model: SlotModel = served(loaded.model)
         self.tokenizer = loaded.tokenizer
         self.config, self.stats, self.hooks = config, stats, hooks
-        on_cpu = torch.device(self.model.device).type == "cpu"
+        on_cpu = self.model.device.type == "cpu"
         self.tuner = ThreadTuner() if on_cpu and config.threads is None else None
-        self.hints = accepts_hints(self.model.forward)
         # right-padded prefill rows only for models that say they handle them (StepModel doc)
-        self.padded_rows = bool(getattr(self.model, "accepts_padded_rows", False))
-        # a paged cache where the model offers one (models.base), else one row per sequence
-        self.paged = callable(getattr(self.model, "make_paged_cache", None))
+        self.padded_rows = self.model.accepts_padded_rows
+        self.paged = isinstance(self.model, PagedModel)
         self.max_batch = config.resolved_max_batch(self.paged)
         model_context = config.context_for(int(self.model.max_context), self.paged)
         self.budget: KVBudget | None = None
-        if self.paged:
-            kv_dtype = config.resolved_kv_dtype(
-                getattr(self.model, "default_kv_dtype", self.model.dtype))
+        if isinstance(self.model, PagedModel):
+            kv_dtype = config.resolved_kv_dtype(self.model.default_kv_dtype)
             self.budget = plan_blocks(self.model.kv_bytes_per_token(kv_dtype),
-                                      config.kv_block_size, torch.device(self.model.device),
+                                      config.kv_block_size, self.model.device,
                                       config.kv_memory, self.max_batch * model_context)
             self.kv_dtype = kv_dtype
         # the largest context one request can get: the model's, or what the blocks hold
@@ -85,24 +84,26 @@ class EngineStep:
         self.scheduler = self._make_scheduler()
         self.static = self._make_static_decode()
 
-    def _make_cache(self) -> Any:
+    def _make_cache(self) -> SlotCache:
         if self.budget is None:
             return self.model.make_cache(self.max_batch, self.max_context)
+        assert isinstance(self.model, PagedModel)  # a budget is planned for paged models only
         return self.model.make_paged_cache(self.budget.n_blocks, self.budget.block_size,
                                            self.kv_dtype)
 
-    def _make_static_decode(self) -> Any:
+    def _make_static_decode(self) -> StaticSteps | None:
         """The model's static decode steps (CUDA graphs on CUDA) where `static_decode` asks
         (None: on for CUDA), for models that offer them over a paged cache; else None."""
-        make = getattr(self.model, "make_static_decode", None)
-        on_cuda = torch.device(self.model.device).type == "cuda"
+        on_cuda = self.model.device.type == "cuda"
         want = on_cuda if self.config.static_decode is None else self.config.static_decode
-        if not want or make is None or self.budget is None:
-            if self.config.static_decode:
-                log.warning("static_decode: this model has no static decode steps (nbserve's "
-                            "own model families over a paged cache do); decoding as usual")
-            return None
-        return make(self.cache, self.max_batch, self.max_context, capture=on_cuda)
+        static = None
+        if want and isinstance(self.model, PagedModel) and self.budget is not None:
+            static = self.model.make_static_decode(self.cache, self.max_batch,
+                                                   self.max_context, capture=on_cuda)
+        if static is None and self.config.static_decode:
+            log.warning("static_decode: this model has no static decode steps (nbserve's "
+                        "own model families over a paged cache do); decoding as usual")
+        return static
 
     def _make_scheduler(self) -> Scheduler:
         space: KVSpace = SlotSpace(self.max_batch, self.max_context) if self.budget is None \
@@ -182,11 +183,16 @@ class EngineStep:
                 cache.free_pages(runs)
 
     @property
+    def cache_bytes(self) -> int:
+        """Bytes the KV cache holds (0 once released)."""
+        return 0 if self.cache is None else self.model.cache_nbytes(self.cache)
+
+    @property
     def kv_committed_bytes(self) -> int:
         """Bytes of the KV cache that hold memory: on CPU (committed as blocks are first
         written, given back when they hold nothing), the blocks touched; else all of it."""
         cache = self.cache
-        nbytes = int(getattr(cache, "nbytes", 0))
+        nbytes = self.cache_bytes
         if isinstance(cache, PagedKVCache) and cache.lazy:
             return nbytes * self.space.n_touched // max(self.space.n_blocks, 1)
         return nbytes
@@ -204,8 +210,14 @@ class EngineStep:
         for seq in group.seqs:
             self.scheduler.finish(seq, keep_cache=False)
         group.done = True
-        group.remaining = 0
         self.hooks.done(group)
+        self.end_failed(group, message, kind)
+
+    def end_failed(self, group: RequestGroup, message: str, kind: str) -> None:
+        """The end every failed request gets: counted, told with an ErrorEvent, later events
+        dropped. Touches no scheduler state (`Engine._fail_all` ends requests this way when
+        the scheduler may be broken)."""
+        group.done, group.remaining = True, 0
         self.stats.finished["error"] = self.stats.finished.get("error", 0) + 1
         group.sink(ErrorEvent(message, kind, group.request_id))
         group.sink = drop_event
@@ -257,7 +269,7 @@ class EngineStep:
         ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=dev)
         positions = torch.tensor(pos_l, device=dev).unsqueeze(1)
         max_pos = max(pos_l)
-        where, hints = self._where(seqs, max_pos)
+        where, contiguous = self._where(seqs)
         static = self.static if self.static is not None and \
             self.static.serves(len(seqs), max_pos, where.shape[-1]) else None
         masks = self._mask_job(seqs)  # computed while the model runs
@@ -270,7 +282,7 @@ class EngineStep:
                     logits = self.model.forward(ids, positions, where, self.cache,
                                                 logit_index=torch.zeros(
                                                     len(seqs), dtype=torch.long, device=dev),
-                                                **hints)
+                                                max_pos=max_pos, contiguous_from=contiguous)
         except Exception as exc:
             self._fail_step(seqs, exc)
             return time.perf_counter() - t0, 0.0
@@ -304,12 +316,13 @@ class EngineStep:
         ids = torch.tensor([w.ids + [0] * (width - len(w.ids)) for w in works], device=dev)
         positions = torch.tensor(pos_rows, device=dev)  # (B, T)
         last = torch.tensor([len(w.ids) - 1 for w in works], device=dev)
-        where, hints = self._where([w.seq for w in works], max(r[-1] for r in pos_rows))
+        max_pos = max(r[-1] for r in pos_rows)
+        where, contiguous = self._where([w.seq for w in works])
         t0 = time.perf_counter()
         try:
             with self._threads_for(real):
-                logits = self.model.forward(ids, positions, where, self.cache,
-                                            logit_index=last, **hints)
+                logits = self.model.forward(ids, positions, where, self.cache, logit_index=last,
+                                            max_pos=max_pos, contiguous_from=contiguous)
         except Exception as exc:
             self._fail_step([w.seq for w in works], exc)
             return time.perf_counter() - t0, 0.0
@@ -326,11 +339,13 @@ class EngineStep:
         seq, group = work.seq, work.seq.group
         ids = torch.tensor([work.ids], device=dev)
         positions = torch.arange(work.start, work.start + len(work.ids), device=dev)[None]
-        where, hints = self._where([seq], work.start + len(work.ids) - 1)
+        max_pos = work.start + len(work.ids) - 1
+        where, contiguous = self._where([seq])
         t0 = time.perf_counter()
         try:
             with self._threads_for(len(work.ids)):
-                logits = self.model.forward(ids, positions, where, self.cache, **hints)[0]
+                logits = self.model.forward(ids, positions, where, self.cache, max_pos=max_pos,
+                                            contiguous_from=contiguous)[0]
         except Exception as exc:
             self._fail_step([seq], exc)
             return time.perf_counter() - t0, 0.0
@@ -358,21 +373,20 @@ class EngineStep:
                             [(i, self.tokenizer.decode([i]), v) for i, v in
                              zip(top_ids, top_values)])
 
-    def _where(self, seqs: list[Sequence], max_pos: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    def _where(self, seqs: list[Sequence]) -> tuple[torch.Tensor, int | None]:
         """Where the rows' keys and values live, as the model takes it: block tables (B, S),
         padded with the cache's pad block, for a paged cache; else cache rows (B,) and the
-        optional hints (`max_pos`, `contiguous_from`)."""
+        first of them when they are a contiguous run (the `contiguous_from` hint)."""
         dev = self.model.device
         if self.paged:
             width = max(len(s.table) for s in seqs)
             pad = self.cache.pad_block
             rows = [s.table + [pad] * (width - len(s.table)) for s in seqs]
-            return torch.tensor(rows, device=dev), dict(max_pos=max_pos) if self.hints else {}
+            return torch.tensor(rows, device=dev), None
         slots_l = [s.slot for s in seqs]
         contiguous = slots_l[0] if slots_l == list(range(slots_l[0], slots_l[0] + len(seqs))) \
             else None
-        hints = dict(max_pos=max_pos, contiguous_from=contiguous) if self.hints else {}
-        return torch.tensor(slots_l, device=dev), hints
+        return torch.tensor(slots_l, device=dev), contiguous
 
     @contextlib.contextmanager
     def _threads_for(self, tokens: int) -> Iterator[None]:
@@ -501,7 +515,7 @@ class EngineStep:
         return (tail, late) if late is not None else (tail + choice.stopper.flush(), None)
 
     def _finish_seq(self, seq: Sequence, group: RequestGroup, reason: FinishReason,
-                    matched: Any = None, keep_cache: bool = True) -> None:
+                    matched: int | str | None = None, keep_cache: bool = True) -> None:
         if seq.finished:
             return
         self.scheduler.finish(seq, keep_cache=keep_cache)
@@ -541,16 +555,6 @@ class EngineStep:
         self.stats.errors += 1
         for seq in seqs:
             self.fail(seq.group, f"the model failed on this request: {exc}", "server_error")
-
-
-def accepts_hints(forward: Callable[..., Any]) -> bool:
-    """Whether a StepModel's forward takes the optional `max_pos` / `contiguous_from` hints."""
-    try:
-        inspect.signature(forward).bind(0, 0, 0, 0, logit_index=None, max_pos=0,
-                                        contiguous_from=None)
-        return True
-    except (TypeError, ValueError):
-        return False
 
 
 def _scores_prompt(work: PrefillWork) -> bool:

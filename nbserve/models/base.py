@@ -1,23 +1,66 @@
-"""The StepModel protocol, the one seam between the engine and any model it serves, and
-LoadedModel, what every loader (and model adoption) returns and the engine is built from.
+"""The model seam: what the engine needs of a model it serves, and LoadedModel, what every
+loader (and model adoption) returns and the engine is built from.
 
-A StepModel computes logits for a batch of token rows at explicit positions, reading and
-writing a KV cache that it allocated itself: one "slot" (row of the cache) per sequence, or,
-for a model that offers a paged cache, blocks named by a block table per sequence.
-The same call serves a prefill chunk (T > 1) and a decode batch (T == 1).
+A model computes logits for a batch of token rows at explicit positions, reading and writing
+a KV cache that it allocated itself: one "slot" (row of the cache) per sequence, or, for a
+model with a paged cache, blocks named by a block table per sequence. The same call serves a
+prefill chunk (T > 1) and a decode batch (T == 1).
+
+Two kinds of declaration live here:
+- `StepModel` and `PagedStepModel`, the protocols a user's own model implements (structural:
+  docs/custom_model.md);
+- `SlotModel` and `PagedModel`, the nominal base classes of what the engine runs: nbserve's
+  own models subclass `PagedModel`, its adapters `SlotModel`, and a user's object is wrapped
+  once into one of them (`models.adapters.step_model.served`). The engine picks its path by
+  which of the two it holds (`ServedModel`), never by looking for optional members.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from ..text import ChatTemplate, Tokenizer
+
+
+class SlotCache(Protocol):
+    """A KV cache the engine holds and hands back to the model: its size, and a copy of a
+    row's (or block's) first `length` positions into another (n > 1 choices, shared
+    prefixes)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None: ...
+
+
+class PagedCache(SlotCache, Protocol):
+    """A cache of blocks plus one pad block, which the rows' table padding names."""
+
+    @property
+    def pad_block(self) -> int: ...
+
+
+class StaticSteps(Protocol):
+    """Decode steps at fixed shapes over one paged cache (`models.static_decode`)."""
+
+    def serves(self, rows: int, max_pos: int, width: int) -> bool:
+        """Whether a step of `rows` rows up to `max_pos` over `width` table entries runs here."""
+        ...
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                 max_pos: int) -> torch.Tensor: ...
+
+    def describe(self) -> dict[str, Any]: ...
 
 
 @runtime_checkable
 class StepModel(Protocol):
-    """What the engine needs from a model.
+    """What a user's model offers to be served (docs/custom_model.md).
 
     - `max_context`: the longest sequence (prompt + output) the model accepts.
     - `vocab_size`: width of the logits.
@@ -37,17 +80,8 @@ class StepModel(Protocol):
         and `contiguous_from` (the first slot when `slots` is a contiguous run, else None)
         gets them from the engine, which saves it a device sync and a gather.
 
-    A paged cache (optional; the engine uses it where the model has `make_paged_cache`):
-    - `make_paged_cache(n_blocks, block_size, dtype)`: a cache of `n_blocks` blocks of
-      `block_size` positions plus one pad block (`cache.pad_block`), with `nbytes` and
-      `copy_prefix(src_block, dst_block, length)` (the first `length` positions of a block);
-      `kv_bytes_per_token(dtype)` sizes it from the engine's memory budget; an optional
-      `default_kv_dtype` is the cache's dtype when the engine is given none (else `dtype`).
-    - `forward` then takes block tables (B, S) int64 where `slots` were: position p of row b
-      lives in block tables[b, p // block_size] at offset p % block_size; entries past a
-      row's blocks are the pad block, and so are pad positions past a row's table. Blocks
-      may be shared by several rows (a common prefix): a row only writes positions at or past
-      its own `computed` tokens, which lie in blocks it holds alone.
+    A model that also implements `PagedStepModel` gets a paged cache instead.
+    The cache is the model's own type, hence `Any` in these signatures.
     """
 
     max_context: int
@@ -67,13 +101,99 @@ class StepModel(Protocol):
     ) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class PagedStepModel(StepModel, Protocol):
+    """A StepModel with a paged cache (the engine then shares blocks between sequences).
+
+    - `make_paged_cache(n_blocks, block_size, dtype)`: a cache of `n_blocks` blocks of
+      `block_size` positions plus one pad block (`cache.pad_block`), with `nbytes` and
+      `copy_prefix(src_block, dst_block, length)` (the first `length` positions of a block);
+      `kv_bytes_per_token(dtype)` sizes it from the engine's memory budget. Optional members
+      of a user's model: `default_kv_dtype`, the cache's dtype when the engine is given none
+      (else `dtype`), `accepts_padded_rows` (else False) and `make_static_decode` (else none).
+    - `forward` then takes block tables (B, S) int64 where `slots` were: position p of row b
+      lives in block tables[b, p // block_size] at offset p % block_size; entries past a
+      row's blocks are the pad block, and so are pad positions past a row's table. Blocks
+      may be shared by several rows (a common prefix): a row only writes positions at or past
+      its own `computed` tokens, which lie in blocks it holds alone.
+    """
+
+    def make_paged_cache(self, n_blocks: int, block_size: int,
+                         dtype: torch.dtype | None = None) -> Any: ...
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int: ...
+
+
+class SlotModel(ABC):
+    """What the engine runs over a cache of one row per sequence (nbserve's adapters, a
+    user's StepModel). Its forward takes the hints `max_pos` and `contiguous_from` (and may
+    ignore them); `accepts_padded_rows` says whether prefill rows may be right-padded."""
+
+    max_context: int
+    vocab_size: int
+    accepts_padded_rows: bool = False
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    @property
+    @abstractmethod
+    def dtype(self) -> torch.dtype: ...
+
+    @abstractmethod
+    def make_cache(self, max_batch: int, max_context: int) -> SlotCache: ...
+
+    @abstractmethod
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                cache: Any, logit_index: torch.Tensor | None = None,
+                max_pos: int | None = None, contiguous_from: int | None = None
+                ) -> torch.Tensor: ...
+
+    def cache_nbytes(self, cache: SlotCache) -> int:
+        """The bytes `cache` (made by this model) holds."""
+        return int(cache.nbytes)
+
+
+class PagedModel(SlotModel):
+    """What the engine runs over a paged cache: nbserve's own models (`DecoderModel`,
+    `NanochatModel`) and a user's `PagedStepModel`. `forward` takes block tables where a
+    SlotModel's takes slots (and slots too over a cache from `make_cache`); static decode
+    steps are offered where `make_static_decode` returns them."""
+
+    accepts_padded_rows: bool = True
+
+    @property
+    @abstractmethod
+    def default_kv_dtype(self) -> torch.dtype: ...
+
+    @abstractmethod
+    def make_paged_cache(self, n_blocks: int, block_size: int,
+                         dtype: torch.dtype | None = None) -> PagedCache: ...
+
+    @abstractmethod
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int: ...
+
+    def make_static_decode(self, cache: Any, max_batch: int, max_context: int,
+                           capture: bool) -> StaticSteps | None:
+        """Decode steps at fixed shapes over `cache` (CUDA graphs where `capture`), or None
+        where the model has none."""
+        return None
+
+
+ServedModel = SlotModel  # a PagedModel is one too: `isinstance(m, PagedModel)` picks the path
+
+
 @dataclass(slots=True)
 class LoadedModel:
-    """A model ready to serve: the StepModel, its tokenizer, chat template and stop ids."""
+    """A model ready to serve: the model, its tokenizer, chat template and stop ids.
 
-    model: Any  # a StepModel
-    tokenizer: Any  # nbserve.text.Tokenizer
-    template: Any | None  # nbserve.text.ChatTemplate, None when the model has none
+    `model` is nbserve's own (`PagedModel`), an adapter (`SlotModel`), or a user's StepModel
+    (served through `models.adapters.step_model.served`)."""
+
+    model: StepModel | SlotModel
+    tokenizer: Tokenizer
+    template: ChatTemplate | None  # None when the model has none
     name: str
     stop_token_ids: list[int] = field(default_factory=list)
     source: str = ""

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cpu.kernels.build import kernels_available
+from .base import PagedModel
 from .config import DecoderConfig
 from .decode_stack import DecodeStack
 from .dtypes import QUANTIZED_FORMATS
@@ -501,7 +502,7 @@ class LoneInputs:
         self.identity_rope = identity_rope
 
 
-class DecoderModel(WeightFormats):
+class DecoderModel(WeightFormats, PagedModel):
     """The StepModel of every native family. Build it with `build_decoder`."""
 
     accepts_padded_rows = True  # causal masking by position: pads past a row's end are inert

@@ -42,6 +42,7 @@ from torch import nn
 from ..cpu.kernels.build import kernels_available
 from ..text import ChatTemplate, Tokenizer
 from ..text.nanochat_chat import nanochat_chat_template, nanochat_tokenizer
+from .base import PagedModel
 from .decoder import PAGED_BLOCK_SIZE, StepInputs
 from .kv_cache import PagedKVCache
 from .linear import linear
@@ -257,7 +258,7 @@ class NanochatBlock(nn.Module):
         return x + self.mlp(_norm(x))
 
 
-class NanochatModel(WeightFormats):
+class NanochatModel(WeightFormats, PagedModel):
     """The StepModel of nanochat's GPT (see the module docstring). Build it with
     `build_nanochat`; its parameters are named as in nanochat's state dict."""
 

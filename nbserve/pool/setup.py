@@ -14,16 +14,19 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from ..loading import LoadedModel, load
+from ..models.adapters.step_model import served
+from ..models.base import PagedModel
 
 AUTO_CONTEXT_CAP = 8192  # longest automatic max_context (pass max_context= for more)
 MIN_AUTO_BATCH = 8  # automatic sizing shortens the context before going below this many slots
 MAX_AUTO_BATCH = 256  # automatic sizing never makes more slots than this
 CPU_DEFAULT_CONTEXT = 4096  # the Engine's own default
+M = TypeVar("M", bound=torch.nn.Module)
 
 
 # ----------------------------------------------------------------------------- devices
@@ -152,7 +155,7 @@ def replicate(loaded: LoadedModel, device: str) -> LoadedModel:
                     "(a path or hub id) to Pool so that each device loads its own copy")
 
 
-def _copy_module(model: torch.nn.Module, device: str) -> torch.nn.Module:
+def _copy_module(model: M, device: str) -> M:
     """deepcopy with every parameter and buffer pre-mapped to its copy on `device`, so the
     source tensors are never duplicated on their own device and tied weights stay tied."""
     memo: dict[int, Any] = {}
@@ -218,9 +221,11 @@ def plan_paged(loaded: dict[str, LoadedModel], devices: list[str], fraction: flo
     from ..engine.kv_budget import CPU_FRACTION, CUDA_FRACTION, available_bytes
 
     budgets: list[tuple[int, int | None, float | None]] = []
+    per_device: dict[str, int] = {}
     for d in devices:
-        model = loaded[d].model
-        per_token = int(model.kv_bytes_per_token())
+        model = served(loaded[d].model)
+        assert isinstance(model, PagedModel)  # plan_kv_caches: only paged models get here
+        per_token = per_device[d] = int(model.kv_bytes_per_token())
         ctx = min(int(model.max_context), max_context or int(model.max_context))
         if isinstance(kv_memory, int):
             budgets.append((kv_memory, None, None))
@@ -233,8 +238,7 @@ def plan_paged(loaded: dict[str, LoadedModel], devices: list[str], fraction: flo
         if kv_memory is None:
             budget = min(budget, (max_batch or PAGED_MAX_BATCH) * ctx * per_token)
         budgets.append((budget, free, share))
-    tokens = min(b // int(loaded[d].model.kv_bytes_per_token()) for (b, _, _), d in
-                 zip(budgets, devices))
+    tokens = min(b // per_device[d] for (b, _, _), d in zip(budgets, devices))
     ctx = min(min(int(loaded[d].model.max_context) for d in devices), max_context or tokens,
               tokens)
     return [KVPlan(max_batch, ctx, b, free, share, kv_memory=b) for b, free, share in budgets]
@@ -287,7 +291,7 @@ def plan_kv_caches(loaded: dict[str, LoadedModel], devices: list[str], fraction:
                    max_batch: int | None, max_context: int | None,
                    default_batch: int = 16, kv_memory: int | float | None = None) -> list[KVPlan]:
     """One plan per replica; all get the same max_context. See the module docstring."""
-    if all(callable(getattr(loaded[d].model, "make_paged_cache", None)) for d in devices):
+    if all(isinstance(served(loaded[d].model), PagedModel) for d in devices):
         return plan_paged(loaded, devices, fraction, max_batch, max_context, kv_memory)
     fraction = 0.9 if fraction is None else fraction
     budgets: dict[str, tuple[int, int]] = {}  # device -> (free bytes, budget per replica)

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..base import SlotModel
+
 CONTEXT_KEYS = ("block_size", "sequence_len", "max_position_embeddings", "n_positions",
                 "max_seq_len", "context_length", "n_ctx")
 
@@ -107,9 +109,10 @@ def logits_of(output: Any, what: str) -> torch.Tensor:
     return output
 
 
-class ModuleAdapter(nn.Module):
-    """Base of the adapters: device and dtype follow the wrapped `self.module`, and `train()`
-    is a no-op (serving runs an eval-mode view; the user's module keeps its own mode)."""
+class ModuleAdapter(nn.Module, SlotModel):
+    """Base of the adapters (a `SlotModel`: one cache row per sequence, no padded rows, the
+    hints ignored): device and dtype follow the wrapped `self.module`, and `train()` is a
+    no-op (serving runs an eval-mode view; the user's module keeps its own mode)."""
 
     module: nn.Module
 

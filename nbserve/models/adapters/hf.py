@@ -115,7 +115,7 @@ class TransformersAdapter(ModuleAdapter):
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 cache: SlotCaches, logit_index: torch.Tensor | None = None,
-                **_hints: Any) -> torch.Tensor:
+                max_pos: int | None = None, contiguous_from: int | None = None) -> torch.Tensor:
         """ids, positions (B, T), slots (B,) -> logits (B, T, V), or (B, V) with logit_index."""
         pick = logit_index.tolist() if logit_index is not None else None
         rows = []

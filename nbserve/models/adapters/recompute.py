@@ -9,7 +9,6 @@ it up (see docs/custom_model.md).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
 
 import torch
 from torch import nn
@@ -100,7 +99,7 @@ class RecomputeAdapter(ModuleAdapter):
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 cache: TokenCache, logit_index: torch.Tensor | None = None,
-                **_hints: Any) -> torch.Tensor:
+                max_pos: int | None = None, contiguous_from: int | None = None) -> torch.Tensor:
         """ids, positions (B, T), slots (B,) -> logits (B, T, V), or (B, V) with logit_index.
 
         Rows whose windows have the same length run as one batch; others run separately.
