@@ -302,7 +302,7 @@ class Pool(SyncHelpers):
                 continue
             except EngineStoppedError as exc:  # stopped, crashed and restarting, or stuck
                 self._end_attempt(attempt, ok=False)
-                stuck = bool(getattr(rep.engine, "stalled", False))  # back when its step returns
+                stuck = rep.engine.stalled  # back when its step returns
                 self._mark_unhealthy(rep, f"its engine refused work: {exc}", dead=not stuck)
                 continue
             except BaseException:
@@ -341,7 +341,7 @@ class Pool(SyncHelpers):
                 self._end_attempt(attempt, ok=False)
                 if ev.kind == "server_error":
                     self._model_error(rep)
-                elif getattr(rep.engine, "stalled", False):  # out now, not at the next watch
+                elif rep.engine.stalled:  # out now, not at the next watch
                     self._mark_unhealthy(rep, STUCK_REASON, dead=False)
             ticket.post((attempt, ev))
 
@@ -421,10 +421,9 @@ class Pool(SyncHelpers):
 
     def _model_error(self, rep: Replica) -> None:
         """Count failed forward passes in a row (one failed step fails all its requests)."""
-        stats = getattr(rep.engine, "stats_", None)
-        mark = getattr(stats, "errors", None)
+        mark = rep.engine.counters().errors
         with self._lock:
-            if mark is not None and mark == rep.last_error_mark:
+            if mark == rep.last_error_mark:
                 return
             rep.last_error_mark = mark
             rep.errors_in_row += 1
@@ -448,7 +447,7 @@ class Pool(SyncHelpers):
                     rep.device, reason, len(attempts))
         for attempt in attempts:
             attempt.ticket.post((attempt, _Down(dead, reason)))
-        if dead and not getattr(rep.engine, "restart_on_failure", False):
+        if dead and not rep.engine.restart_on_failure:
             rep.engine.close()  # frees its bookkeeping; its thread is already gone
 
     def _readmit_due(self) -> None:
@@ -466,7 +465,7 @@ class Pool(SyncHelpers):
                     continue
                 rep.healthy, rep.reason = True, None
                 rep.errors_in_row = self.max_model_errors - 1  # probation: one more error trips
-                rep.last_error_mark = getattr(getattr(rep.engine, "stats_", None), "errors", None)
+                rep.last_error_mark = rep.engine.counters().errors
             log.warning("replica %d (%s) is back in rotation on probation", rep.index,
                         rep.device)
 
@@ -475,6 +474,6 @@ class Pool(SyncHelpers):
             for rep in self.replicas:
                 if rep.healthy and not rep.alive:
                     self._mark_unhealthy(rep, "its engine thread died", dead=True)
-                elif rep.healthy and getattr(rep.engine, "stalled", False):
+                elif rep.healthy and rep.engine.stalled:
                     self._mark_unhealthy(rep, STUCK_REASON, dead=False)
             self._readmit_due()

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,15 +37,14 @@ class Replica:
     healthy: bool = True
     reason: str | None = None  # why it is unhealthy
     errors_in_row: int = 0  # failed forward passes since the last good token
-    last_error_mark: Any = None
+    last_error_mark: int | None = None  # the engine's model-error count at the last one seen
     down_since: float = 0.0  # time.monotonic() when it left the rotation
     cooldown: float | None = None  # seconds it stays out before another chance
     attempts: set[Any] = field(default_factory=set)  # requests in flight here
 
     @property
     def alive(self) -> bool:
-        thread = getattr(self.engine, "_thread", None)
-        return thread is None or thread.is_alive()
+        return self.engine.thread_alive
 
     def prefix_match(self, ids: list[int]) -> int:
         """Tokens of `ids` whose keys/values this replica's cache holds now (its engine's
@@ -110,19 +110,14 @@ def pool_stats(replicas: list[Replica], max_context: int, started: float) -> dic
         max_context=max_context, device=",".join(r.device for r in replicas),
         dtype=raw[0].get("dtype"), requests_finished=finished, step_time_s=times,
         bookkeeping_fraction=round(times["bookkeeping"] / spent, 4) if spent else 0.0,
-        ttft_s=_merged("ttft", replicas, raw), itl_s=_merged("itl", replicas, raw),
+        ttft_s=_merged([r.engine.counters().ttft for r in replicas]),
+        itl_s=_merged([r.engine.counters().itl for r in replicas]),
         uptime_s=round(time.time() - started, 1),
         healthy_replicas=sum(r.healthy for r in replicas), replicas=per)
     return total
 
 
-def _merged(name: str, replicas: list[Replica], raw: list[dict[str, Any]]) -> dict[str, Any]:
-    """p50/p95 over every replica's latency window (the worst replica's if windows are hidden)."""
-    windows = [getattr(getattr(r.engine, "stats_", None), name, None) for r in replicas]
-    present = [w for w in windows if w is not None]
-    if len(present) == len(windows):
-        values = [v for w in present for v in list(w)]
-        return {"p50": percentile(values, 50), "p95": percentile(values, 95)}
-    got = [s.get(f"{name}_s") or {} for s in raw]
-    return {q: max((g[q] for g in got if g.get(q) is not None), default=None)
-            for q in ("p50", "p95")}
+def _merged(windows: list[deque[float]]) -> dict[str, float | None]:
+    """p50/p95 over every replica's latency window."""
+    values = [v for window in windows for v in list(window)]
+    return {"p50": percentile(values, 50), "p95": percentile(values, 95)}
