@@ -27,7 +27,8 @@ import torch
 
 from ..cpu.openmp_pool import release_after_each_cell, release_openmp_pool
 from ..cpu.threads import torch_threads
-from ..models.base import LoadedModel
+from ..models.adapters.step_model import served
+from ..models.base import LoadedModel, SlotModel, StepModel
 from ..text import IncrementalDetokenizer, StopStringMatcher
 from ..text.reasoning import ThoughtRule, starts_inside, thinks, thought_rule
 from ..text.tool_calls import HERMES, ToolFormat
@@ -35,7 +36,6 @@ from ..types import (
     BusyError,
     ContextLengthError,
     EngineStoppedError,
-    ErrorEvent,
     Event,
     InvalidRequestError,
     Request,
@@ -50,10 +50,9 @@ from .requests import (
     SyncMailbox,
     backlog_limit,
     count_down,
-    drop_event,
 )
 from .sampling import SeqSampler
-from .scheduler import Sequence
+from .scheduler import Scheduler, Sequence
 from .stall_watch import StallWatch
 from .stats import EngineStats
 from .step import EngineStep
@@ -119,22 +118,24 @@ class Engine(SyncHelpers):
         self._thread.start()
 
     @property
-    def model(self) -> Any:
-        """The StepModel the engine runs (owned by the step; replaceable, e.g. to inject a
-        fault in a test)."""
+    def model(self) -> SlotModel:
+        """The model the engine runs (owned by the step; a `PagedModel` is one too; a user's
+        StepModel is wrapped, see `models.adapters.step_model`). Replaceable, e.g. to inject a
+        fault in a test: the new one is wrapped likewise, and runs on the cache and path of
+        the one it replaces."""
         return self._step.model
 
     @model.setter
-    def model(self, value: Any) -> None:
-        self._step.model = value
+    def model(self, value: StepModel | SlotModel) -> None:
+        self._step.model = served(value)
 
     @property
     def cache(self) -> Any:
-        """The KV cache (owned by the step)."""
+        """The KV cache (owned by the step; the model's own type)."""
         return self._step.cache
 
     @property
-    def scheduler(self) -> Any:
+    def scheduler(self) -> Scheduler:
         """The scheduler (owned by the step; read it from the engine thread only)."""
         return self._step.scheduler
 
@@ -222,7 +223,7 @@ class Engine(SyncHelpers):
     def describe_cache(self) -> str:
         """The KV cache in one line: budget, blocks, the largest context one request gets."""
         budget = self._step.budget
-        size = getattr(self.cache, "nbytes", 0) / 2**20
+        size = self._step.cache_bytes / 2**20
         if budget is None:
             return (f"KV cache {self.max_batch} rows x {self.max_context} tokens, {size:.0f} MiB "
                     f"on {self.model.device}")
@@ -247,12 +248,12 @@ class Engine(SyncHelpers):
         return self._counters.snapshot(
             running=len(s.running), waiting=self._queued,
             slots_used=len(s.running), slots_total=self.max_batch,
-            kv_cache_bytes=getattr(self.cache, "nbytes", 0), max_context=self.max_context,
+            kv_cache_bytes=self._step.cache_bytes, max_context=self.max_context,
             kv_block_size=space.block_size, kv_blocks_total=space.n_blocks,
             kv_blocks_used=space.n_used, kv_blocks_cached=space.n_cached,
             kv_blocks_touched=space.n_touched, kv_committed_bytes=self._step.kv_committed_bytes,
             kv_budget_bytes=self._step.budget.budget_bytes if self._step.budget else
-            getattr(self.cache, "nbytes", 0), preemptions=s.preemptions,
+            self._step.cache_bytes, preemptions=s.preemptions,
             device=str(self.model.device), dtype=str(self.model.dtype).replace("torch.", ""),
             threads=self.threads or (tuner.summary() if tuner else None))
 
@@ -359,6 +360,7 @@ class Engine(SyncHelpers):
                                         **_template_kwargs(request.template_kwargs))
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         else:
+            assert request.prompt is not None  # check_input: exactly one of the three
             ids = self.tokenizer.encode(request.prompt, add_special_tokens=True)
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -523,10 +525,7 @@ class Engine(SyncHelpers):
             self._queued = 0
         for group in groups:
             if not group.done:
-                group.done, group.remaining = True, 0
-                self._counters.finished["error"] = self._counters.finished.get("error", 0) + 1
-                group.sink(ErrorEvent(message, kind, group.request_id))
-                group.sink = drop_event
+                self._step.end_failed(group, message, kind)
 
     def _loop(self) -> None:
         if self.threads:
