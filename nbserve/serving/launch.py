@@ -11,6 +11,7 @@ same model again without a port (a notebook cell run twice) stops the server alr
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import errno
 import gc
@@ -24,7 +25,7 @@ import ssl
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import uvicorn
@@ -102,10 +103,13 @@ class Server:
     def __init__(self, app: Any, ref: SwappableBackend, sock: socket.socket, host: str,
                  *, owned: bool, options: ServerOptions, share_url: str | None,
                  model: Any, build_options: dict[str, Any], drain_s: float = 5.0,
-                 load: LoadState | None = None):
+                 load: LoadState | None = None, ui_password: str | None = None):
         self.app, self._ref, self._sock = app, ref, sock
         self._load = load or LoadState.loaded(ref.model_name)
+        self._ui_password = ui_password
         self._loader: threading.Thread | None = None
+        self._loop_ready = threading.Event()
+        self._app_started = False  # the app's lifespan (and its UI's) has run
         self._announce_load = False  # print when the background load ends (launch(wait=False))
         self.host, self.port = host, sock.getsockname()[1]
         self.options = options
@@ -124,7 +128,8 @@ class Server:
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # uvicorn annotates timeout_graceful_shutdown as int; it waits with asyncio, seconds
-        config = uvicorn.Config(LoadingGate(app, self._load, options.ui), log_level="warning",
+        self._gate = LoadingGate(app, self._load, options.ui)
+        config = uvicorn.Config(self._gate, log_level="warning",
                                 access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=drain_s,  # type: ignore[arg-type]
                                 ssl_certfile=options.ssl_certfile, ssl_keyfile=options.ssl_keyfile)
@@ -138,11 +143,8 @@ class Server:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         self._loop = loop
+        self._loop_ready.set()
         try:
-            if self.ui:
-                from .ui import reset_ui
-
-                reset_ui(self.app)  # a fresh stop event, bound to this loop
             loop.run_until_complete(self._uvicorn.serve(sockets=[self._sock]))
         except BaseException as exc:  # noqa: BLE001 -- reported by _start
             self._error = exc
@@ -176,7 +178,7 @@ class Server:
                            f"within {timeout:.0f} s")
 
     def _load_in_background(self, model: Any, build: dict[str, Any]) -> None:
-        """Start building the backend of `model` on a thread; `_loaded` swaps it in."""
+        """On a thread: build the backend of `model`; `_loaded` then serves it."""
         def run() -> None:
             try:
                 backend, owned = build_backend(model, **build)
@@ -189,21 +191,75 @@ class Server:
                                         daemon=True)
         self._loader.start()
 
+    def _start_app_once(self) -> None:
+        """Mount the chat UI (built for the backend now served: it reads the context length)
+        and run the app's startup, the first time a backend is there to serve."""
+        if self._app_started:
+            return
+        if self.ui:
+            self._mount_ui()
+        self._on_loop(self._start_app())
+        self._app_started = True
+
+    def _mount_ui(self) -> None:
+        """Mount the chat UI on the app; without gradio the UI is off (a warning) and the API
+        serves, as `create_app` does."""
+        try:
+            from .ui import mount_ui
+        except ImportError as exc:
+            print(f"nbserve: WARNING: chat UI not mounted ({exc}); the API still works. "
+                  "Install gradio, or pass ui=False to silence this.", flush=True)
+            self.ui = self._gate.ui = False
+            self.options = dataclasses.replace(self.options, ui=False)
+            return
+        mount_ui(self.app, self._ref, password=self._ui_password)  # the app's keys and limits
+
+    async def _start_app(self) -> None:
+        """Run the app's startup (its UI's too) on the server's loop."""
+        if self.ui:
+            from .ui import reset_ui
+
+            reset_ui(self.app)  # a fresh stop event, bound to this loop
+        await self._gate.lifespan.start()
+
+    def _on_loop(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` on the server's loop (from another thread) and wait for it."""
+        while not self._loop_ready.wait(0.1):
+            if self._stopped:
+                coro.close()
+                raise RuntimeError("the server stopped before it started")
+        assert self._loop is not None
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        while True:
+            try:
+                future.result(timeout=0.1)
+                return
+            except concurrent.futures.TimeoutError:
+                if not self._thread.is_alive():
+                    future.cancel()
+                    raise RuntimeError("the server stopped before its app started") from None
+
     def _loaded(self, backend: Backend | None, owned: bool, error: BaseException | None) -> None:
-        """The load ended: serve `backend`, or report `error`; a server stopped meanwhile
-        closes what was built."""
+        """The load ended: serve `backend` (with the UI and the app started), or report `error`;
+        a server stopped meanwhile closes what was built."""
         with self._stop_lock:
             stopped = self._stopped
             if not stopped and backend is not None:
                 self._ref.swap(backend, close_old=False)  # the placeholder: nothing to close
                 self._owned = owned
-            if not stopped:
-                self._load.finish(error)
-            announce = self._announce_load and not stopped
         if stopped:
             if backend is not None and owned:
                 backend.close()
             return
+        if error is None:
+            try:
+                self._start_app_once()
+            except BaseException as exc:  # noqa: BLE001 -- surfaced by wait() and /health
+                error = exc
+        with self._stop_lock:
+            if not self._load.done:  # (a stop meanwhile has finished it)
+                self._load.finish(error)
+            announce = self._announce_load and not self._stopped
         if announce:
             print(self._load_line(), flush=True)
 
@@ -336,6 +392,7 @@ class Server:
         new, owned = build_backend(source, **options)
         self._ref.swap(new, close_old=self._owned)
         self._owned, self._model, self._model_key = owned, source, _model_key(source)
+        self._start_app_once()  # after a failed load, not done yet
         self._load.recover()
         print(f"nbserve: {self.url} now serves {new.model_name}", flush=True)
         return self
@@ -443,7 +500,8 @@ def split_launch_options(kwargs: dict[str, Any], options: ServerOptions | None =
     server_names = option_names()
     server = {k: v for k, v in kwargs.items() if k in server_names}
     engine = {k: v for k, v in kwargs.items() if k not in server_names}
-    engine_names = sorted(backend_option_names(devices) - set(_LAUNCH_OWN))
+    # (only when there are some: the engine's names import torch, seconds in a fresh kernel)
+    engine_names = sorted(backend_option_names(devices) - set(_LAUNCH_OWN)) if engine else []
     unknown = [k for k in engine if k not in engine_names]
     if unknown:
         accepted = [*_LAUNCH_OWN, *server_names, *engine_names]
@@ -523,17 +581,8 @@ def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.
     _stop_earlier(port, model)
     sock = _bind(host, port)
     build = dict(devices=devices, tokenizer=tokenizer, **engine_options)
-    load: LoadState | None = None
-    try:
-        if is_backend(model):  # served as is: nothing to load
-            backend, owned = build_backend(model, **build)
-        else:
-            load = LoadState(_source_name(model))
-            backend, owned = LoadingBackend(load), False
-    except BaseException:
-        sock.close()
-        raise
-    ref = SwappableBackend(backend)
+    load = LoadState(_source_name(model))
+    ref = SwappableBackend(LoadingBackend(load))
     try:
         share_url = None
         if share:
@@ -541,22 +590,22 @@ def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.
             if share_url is None:
                 print(f"nbserve: WARNING: could not create a share link ({why}); the server is "
                       "only reachable locally", flush=True)
-        app, opts = _make_app(ref, opts, access)
-        server = Server(app, ref, sock, host, owned=owned, options=opts,
+        from .app import create_app
+
+        app = create_app(ref, options=dataclasses.replace(opts, ui=False))  # the UI: later
+        server = Server(app, ref, sock, host, owned=False, options=opts,
                         share_url=share_url, model=model,
                         build_options={k: v for k, v in build.items() if v is not None},
-                        drain_s=float(stop_timeout), load=load)
+                        drain_s=float(stop_timeout), load=load, ui_password=access.ui_password)
     except BaseException:
         sock.close()
-        ref.close(close_current=owned)
         raise
     try:
-        if load is not None:
-            server._load_in_background(model, build)
         server._start(startup_timeout)
+        server._load_in_background(model, build)
         if wait:
             server.wait()
-        _announce(server, opts.ui, share_url, access)
+        _announce(server, share_url, access)
     except BaseException:  # Ctrl-C while starting, loading or announcing, a failed start or
         server.stop()      # load: leave nothing running
         raise
@@ -573,16 +622,19 @@ def in_jupyter_kernel() -> bool:
 
 def _source_name(model: Any) -> str:
     """What to call a model before it has loaded: its source as given, or its type."""
-    from ..loading import LoadedModel
-
     if isinstance(model, (str, os.PathLike)):
         return os.fspath(model)
-    if isinstance(model, LoadedModel):
-        return model.name
+    # not imported here (it imports torch: seconds in a fresh kernel); a LoadedModel exists
+    # only once its module has been imported
+    models = sys.modules.get("nbserve.models.base")
+    if models is not None and isinstance(model, models.LoadedModel):
+        return str(model.name)
+    if is_backend(model):
+        return str(model.model_name)
     return type(model).__name__
 
 
-def _announce(server: Server, ui: bool, share_url: str | None, access: Access) -> None:
+def _announce(server: Server, share_url: str | None, access: Access) -> None:
     """Register a started server and print where it is (and its key, once); while its model
     loads, say so (the load prints a line when it ends)."""
     with _REGISTRY_LOCK:
@@ -594,7 +646,7 @@ def _announce(server: Server, ui: bool, share_url: str | None, access: Access) -
         what = server._ref.model_name if server._load.ready else \
             f"loading {server._ref.model_name}"
         line = f"nbserve: {what} at {server.url} · OpenAI API base {server.api_base}"
-        line += " (UI at /)" if ui else ""
+        line += " (UI at /)" if server.ui else ""
         if loading:
             line += "; the API answers 503 until it is ready (srv.wait() waits for it)"
         print(line, flush=True)
@@ -603,30 +655,13 @@ def _announce(server: Server, ui: bool, share_url: str | None, access: Access) -
     if share_url:
         print(f"nbserve: public link {share_url}", flush=True)
     if access.generated_key:
-        where = "/v1 and the chat UI (login: any user name, the key as password)" if ui else "/v1"
+        where = "/v1 and the chat UI (login: any user name, the key as password)" \
+            if server.ui else "/v1"
         print(f"nbserve: the key for {where}, shown once: {access.generated_key}", flush=True)
     if others:
         print(f"nbserve: note: other servers of this process still run on port(s) "
               f"{', '.join(map(str, others))}; stop() them to free their memory, or pass "
               "port= to replace one", flush=True)
-
-
-def _make_app(ref: SwappableBackend, options: ServerOptions,
-              access: Access) -> tuple[Any, ServerOptions]:
-    """The app, and the options it serves with: without gradio the UI is off (a warning) and
-    the API serves, as `create_app` does."""
-    from .app import create_app
-
-    app = create_app(ref, options=dataclasses.replace(options, ui=False))
-    if options.ui:
-        try:
-            from .ui import mount_ui
-        except ImportError as exc:
-            print(f"nbserve: WARNING: chat UI not mounted ({exc}); the API still works. "
-                  "Install gradio, or pass ui=False to silence this.", flush=True)
-            return app, dataclasses.replace(options, ui=False)
-        mount_ui(app, ref, password=access.ui_password)  # the app's keys, limits, rate limit
-    return app, options
 
 
 def running_servers() -> list[Server]:

@@ -13,7 +13,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..api.trace import Trace
-from ..engine.stats import percentile
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -184,6 +183,10 @@ class Metrics:
         return sum(n for t, n in list(self._recent) if now - t <= horizon) / horizon
 
     def snapshot(self) -> dict[str, Any]:
+        # here, not at the top: the engine package imports torch, which launch() leaves to its
+        # background load (seconds in a fresh kernel)
+        from ..engine.stats import percentile
+
         ttft, itl = list(self._ttft), list(self._itl)
         return {
             "requests": self.n_requests,

@@ -1,13 +1,15 @@
 """The model loading in the background while the server already answers (as llama-server does).
 
-`launch()` in a notebook binds its port and serves at once; the model loads on a thread. Until
-it is ready, `LoadingBackend` stands in for it (`/health` says "loading", then "error" if the
-load failed, both with 503) and `LoadingGate` answers the API routes with an OpenAI-style 503
-and the chat UI's page with a "loading" page that reloads itself.
+`launch()` in a notebook binds its port and serves at once; the model loads on a thread, then
+the chat UI is built for it. Until it is ready, `LoadingBackend` stands in for it (`/health`
+says "loading", then "error" if the load failed, both with 503) and `LoadingGate` answers the
+API routes with an OpenAI-style 503 and the chat UI's page with a "loading" page that reloads
+itself. The app's own lifespan (its UI's startup) runs once the UI is built (`AppLifespan`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import html
 import threading
 import time
@@ -20,7 +22,7 @@ from starlette.routing import Match, Mount
 from starlette.types import Message, Receive, Scope, Send
 
 from ..api.errors import APIError
-from ..types import EngineStoppedError, Event, Request
+from ..types import BackendDefaults, EngineStoppedError, Event, Request
 
 OPEN_PATHS = frozenset({"/health", "/stats", "/metrics"})  # answered while loading
 RETRY_AFTER_S = 2  # what a 503 "loading" asks clients to wait before retrying
@@ -71,7 +73,7 @@ class LoadState:
         return f"{type(err).__name__}: {err}" if err is not None else ""
 
 
-class LoadingBackend:
+class LoadingBackend(BackendDefaults):
     """Stands in for the model while it loads (and after a failed load): a Backend whose
     health says "loading" or "error" and which refuses requests."""
 
@@ -117,10 +119,14 @@ class LoadingGate:
 
     def __init__(self, app: FastAPI, state: LoadState, ui: bool):
         self.app, self.state, self.ui = app, state, ui
+        self.lifespan = AppLifespan(app)
         docs = (app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url)
         self._open = OPEN_PATHS | {url for url in docs if url}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._server_lifespan(receive, send)
+            return
         if scope["type"] != "http" or self.state.ready:
             await self.app(scope, receive, send)
             return
@@ -130,6 +136,22 @@ class LoadingGate:
             await self._loading_page(scope, send)
         else:
             await self.app(scope, receive, send)
+
+    async def _server_lifespan(self, receive: Receive, send: Send) -> None:
+        """The server's lifespan: it starts at once (the app's own starts with `lifespan.start`,
+        once the UI is built) and ends the app's at shutdown."""
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                try:
+                    await self.lifespan.stop()
+                except Exception as exc:  # noqa: BLE001 -- reported to the server
+                    await send({"type": "lifespan.shutdown.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.shutdown.complete"})
+                return
 
     def _is_api(self, scope: Scope) -> bool:
         if scope["path"] in self._open:
@@ -162,6 +184,65 @@ class LoadingGate:
                 f'<body style="font-family:sans-serif;margin:2em"><h2>nbserve</h2>'
                 f'<p id="nbserve-loading">{text}</p></body></html>')
         await HTMLResponse(page, status_code=503)(scope, _no_receive, send)
+
+
+class AppLifespan:
+    """Runs an ASGI app's lifespan on demand: `start()` once its parts are ready (a UI mounted
+    after the server started), `stop()` when the server shuts down. Both run on the server's
+    loop; `stop()` waits for a `start()` in progress, and a `start()` after `stop()` fails."""
+
+    def __init__(self, app: Any):
+        self.app = app
+        self._inbox: asyncio.Queue[Message] | None = None
+        self._outbox: asyncio.Queue[Message] | None = None
+        self._task: asyncio.Future[None] | None = None
+        self._lock: asyncio.Lock | None = None
+        self._stopped = False
+
+    def _locked(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    async def start(self) -> None:
+        async with self._locked():
+            if self._stopped:
+                raise RuntimeError("the server is shutting down")
+            inbox: asyncio.Queue[Message] = asyncio.Queue()
+            outbox: asyncio.Queue[Message] = asyncio.Queue()
+            self._inbox, self._outbox = inbox, outbox
+            scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"},
+                     "state": {}}
+            self._task = asyncio.ensure_future(self.app(scope, inbox.get, outbox.put))
+            await inbox.put({"type": "lifespan.startup"})
+            reply = await _first(outbox, self._task)
+            if reply.get("type") != "lifespan.startup.complete":
+                raise RuntimeError(f"the app failed to start: {reply.get('message', reply)}")
+
+    async def stop(self) -> None:
+        async with self._locked():
+            self._stopped = True
+            task, inbox, outbox = self._task, self._inbox, self._outbox
+            if task is None or task.done() or inbox is None or outbox is None:
+                return
+            await inbox.put({"type": "lifespan.shutdown"})
+            reply = await _first(outbox, task)
+            await task
+            if reply.get("type") != "lifespan.shutdown.complete":
+                raise RuntimeError(f"the app failed to shut down: {reply.get('message', reply)}")
+
+
+async def _first(outbox: asyncio.Queue[Message], task: asyncio.Future[None]) -> Message:
+    """The app's next lifespan message, or what its task ended with (an error) first."""
+    get = asyncio.ensure_future(outbox.get())
+    either: set[asyncio.Future[Any]] = {get, task}
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    if get.done():
+        return get.result()
+    get.cancel()
+    error = task.exception()
+    return {"type": "failed", "message": f"{type(error).__name__}: {error}" if error else
+            "its lifespan ended without an answer"}
 
 
 async def _no_receive() -> Message:
