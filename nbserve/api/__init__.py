@@ -1,12 +1,15 @@
-"""The OpenAI-compatible HTTP layer: schemas, routes, errors and limits (tool calls are read by
+"""The OpenAI-compatible HTTP layer, a route family a module (`chat`, `completions`,
+`responses`, `models`, `tokenize`, each with its router, schema and stream code; `handler`
+holds what they share), plus schemas, errors and limits (tool calls are read by
 `nbserve.text.tool_calls`, in the model's own format)."""
 
+from .chat import ChatCompletionRequest
+from .completions import CompletionRequest
 from .errors import APIError, error_body
+from .handler import RouteContext, RouteFamily
 from .limits import Limits
-from .protocol import ChatCompletionRequest, CompletionRequest
-from .routes import build_router
 
 __all__ = [
-    "APIError", "ChatCompletionRequest", "CompletionRequest", "Limits", "build_router",
-    "error_body",
+    "APIError", "ChatCompletionRequest", "CompletionRequest", "Limits", "RouteContext",
+    "RouteFamily", "error_body",
 ]

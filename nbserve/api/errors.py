@@ -157,7 +157,7 @@ def install_error_handlers(app: FastAPI) -> None:
     """Answer every error in the OpenAI shape (including 404/405 and crashes)."""
 
     def rid(request: Request) -> str:
-        return getattr(request.state, "request_id", "")
+        return str(request.scope.get("state", {}).get("request_id", ""))
 
     async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
         return from_exception(exc, rid(request)).response()

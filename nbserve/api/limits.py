@@ -5,7 +5,7 @@ The defaults come from a public chat server that got abused; raise them for trus
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from ..types import InvalidRequestError
 
@@ -27,9 +27,10 @@ class Limits:
     max_body_bytes: int = 2 * 1024 * 1024
 
     def __post_init__(self) -> None:
+        values = asdict(self)
         for name in ("max_messages", "max_message_chars", "max_conversation_chars", "max_prompts",
                      "max_top_k", "max_tokens", "max_n", "max_stop", "max_body_bytes"):
-            value = getattr(self, name)
+            value = values[name]
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Limits.{name} must be an integer >= 1, got {value!r}")
         if not 0 <= self.min_temperature <= self.max_temperature:

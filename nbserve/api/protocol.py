@@ -1,4 +1,7 @@
-"""OpenAI request schemas, ordered like the API reference, and their conversion to `Request`s.
+"""The OpenAI request schemas' shared parts, ordered like the API reference: messages, tools,
+formats, the sampling fields chat and completions share, and the template's messages. Each
+route family's own body lives with its route (`chat.py`, `completions.py`, `responses.py`,
+`tokenize.py`).
 
 Every field has a fate (docs/api.md has the table): served; accepted as a no-op because it
 changes nothing on a local server (`metadata`, `store`, `user`, ...); or refused with a 400
@@ -11,12 +14,12 @@ Numbers and booleans are strict: `"n": true` or `"temperature": "hot"` is a 400,
 from __future__ import annotations
 
 import json
-from dataclasses import replace
-from typing import Annotated, Any, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..types import MAX_TOP_LOGPROBS, Constraint, InvalidRequestError, Request, SamplingParams
+from ..types import Constraint, InvalidRequestError, SamplingParams
 from .errors import validation_error
 from .fields import UnknownFields
 from .fields import unsupported as _refuse
@@ -32,7 +35,16 @@ class _Schema(BaseModel):
                               json_schema_extra={"additionalProperties": False})
 
 
-def parse_body(model: type[_Schema], body: bytes, unknown: UnknownFields | None = None) -> Any:
+class _Body(_Schema):
+    """A request body: its first field names the model (checked by every route's prologue)."""
+
+    model: str | None = None
+
+
+B = TypeVar("B", bound=_Schema)
+
+
+def parse_body(model: type[B], body: bytes, unknown: UnknownFields | None = None) -> B:
     """Validate a JSON body into `model`; a 400-style InvalidRequestError naming the field.
     Undefined fields are refused by name unless `unknown` accepts them (then dropped)."""
     try:
@@ -53,10 +65,10 @@ class ContentPart(_Schema):
     type: str
     text: str | None = None
     refusal: str | None = None
-    image_url: Any = None
-    input_audio: Any = None
-    file: Any = None
-    prompt_cache_breakpoint: Any = None  # no-op: the prefix cache needs no hints
+    image_url: object = None
+    input_audio: object = None
+    file: object = None
+    prompt_cache_breakpoint: object = None  # no-op: the prefix cache needs no hints
 
 
 Content = str | list[ContentPart]
@@ -93,7 +105,7 @@ class UserMessage(_Schema):
 
 class AssistantMessage(_Schema):
     role: Literal["assistant"]
-    audio: dict[str, Any] | None = None
+    audio: dict[str, object] | None = None
     content: Content | None = None
     function_call: FunctionCall | None = None
     name: str | None = None
@@ -130,7 +142,7 @@ Message = Annotated[
 class FunctionDefinition(_Schema):
     name: str
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: dict[str, object] | None = None
     strict: bool | None = None
 
 
@@ -278,10 +290,9 @@ def thinking_switch(effort: str | None, kwargs: dict[str, Any] | None) -> dict[s
     return out
 
 
-class _Sampling(_Schema):
+class _Sampling(_Body):
     """Fields chat and completions share, plus nbserve's extensions."""
 
-    model: str | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     n: int | None = None
@@ -337,8 +348,12 @@ class _Sampling(_Schema):
         params.validate()
         return params
 
+    def _format(self) -> ResponseFormat | None:
+        """The body's response_format (chat has one)."""
+        return None
+
     def _constraint(self) -> Constraint | None:
-        fmt = getattr(self, "response_format", None)
+        fmt = self._format()
         c = fmt.constraint() if fmt is not None else None
         if self.structured_outputs is not None:
             if c is not None:
@@ -348,10 +363,10 @@ class _Sampling(_Schema):
         return c
 
 
-# ----------------------------------------------------------------------------- chat
+# ----------------------------------------------------------------------------- template messages
 
 
-def template_messages(messages: list[Any], limits: Limits) -> list[dict[str, Any]]:
+def template_messages(messages: Sequence[Message], limits: Limits) -> list[dict[str, Any]]:
     """Messages as plain dicts for the chat template, after the size limits."""
     if not messages:
         raise InvalidRequestError("messages must hold at least one message",
@@ -380,7 +395,7 @@ def template_messages(messages: list[Any], limits: Limits) -> list[dict[str, Any
         total += chars
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
                              "content": content}
-        name = getattr(m, "name", None)  # a tool message has none
+        name = None if isinstance(m, ToolMessage) else m.name  # a tool message has none
         if name:
             d["name"] = name
         if isinstance(m, AssistantMessage) and m.tool_calls:
@@ -397,199 +412,3 @@ def template_messages(messages: list[Any], limits: Limits) -> list[dict[str, Any
         out.append(d)
     limits.check_text("messages", total, limits.max_conversation_chars, "The conversation")
     return out
-
-
-
-
-class ChatCompletionRequest(_Sampling):
-    """POST /v1/chat/completions."""
-
-    messages: list[Message]
-    audio: dict[str, Any] | None = None
-    function_call: Any = None
-    functions: list[Any] | None = None
-    logprobs: bool | None = None
-    max_completion_tokens: int | None = None
-    max_tokens: int | None = None
-    metadata: dict[str, Any] | None = None  # no-op
-    modalities: list[str] | None = None
-    moderation: Any = None
-    parallel_tool_calls: bool | None = None
-    prediction: Any = None
-    prompt_cache_key: str | None = None  # no-op: prefixes are reused without a key
-    prompt_cache_options: dict[str, Any] | None = None  # no-op
-    prompt_cache_retention: str | None = None  # no-op
-    reasoning_effort: str | None = None
-    response_format: ResponseFormat | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM): template variables
-    safety_identifier: str | None = None  # no-op
-    service_tier: str | None = None  # no-op
-    store: bool | None = None  # no-op: nothing is stored
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    tools: list[Tool] | None = None
-    top_logprobs: int | None = None
-    verbosity: str | None = None
-    web_search_options: Any = None
-
-    @property
-    def use_tools(self) -> bool:
-        """Tools go to the template (and output is parsed for calls) unless tool_choice is none."""
-        return bool(self.tools) and self.tool_choice != "none"
-
-    @property
-    def tool_names(self) -> set[str]:
-        return {t.function.name for t in self.tools or []}
-
-    def _refuse_unsupported(self) -> None:
-        if self.audio is not None:
-            raise _refuse("audio", "it serves text-only models")
-        if self.modalities and any(m != "text" for m in self.modalities):
-            raise _refuse("modalities", "only [\"text\"] is served")
-        if self.prediction is not None:
-            raise _refuse("prediction", "predicted outputs are not implemented")
-        if self.moderation is not None:
-            raise _refuse("moderation", "it has no moderation model")
-        if self.reasoning_effort not in (None, *REASONING_EFFORTS):
-            raise InvalidRequestError(f"reasoning_effort must be one of "
-                                      f"{', '.join(REASONING_EFFORTS)}, got "
-                                      f"{self.reasoning_effort!r}", param="reasoning_effort")
-        if self.verbosity not in (None, "medium"):
-            raise _refuse("verbosity", "only \"medium\" (the model as it is) is served; ask "
-                          "for a shorter or longer answer in the prompt")
-        if self.web_search_options is not None:
-            raise _refuse("web_search_options", "it has no web access")
-        if self.functions is not None or self.function_call is not None:
-            param = "functions" if self.functions is not None else "function_call"
-            raise _refuse(param, "the deprecated functions API is not served; use tools and "
-                          "tool_choice")
-        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
-            raise InvalidRequestError(f"tool_choice {self._choice_name()} needs tools",
-                                      param="tool_choice")
-        if self.top_logprobs is not None and not self.logprobs:
-            raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
-        names = [t.function.name for t in self.tools or []]
-        if isinstance(self.tool_choice, NamedToolChoice) and \
-                self.tool_choice.function.name not in names:
-            raise InvalidRequestError(
-                f"tool_choice names the function {self.tool_choice.function.name!r}, which is "
-                f"not in tools ({', '.join(names)})", param="tool_choice")
-        for i, name in enumerate(names):
-            if not name or names.index(name) != i:
-                raise InvalidRequestError(f"tools[{i}].function.name must be a non-empty name "
-                                          "that no other tool has", param=f"tools[{i}].function"
-                                          ".name")
-
-    def _choice_name(self) -> str:
-        c = self.tool_choice
-        return repr(c) if isinstance(c, str) else f"naming {c.function.name!r}" if c else "none"
-
-    def template_messages(self, limits: Limits) -> list[dict[str, Any]]:
-        """Messages as plain dicts for the chat template, after the size limits."""
-        return template_messages(self.messages, limits)
-
-    def to_request(self, limits: Limits | None = None, request_id: str | None = None) -> Request:
-        """The nbserve Request for this body; InvalidRequestError (400) naming what is wrong."""
-        limits = limits or Limits()
-        self._refuse_unsupported()
-        messages = self.template_messages(limits)
-        max_tokens: int | None
-        if self.max_completion_tokens is not None:
-            max_tokens, param = self.max_completion_tokens, "max_completion_tokens"
-        else:
-            max_tokens, param = self.max_tokens, "max_tokens"
-        if self.top_logprobs is not None:
-            limits.check_range("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
-        params = self._params(limits, limits.max_tokens if max_tokens is None else max_tokens,
-                              param, bool(self.logprobs), self.top_logprobs or 0)
-        tools = [t.model_dump(exclude_none=True) for t in self.tools or []] if self.use_tools \
-            else None
-        req = Request(messages=messages, params=params, tools=tools,
-                      parallel_tool_calls=self.parallel_tool_calls is not False,
-                      template_kwargs=thinking_switch(self.reasoning_effort,
-                                                      self.chat_template_kwargs))
-        if isinstance(self.tool_choice, NamedToolChoice):
-            req.tool_name = self.tool_choice.function.name
-        elif self.tool_choice == "required":
-            req.tool_choice = "required"
-        if request_id:
-            req.request_id = request_id
-        if self.user:
-            req.metadata["user"] = self.user
-        return req
-
-
-# ----------------------------------------------------------------------------- completions
-
-
-class CompletionRequest(_Sampling):
-    """POST /v1/completions (the legacy text API)."""
-
-    prompt: str | list[str] | list[int] | list[list[int]]
-    best_of: int | None = None
-    echo: bool | None = False
-    logprobs: int | None = None
-    max_tokens: int | None = 16
-    suffix: str | None = None
-
-    def prompts(self, limits: Limits) -> list[str | list[int]]:
-        """The prompt as a list: one string or token-id list per prompt."""
-        p = self.prompt
-        if isinstance(p, str):
-            items: list[Any] = [p]
-        elif p and all(isinstance(x, int) for x in p):
-            items = [list(p)]
-        else:
-            items = list(p)
-        if not items:
-            raise InvalidRequestError("prompt must not be an empty list", param="prompt")
-        if len(items) > limits.max_prompts:
-            raise InvalidRequestError(f"prompt holds {len(items)} prompts; the limit is "
-                                      f"{limits.max_prompts}", param="prompt")
-        for i, item in enumerate(items):
-            size = len(item)
-            limits.check_text("prompt", size, limits.max_conversation_chars,
-                              f"prompt[{i}]" if len(items) > 1 else "The prompt")
-        return items
-
-    def to_requests(self, limits: Limits | None = None, request_id: str = "cmpl"
-                    ) -> list[Request]:
-        """One Request per prompt, ids `{request_id}-{i}` when there are several."""
-        limits = limits or Limits()
-        if self.suffix:
-            raise _refuse("suffix", "insertion (fill-in-the-middle) is not implemented")
-        if self.best_of is not None and self.best_of != (self.n or 1):
-            raise _refuse("best_of", "ranking several samples is not implemented; use n")
-        if self.logprobs is not None:
-            limits.check_range("logprobs", self.logprobs, 0, 5)
-        scored = bool(self.echo) and self.logprobs is not None  # the prompt's logprobs too
-        if self.max_tokens == 0 and not scored:
-            raise InvalidRequestError("max_tokens 0 only scores a prompt: send it with echo "
-                                      "and logprobs", param="max_tokens")
-        items = self.prompts(limits)
-        max_tokens = self.max_tokens if self.max_tokens is not None else 16
-        params = self._params(limits, max_tokens or None, "max_tokens",
-                              self.logprobs is not None, self.logprobs or 0)
-        if scored:
-            params.prompt_logprobs = self.logprobs
-            params.max_tokens = max_tokens
-            params.validate()
-        out = []
-        for i, item in enumerate(items):
-            rid = request_id if len(items) == 1 else f"{request_id}-{i}"
-            p = replace(params, stop=list(params.stop))
-            if isinstance(item, str):
-                r = Request(prompt=item, params=p, request_id=rid)
-            else:
-                r = Request(prompt_ids=list(item), params=p, request_id=rid)
-            if self.user:
-                r.metadata["user"] = self.user
-            out.append(r)
-        return out
-
-    def to_request(self, limits: Limits | None = None, request_id: str = "cmpl") -> Request:
-        """The Request for a single prompt (see `to_requests` for lists)."""
-        reqs = self.to_requests(limits, request_id)
-        if len(reqs) != 1:
-            raise InvalidRequestError("to_request() needs a single prompt; use to_requests()",
-                                      param="prompt")
-        return reqs[0]

@@ -1,5 +1,6 @@
-"""POST /v1/responses: the request body and its conversion to a chat `Request`, on the same
-text layer and engine as chat completions.
+"""/v1/responses: the request body and its conversion to a chat `Request`, on the same text
+layer and engine as chat completions, and the routes (`POST`, and `GET`/`DELETE` of a stored
+response); `responses_stream.py` turns the engine's events into the Responses event sequence.
 
 `input` is a string or a list of items: messages (text parts), `function_call` and
 `function_call_output` (reasoning items are dropped: the thought is not sent back).
@@ -12,44 +13,54 @@ that would need a hosted service get a 400 naming them.
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import AsyncGenerator
 
-from ..types import InvalidRequestError, Request
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+from fastapi.responses import Response
+
+from ..types import Constraint, InvalidRequestError, Request
+from .errors import APIError, error_event_to_api
 from .fields import unsupported as _refuse
+from .handler import CLIENT_GONE, RouteContext, answer, sse_named
 from .limits import Limits
+from .openapi_schemas import body_ref
 from .protocol import (
     REASONING_EFFORTS,
+    Message,
     ResponseFormat,
+    _Body,
     _Sampling,
-    _Schema,
     template_messages,
     thinking_switch,
 )
+from .response_store import ResponseStore
+from .responses_stream import ResponseBuilder
+from .streams import JSONBody
 
 BUILT_IN_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview",
                   "computer", "code_interpreter", "image_generation", "mcp", "local_shell",
                   "shell", "apply_patch", "custom")
 
 
-class ResponsesRequest(_Schema):
+class ResponsesRequest(_Body):
     """POST /v1/responses."""
 
-    model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | list[JSONBody]
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[JSONBody] | None = None
+    tool_choice: str | JSONBody | None = None
     parallel_tool_calls: bool | None = None
-    text: dict[str, Any] | None = None
+    text: JSONBody | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: JSONBody | None = None
     store: bool | None = None
     previous_response_id: str | None = None
     stream: bool | None = False
-    stream_options: dict[str, Any] | None = None  # no-op
-    metadata: dict[str, Any] | None = None  # kept on the response
+    stream_options: JSONBody | None = None  # no-op
+    metadata: JSONBody | None = None  # kept on the response
     user: str | None = None  # no-op
     safety_identifier: str | None = None  # no-op
     prompt_cache_key: str | None = None  # no-op
@@ -58,8 +69,8 @@ class ResponsesRequest(_Schema):
     truncation: str | None = None
     include: list[str] | None = None
     background: bool | None = None
-    conversation: Any = None
-    prompt: Any = None
+    conversation: object = None
+    prompt: object = None
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
     seed: int | None = None  # extension, as chat's
@@ -98,9 +109,9 @@ class ResponsesRequest(_Schema):
 
     # ------------------------------------------------------------------ conversion
 
-    def chat_tools(self) -> list[dict[str, Any]] | None:
+    def chat_tools(self) -> list[JSONBody] | None:
         """Function tools in chat's shape; a built-in tool is a 400 naming it."""
-        out: list[dict[str, Any]] = []
+        out: list[JSONBody] = []
         for i, tool in enumerate(self.tools or []):
             kind = tool.get("type")
             if kind != "function":
@@ -115,7 +126,7 @@ class ResponsesRequest(_Schema):
             if extra:
                 raise InvalidRequestError(f"tools[{i}] has unknown fields: "
                                           f"{', '.join(sorted(extra))}", param=f"tools[{i}]")
-            fn: dict[str, Any] = {k: tool[k] for k in ("name", "description", "parameters",
+            fn: JSONBody = {k: tool[k] for k in ("name", "description", "parameters",
                                                         "strict") if tool.get(k) is not None}
             out.append({"type": "function", "function": fn})
         names = [str(t["function"]["name"]) for t in out]
@@ -123,7 +134,7 @@ class ResponsesRequest(_Schema):
             raise InvalidRequestError("tools hold two functions of the same name", "tools")
         return out or None
 
-    def choice(self, tools: list[dict[str, Any]] | None) -> tuple[str, str | None, bool]:
+    def choice(self, tools: list[JSONBody] | None) -> tuple[str, str | None, bool]:
         """(tool_choice for the Request, the forced function's name, whether tools are used)."""
         c = self.tool_choice
         names = {t["function"]["name"] for t in tools or []}
@@ -145,11 +156,11 @@ class ResponsesRequest(_Schema):
         raise _refuse("tool_choice", f"{c!r}: only \"auto\", \"none\", \"required\" and "
                       "{\"type\": \"function\", \"name\": ...} are served")
 
-    def input_messages(self) -> list[dict[str, Any]]:
+    def input_messages(self) -> list[JSONBody]:
         """The request's own input as chat messages (before the stored conversation)."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
-        out: list[dict[str, Any]] = []
+        out: list[JSONBody] = []
         for i, item in enumerate(self.input):
             where = f"input[{i}]"
             kind = item.get("type", "message" if "role" in item else None)
@@ -178,7 +189,7 @@ class ResponsesRequest(_Schema):
                               "function_call, function_call_output and reasoning items")
         return out
 
-    def to_request(self, limits: Limits, history: list[dict[str, Any]],
+    def to_request(self, limits: Limits, history: list[JSONBody],
                    request_id: str) -> Request:
         """The Request: instructions, then the stored conversation `history`, then the input."""
         self.refuse_unsupported()
@@ -207,14 +218,14 @@ class ResponsesRequest(_Schema):
         return req
 
 
-def _str(item: dict[str, Any], key: str, where: str) -> str:
+def _str(item: JSONBody, key: str, where: str) -> str:
     value = item.get(key)
     if not isinstance(value, str):
         raise InvalidRequestError(f"{where}.{key} must be a string", param=f"{where}.{key}")
     return value
 
 
-def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+def _message(item: JSONBody, where: str) -> JSONBody:
     role = item.get("role")
     if role not in ("user", "system", "developer", "assistant"):
         raise InvalidRequestError(f"{where}.role must be user, system, developer or assistant, "
@@ -237,13 +248,11 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     return {"role": role, "content": "\n".join(texts)}
 
 
-def _as_chat_messages(messages: list[dict[str, Any]]) -> list[Any]:
+def _as_chat_messages(messages: list[JSONBody]) -> list[Message]:
     """Plain message dicts as the chat schema's message models (so the same limits apply)."""
     from pydantic import TypeAdapter
 
-    from .protocol import Message
-
-    adapter: TypeAdapter[Any] = TypeAdapter(Message)
+    adapter: TypeAdapter[Message] = TypeAdapter(Message)
     out = []
     for m in messages:
         m = {**m, "role": "system" if m["role"] == "developer" else m["role"]}
@@ -253,12 +262,12 @@ def _as_chat_messages(messages: list[dict[str, Any]]) -> list[Any]:
     return out
 
 
-def _text_format(fmt: Any) -> Any:
+def _text_format(fmt: object) -> Constraint | None:
     """`text.format` -> a Constraint (None for text)."""
     if not isinstance(fmt, dict):
         raise InvalidRequestError("text.format must be an object", param="text.format")
     kind = fmt.get("type")
-    body: dict[str, Any]
+    body: JSONBody
     if kind == "json_schema":
         extra = set(fmt) - {"type", "name", "schema", "strict", "description"}
         if extra:
@@ -278,3 +287,97 @@ def _text_format(fmt: Any) -> Any:
         from dataclasses import replace
         c = replace(c, param="text.format.schema")
     return c
+
+
+def _echoed(body: ResponsesRequest) -> JSONBody:
+    """The request's settings as a Response object repeats them."""
+    effort = (body.reasoning or {}).get("effort")
+    return {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id,
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
+            "text": body.text or {"format": {"type": "text"}},
+            "reasoning": {"effort": effort, "summary": None} if body.reasoning else None,
+            "store": body.store is not False, "metadata": body.metadata or {},
+            "truncation": "disabled", "user": body.user}
+
+
+# ----------------------------------------------------------------------------- the routes
+
+
+def router(ctx: RouteContext) -> APIRouter:
+    """POST /v1/responses (streamed as named SSE events, or its final state), and GET / DELETE
+    of the responses kept in memory (one store per app)."""
+    r = APIRouter(prefix="/v1")
+    store = ResponseStore()
+
+    @r.post("/responses", openapi_extra=body_ref(ResponsesRequest))
+    async def responses(request: HTTPRequest) -> Response:
+        body, rid = await ctx.parse(request, ResponsesRequest)
+        history: list[JSONBody] = []
+        if body.previous_response_id:
+            stored = store.get(body.previous_response_id)
+            if stored is None:
+                raise APIError(404, f"Previous response with id {body.previous_response_id!r} "
+                               "not found (responses are kept in memory, a bounded number, "
+                               "until the server stops).", "invalid_request_error",
+                               "previous_response_id", "previous_response_not_found")
+            history = stored.conversation
+        req = body.to_request(ctx.limits, history, rid)
+        started = await ctx.start(request, req)
+        if started is None:
+            return Response(status_code=CLIENT_GONE)
+        first, gen = started
+        trace = ctx.begin(request, rid, req.messages)
+        builder = ResponseBuilder(f"resp_{rid}", ctx.backend.model_name, _echoed(body), trace,
+                                  {t["function"]["name"] for t in req.tools or []} or None,
+                                  req.parallel_tool_calls)
+        events = builder.events(gen, first)
+        keep = body.store is not False
+        conversation = history + body.input_messages()
+
+        def remember() -> None:
+            if keep and builder.response["status"] in ("completed", "incomplete"):
+                store.put(builder.response, conversation + builder.output_messages())
+
+        async def frames() -> AsyncGenerator[bytes, None]:
+            done = False
+            try:
+                async for name, data in events:
+                    yield sse_named(name, data)
+                done = True
+                remember()
+            finally:
+                if not done:
+                    trace.disconnected = True
+                await events.aclose()
+
+        async def fold() -> JSONBody:
+            async for _ in events:
+                pass
+            if builder.response["status"] == "failed":
+                err = builder.response["error"]
+                raise error_event_to_api(err["message"], err["code"], rid)
+            remember()
+            return builder.response
+
+        return await answer(request, rid, trace, bool(body.stream), frames, fold, events.aclose)
+
+    @r.get("/responses/{response_id}")
+    async def get_response(response_id: str) -> JSONBody:
+        stored = store.get(response_id)
+        if stored is None:
+            raise APIError(404, f"No response with id {response_id!r} is kept here.",
+                           "invalid_request_error", "response_id", "not_found")
+        return stored.response
+
+    @r.delete("/responses/{response_id}")
+    async def delete_response(response_id: str) -> JSONBody:
+        if not store.delete(response_id):
+            raise APIError(404, f"No response with id {response_id!r} is kept here.",
+                           "invalid_request_error", "response_id", "not_found")
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    return r

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from ..text.reasoning import ReasoningSplitter
 from ..text.tool_calls import FORMATS, HERMES, ToolCallParser
 from ..types import Delta, ErrorEvent, Event, Finished, Started
+from .streams import JSONBody
 from .trace import Trace
 
 
@@ -24,23 +25,23 @@ def _id(prefix: str) -> str:
 class ResponseBuilder:
     """Builds one response from the events of its request; `events()` yields (name, data)."""
 
-    def __init__(self, response_id: str, model: str, body: dict[str, Any], trace: Trace,
+    def __init__(self, response_id: str, model: str, body: JSONBody, trace: Trace,
                  tool_names: set[str] | None, parallel: bool):
         self.trace = trace
         self.tool_names, self.parallel = tool_names, parallel
         self.seq = 0
-        self.output: list[dict[str, Any]] = []
-        self.response: dict[str, Any] = {
+        self.output: list[JSONBody] = []
+        self.response: JSONBody = {
             "id": response_id, "object": "response", "created_at": int(time.time()),
             "status": "in_progress", "model": model, "output": self.output,
             "error": None, "incomplete_details": None, **body,
             "usage": None}
         self._thought: ReasoningSplitter | None = None
         self._calls: ToolCallParser | None = None
-        self._reasoning: dict[str, Any] | None = None  # the open reasoning item
-        self._message: dict[str, Any] | None = None  # the open message item
-        self._call_items: dict[int, dict[str, Any]] = {}  # open function_call items
-        self._pending: list[tuple[str, dict[str, Any]]] = []
+        self._reasoning: JSONBody | None = None  # the open reasoning item
+        self._message: JSONBody | None = None  # the open message item
+        self._call_items: dict[int, JSONBody] = {}  # open function_call items
+        self._pending: list[tuple[str, JSONBody]] = []
         self.reasoning_tokens = 0  # tokens written while the thought was open
 
     # -- events
@@ -49,16 +50,16 @@ class ResponseBuilder:
         self._pending.append((event, {"type": event, "sequence_number": self.seq, **data}))
         self.seq += 1
 
-    def _snapshot(self) -> dict[str, Any]:
+    def _snapshot(self) -> JSONBody:
         return {**self.response, "output": [dict(x) for x in self.output]}
 
-    def _open(self, item: dict[str, Any]) -> int:
+    def _open(self, item: JSONBody) -> int:
         self.output.append(item)
         index = len(self.output) - 1
         self._emit("response.output_item.added", output_index=index, item=dict(item))
         return index
 
-    def _close(self, item: dict[str, Any]) -> None:
+    def _close(self, item: JSONBody) -> None:
         item["status"] = "completed" if self.response["status"] != "incomplete" else \
             "incomplete"
         if item["type"] == "reasoning":
@@ -156,7 +157,7 @@ class ResponseBuilder:
     # -- the request's events
 
     async def events(self, events: AsyncIterator[Event], first: Event
-                     ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+                     ) -> AsyncGenerator[tuple[str, JSONBody], None]:
         """(event name, data) in the Responses API's order, ending with the final state."""
         self._emit("response.created", response=self._snapshot())
         self._emit("response.in_progress", response=self._snapshot())
@@ -217,14 +218,14 @@ class ResponseBuilder:
         self._emit("response.incomplete" if cut else "response.completed",
                    response=self._snapshot())
 
-    def output_messages(self) -> list[dict[str, Any]]:
+    def output_messages(self) -> list[JSONBody]:
         """The response's output as chat messages (what a later previous_response_id adds)."""
         text = "".join(part["text"] for item in self.output if item["type"] == "message"
                        for part in item["content"])
         calls = [{"id": item["call_id"], "type": "function",
                   "function": {"name": item["name"], "arguments": item["arguments"]}}
                  for item in self.output if item["type"] == "function_call"]
-        msg: dict[str, Any] = {"role": "assistant", "content": text}
+        msg: JSONBody = {"role": "assistant", "content": text}
         if calls:
             msg["tool_calls"] = calls
         return [msg] if text or calls else []

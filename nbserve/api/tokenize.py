@@ -1,39 +1,35 @@
 """POST /tokenize and /detokenize, as vLLM and llama.cpp's server offer them: text or chat
 messages (rendered by the model's template, as for serving) to token ids, and back. Both
-servers' field names are read; the answer holds both servers' keys."""
+servers' field names are read; the answer holds both servers' keys. The bodies' schemas, then
+the routes."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 from fastapi import APIRouter, Request
 
-from ..types import Backend, InvalidRequestError
+from ..types import InvalidRequestError, TokenCodec
 from ..types import Request as GenRequest
 from .errors import APIError
-from .fields import UnknownFields
-from .limits import Limits
+from .handler import RouteContext
 from .openapi_schemas import body_ref
-from .protocol import Message, Tool, _Schema, parse_body, template_messages, thinking_switch
+from .protocol import Message, Tool, _Body, template_messages, thinking_switch
+from .streams import JSONBody
 
 
-class TokenizeRequest(_Schema):
-    model: str | None = None
+class TokenizeRequest(_Body):
     prompt: str | None = None  # vLLM
     content: str | None = None  # llama.cpp
     messages: list[Message] | None = None
     tools: list[Tool] | None = None
     add_generation_prompt: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JSONBody | None = None
     add_special_tokens: bool | None = None  # vLLM
     add_special: bool | None = None  # llama.cpp
     return_token_strs: bool | None = None  # vLLM
     with_pieces: bool | None = None  # llama.cpp
 
 
-class DetokenizeRequest(_Schema):
-    model: str | None = None
+class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
@@ -45,28 +41,21 @@ def _text_of(body: TokenizeRequest) -> str | None:
     return given[0] if given else None
 
 
-def build_tokenize_router(backend: Backend, limits: Limits, *,
-                          dependencies: Sequence[Any] = (),
-                          unknown: UnknownFields | None = None) -> APIRouter:
-    router = APIRouter(dependencies=list(dependencies))
+def router(ctx: RouteContext) -> APIRouter:
+    """POST /tokenize and /detokenize (no /v1 prefix, as vLLM and llama.cpp serve them)."""
+    r = APIRouter()
 
-    def tokenizer() -> Any:
-        tok = getattr(backend, "tokenizer", None)  # per call: the backend may be swapped
+    def tokenizer() -> TokenCodec:
+        tok = ctx.backend.tokenizer  # per call: the backend may be swapped
         if tok is None:
             raise APIError(501, "this backend does not expose its tokenizer here",
                            "invalid_request_error", None, "unsupported")
         return tok
 
-    def check_model(name: str | None) -> None:
-        if name and name != backend.model_name:
-            raise APIError(404, f"The model {name!r} does not exist here; this server serves "
-                           f"{backend.model_name!r}.", "invalid_request_error", "model",
-                           "model_not_found")
-
-    @router.post("/tokenize", openapi_extra=body_ref(TokenizeRequest))
-    async def tokenize(request: Request) -> dict[str, Any]:
-        body: TokenizeRequest = parse_body(TokenizeRequest, await request.body(), unknown)
-        check_model(body.model)
+    @r.post("/tokenize", openapi_extra=body_ref(TokenizeRequest))
+    async def tokenize(request: Request) -> JSONBody:
+        body, _ = await ctx.parse(request, TokenizeRequest)
+        limits = ctx.limits
         text = _text_of(body)
         tok = tokenizer()
         specials = body.add_special_tokens if body.add_special_tokens is not None else \
@@ -75,18 +64,18 @@ def build_tokenize_router(backend: Backend, limits: Limits, *,
             limits.check_text("prompt", len(text), limits.max_conversation_chars, "The prompt")
             ids = tok.encode(text, add_special_tokens=True if specials is None else specials)
         else:
-            ids_of = getattr(backend, "prompt_token_ids", None)
-            if not callable(ids_of):
-                raise APIError(501, "this backend cannot render chat messages here",
-                               "invalid_request_error", "messages", "unsupported")
             req = GenRequest(messages=template_messages(body.messages or [], limits),
                              tools=[t.model_dump(exclude_none=True) for t in body.tools]
                              if body.tools else None,
                              add_generation_prompt=body.add_generation_prompt is not False,
                              template_kwargs=thinking_switch(None, body.chat_template_kwargs))
-            ids = ids_of(req)
-        out: dict[str, Any] = {"count": len(ids), "tokens": ids}
-        max_context = getattr(backend, "max_context", None)
+            rendered = ctx.backend.prompt_token_ids(req)
+            if rendered is None:
+                raise APIError(501, "this backend cannot render chat messages here",
+                               "invalid_request_error", "messages", "unsupported")
+            ids = rendered
+        out: JSONBody = {"count": len(ids), "tokens": ids}
+        max_context = ctx.backend.max_context
         if max_context:
             out["max_model_len"] = max_context
         if body.return_token_strs:
@@ -95,12 +84,11 @@ def build_tokenize_router(backend: Backend, limits: Limits, *,
             out["tokens"] = [{"id": i, "piece": tok.decode([i])} for i in ids]
         return out
 
-    @router.post("/detokenize", openapi_extra=body_ref(DetokenizeRequest))
-    async def detokenize(request: Request) -> dict[str, Any]:
-        body: DetokenizeRequest = parse_body(DetokenizeRequest, await request.body(), unknown)
-        check_model(body.model)
+    @r.post("/detokenize", openapi_extra=body_ref(DetokenizeRequest))
+    async def detokenize(request: Request) -> JSONBody:
+        body, _ = await ctx.parse(request, DetokenizeRequest)
         tok = tokenizer()
-        vocab = int(getattr(tok, "vocab_size", 0) or getattr(backend, "vocab_size", 0) or 0)
+        vocab = tok.vocab_size or ctx.backend.vocab_size or 0
         bad = [t for t in body.tokens if t < 0 or (vocab and t >= vocab)]
         if bad:
             raise InvalidRequestError(f"tokens must be ids in [0, {vocab}), got {bad[0]}",
@@ -108,4 +96,4 @@ def build_tokenize_router(backend: Backend, limits: Limits, *,
         text = tok.decode(body.tokens)
         return {"prompt": text, "content": text}
 
-    return router
+    return r

@@ -17,24 +17,36 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.datastructures import Headers, MutableHeaders
+from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..api import chat, completions, models, responses, tokenize, unknown
 from ..api.auth import KeyAuth, RateLimiter
 from ..api.errors import APIError, install_error_handlers
 from ..api.fields import UnknownFields
+from ..api.handler import RouteContext, RouteFamily
 from ..api.limits import Limits
 from ..api.openapi_schemas import add_request_schemas
-from ..api.protocol import ChatCompletionRequest, CompletionRequest
-from ..api.responses import ResponsesRequest
-from ..api.routes import UNKNOWN_ROUTE, build_router
-from ..api.tokenize import DetokenizeRequest, TokenizeRequest, build_tokenize_router
 from ..api.trace import Trace
 from ..types import Backend
 from .metrics import Metrics
 from .options import ServerOptions
 
 log = logging.getLogger("nbserve.server")
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+# The route families, mounted in this order (then the /v1 catch-all of api/unknown.py), each
+# with the request schemas its routes document and its paths that generate: those are refused
+# with a 503 while the server shuts down, and logged at INFO even when refused before starting.
+ROUTE_FAMILIES: tuple[RouteFamily, ...] = (
+    RouteFamily(tokenize.router, (tokenize.TokenizeRequest, tokenize.DetokenizeRequest)),
+    RouteFamily(models.router),
+    RouteFamily(chat.router, (chat.ChatCompletionRequest,),
+                generation=frozenset({"/v1/chat/completions"})),
+    RouteFamily(completions.router, (completions.CompletionRequest,),
+                generation=frozenset({"/v1/completions"})),
+    RouteFamily(responses.router, (responses.ResponsesRequest,),
+                generation=frozenset({"/v1/responses"})),
+)
+GENERATION_PATHS = frozenset().union(*(f.generation for f in ROUTE_FAMILIES))
 # Every route is behind the API keys and the rate limit (an app-level dependency, so a route
 # added later is too) and every path behind the body limit (a middleware), except these, which
 # tests/test_route_limits.py lists again with their reasons. Open: probes and the static docs.
@@ -75,14 +87,14 @@ class ObservabilityMiddleware:
             await self.app(scope, receive, send_with_id)
         finally:
             matched = scope.get("route")
-            route = "other" if getattr(matched, "name", None) == UNKNOWN_ROUTE else \
-                getattr(matched, "path", None) or "other"
+            route = matched.path if isinstance(matched, Route) and \
+                matched.name != unknown.UNKNOWN_ROUTE and matched.path else "other"
             trace: Trace | None = state.get("trace")
             duration = time.perf_counter() - start
             self.metrics.end(route, status, duration, trace)
             if trace is not None:
                 log.info("%s", trace.log_line(route, status, duration))
-            elif route in GENERATION_ROUTES or status >= 500:
+            elif route in GENERATION_PATHS or status >= 500:
                 log.info("%s %s %s %s time=%.3fs", rid, scope.get("method"), scope["path"],
                          status, duration)
             else:
@@ -190,7 +202,8 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
 
     # async (they do no I/O): FastAPI would run plain functions in a worker thread per request
     async def guard(request: Request) -> None:
-        """The keys, then the rate limit, for every route of the app but OPEN_PATHS."""
+        """The keys, then the rate limit, for every route of the app but OPEN_PATHS; then, on
+        a generation route, whether the server still admits work."""
         route = request.scope.get("route")
         path = route.path if isinstance(route, APIRoute) else ""  # "": nothing is exempt
         if path in OPEN_PATHS:
@@ -198,9 +211,7 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
         request.state.client_key = client = keys.check(request) if keys else None
         if limiter is not None and path not in UNMETERED_PATHS:
             limiter.check(client or (request.client.host if request.client else "unknown"))
-
-    async def admit(request: Request) -> None:
-        if not app.state.accepting:
+        if path in GENERATION_PATHS and not app.state.accepting:
             raise APIError(503, "The server is shutting down; retry on another replica or "
                            "in a few seconds.", "service_unavailable", None, "shutting_down",
                            {"Retry-After": "5"})
@@ -253,18 +264,16 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    app.include_router(build_tokenize_router(backend, limits, unknown=UnknownFields(
-        accept=opts.accept_unknown_fields)))
-    app.include_router(build_router(backend, limits, log_messages=log_messages,
-                                    gen_dependencies=[Depends(admit)],
-                                    accept_unknown_fields=opts.accept_unknown_fields))
+    ctx = RouteContext(backend, limits, UnknownFields(accept=opts.accept_unknown_fields),
+                       log_messages)
+    routers = [family.router(ctx) for family in ROUTE_FAMILIES]
+    for router in [*routers, unknown.router(routers)]:
+        app.include_router(router)
     base_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            add_request_schemas(base_openapi(), [ChatCompletionRequest, CompletionRequest,
-                                                 ResponsesRequest, TokenizeRequest,
-                                                 DetokenizeRequest])
+            add_request_schemas(base_openapi(), [s for f in ROUTE_FAMILIES for s in f.schemas])
         return app.openapi_schema  # type: ignore[return-value]
 
     app.openapi = openapi  # type: ignore[method-assign]
