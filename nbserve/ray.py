@@ -105,7 +105,7 @@ class NbserveReplica:
 
     def check_health(self) -> None:
         """Ray Serve calls this periodically; raising makes Ray replace the replica."""
-        health = self.backend.health() if hasattr(self.backend, "health") else {"ready": True}
+        health = self.backend.health()
         if not health.get("ready", False):
             raise RuntimeError(f"nbserve backend not ready: {health}")
 
