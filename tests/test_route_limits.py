@@ -92,3 +92,24 @@ def test_every_route_that_does_work_is_behind_the_keys_the_body_limit_and_the_ra
     # The exempt lists hold only routes that exist: they cannot grow stale and wide.
     assert set(OPEN) | set(UNMETERED) <= seen, (set(OPEN) | set(UNMETERED)) - seen
     assert {"/tokenize", "/detokenize", "/v1/chat/completions", "/v1/models"} <= seen
+
+
+def test_the_generation_routes_of_the_route_list_are_refused_while_shutting_down(
+        tiny_engine: Any) -> None:
+    """serving/app.py's ROUTE_FAMILIES names the paths that generate: each is a POST route of
+    the app, refused with a 503 `shutting_down` once the server stops accepting work, while
+    the routes that only read still answer."""
+    from nbserve.serving.app import GENERATION_PATHS
+
+    app = create_app(tiny_engine, ui=False)
+    posts = {r.path for r in _routes(app) if isinstance(r, APIRoute) and "POST" in r.methods}
+    assert GENERATION_PATHS == {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
+    assert GENERATION_PATHS <= posts
+    with running_server(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        app.state.accepting = False
+        for path in sorted(GENERATION_PATHS):
+            _error(http.post(path, json={}), 503, "shutting_down")
+        assert http.get("/v1/models").status_code == 200
+        _error(http.get("/v1/responses/resp_none"), 404, "not_found")
+        assert http.post("/tokenize", json={"prompt": "hi"}).status_code == 200
+        app.state.accepting = True
