@@ -20,22 +20,9 @@ from typing import Any
 
 import torch
 
+from ..cpu.kernels.abi import Layer, WeightKind  # nbq_layer, nbq_kind of nbserve_kernels.h
 from ..cpu.kernels.build import quant_kernels
 from .paged_attention import paged_cache_serves
-
-KINDS = {"q4": 0, "q8": 1, "f32": 2}
-
-
-class _Weight(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
-                ("flags", ctypes.c_int32), ("codes", ctypes.c_void_p), ("d", ctypes.c_void_p),
-                ("m", ctypes.c_void_p)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight),
-                ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p),
-                ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p)]
 
 
 def unfit_reason(model: Any) -> str | None:
@@ -76,7 +63,7 @@ _POINTER = torch.Tensor.data_ptr
 class _Built:
     """The ctypes description of the layers over one cache, and what it was built from."""
 
-    array: Any
+    array: ctypes.Array[ctypes.Structure]  # of Layer (nbq_layer)
     layers: tuple[Any, ...]
     cache: tuple[int, int]  # (id, first key pointer)
     holders: tuple[Any, ...]  # the modules whose `.kernel` each matmul is
@@ -109,7 +96,7 @@ class DecodeStack:
     `spent`: when set (a ctypes array of two doubles), each call adds the seconds of its
     matmuls and of its attention calls to it (benchmarks/step_split.py sets it)."""
 
-    spent: Any = None
+    spent: ctypes.Array[ctypes.c_double] | None = None
     KEEP = 8  # descriptions kept (one per cache in use)
 
     def __init__(self, model: Any):
@@ -155,28 +142,28 @@ class DecodeStack:
 
     def _build(self, cache: Any) -> _Built | None:
         layers = list(self.model.model.decoder_layers)
-        array = (_Layer * len(layers))()
+        array = (Layer * len(layers))()
         kernels, weights, norms = [], [], []
         for i, layer in enumerate(layers):
             entry = array[i]
-            for name, holder in zip(("qkv", "o", "gate_up", "down"), self._holders(layer)):
+            for w, holder in zip((entry.qkv, entry.o, entry.gate_up, entry.down),
+                                 self._holders(layer)):
                 kernel = getattr(holder, "kernel", None)
                 if kernel is None or kernel.bias is not None:
                     return None
                 kernels.append((holder, kernel))
-                w = getattr(entry, name)
-                w.kind, w.n, w.k = KINDS[kernel.kind], kernel.out_features, kernel.in_features
+                w.kind = WeightKind[kernel.kind.upper()]  # "q4" -> NBQ_Q4...
+                w.n, w.k = kernel.out_features, kernel.in_features
                 w.flags = kernel.flags
                 if kernel.kind == "f32":  # the model's own tensor: watched for a new pointer
                     w.codes = kernel.weight.data_ptr()
                     weights.append((kernel.weight, w.codes))
                 else:
                     w.codes, w.d, w.m = kernel._pointers
-            for field, norm in (("attn_norm", layer.input_layernorm),
-                                ("mlp_norm", layer.post_attention_layernorm)):
-                weight = norm.weight
-                setattr(entry, field, weight.data_ptr())
-                norms.append((norm, weight, weight.data_ptr()))
+            entry.attn_norm = layer.input_layernorm.weight.data_ptr()
+            entry.mlp_norm = layer.post_attention_layernorm.weight.data_ptr()
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norms.append((norm, norm.weight, norm.weight.data_ptr()))
             keys, values = cache.k[layer.self_attn.layer], cache.v[layer.self_attn.layer]
             entry.keys, entry.values = keys.data_ptr(), values.data_ptr()
         limits = [kernel.max_rows for _, kernel in kernels if kernel.max_rows is not None]

@@ -26,12 +26,14 @@ from typing import Protocol, cast
 import numpy as np
 import torch
 
-from ..cpu.kernels import GATED, ROUND16  # the kernel's flags
+from ..cpu.kernels.abi import KernelFlag
 
 BLOCK = 32  # weights per block, along the input dimension (GGUF's Q4_0, Q4_1, Q8_0)
 FLOAT_MAX_ROWS = 4  # the same for float32 weights; SmolLM2's matmuls in the engine's thread,
 # kernel against oneDNN-packed (ms): 1 row 13.6 / 20.3, 3: 17.3 / 20.2, 4: 16.7 / 17.1, 8: 29 / 22
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # fp16 scale [fp16 min] codes
+# the kernel's flags (nbserve_kernels.h) as plain ints: `|` on them stays an int operation
+GATED, ROUND16 = int(KernelFlag.GATED), int(KernelFlag.ROUND16)
 
 
 @dataclass
@@ -212,21 +214,21 @@ class KernelLinear:
         rows = x.numel() // width
         flat = x.reshape(rows, width).contiguous()
         y = torch.empty(rows, n, dtype=torch.float32)
-        prep = (None, 0.0) if norm is None else (norm.weight.data_ptr(), norm.eps)
+        norm_at, eps = (None, 0.0) if norm is None else (norm.weight.data_ptr(), norm.eps)
         threads = torch.get_num_threads()
         flags = self.flags | (GATED if gated else 0)
         if self.kind == "f32":  # the pointer read per call: the weight is the model's own
             weight = cast(torch.Tensor, self.weight)  # kind "f32": a float32 tensor
             failed = self._lib.nbq_f32_matmul(flat.data_ptr(), rows, k, weight.data_ptr(),
-                                              n, y.data_ptr(), threads, *prep, flags)
+                                              n, y.data_ptr(), threads, norm_at, eps, flags)
         elif self.kind == "q4":
             codes, scales, mins = self._pointers
             failed = self._lib.nbq_q4_matmul(flat.data_ptr(), rows, k, codes, scales, mins, n,
-                                             y.data_ptr(), threads, *prep, flags)
+                                             y.data_ptr(), threads, norm_at, eps, flags)
         else:
             codes, scales, _ = self._pointers
             failed = self._lib.nbq_q8_matmul(flat.data_ptr(), rows, k, codes, scales, n,
-                                             y.data_ptr(), threads, *prep, flags)
+                                             y.data_ptr(), threads, norm_at, eps, flags)
         if failed:
             raise MemoryError("kernel matmul: out of memory for its input buffer")
         y = y.view(*x.shape[:-1], n)

@@ -1,3 +1,2 @@
-"""Small C kernels nbserve compiles for this machine at first use (see `build.py`)."""
-
-GATED, ROUND16 = 1, 2  # the matmul entry points' flags (quant_matmul.c)
+"""Small C kernels nbserve compiles for this machine at first use (see `build.py`); their
+interface is declared once, in `nbserve_kernels.h`, and read from there by `abi.py`."""

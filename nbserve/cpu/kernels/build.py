@@ -8,6 +8,12 @@ where the CPU has one) and `-fopenmp`, which links the OpenMP runtime torch has 
 library is cached under `$NBSERVE_CACHE/kernels` (default `~/.cache/nbserve/kernels`), keyed
 by the sources, the compiler and the CPU's flags.
 
+The library is loaded with ctypes, its functions typed by `abi.declare` from the one header
+(`nbserve_kernels.h`). cffi was weighed: its ABI mode cannot read that header as it is
+(`_Float16`, the preprocessor) and wants each address cast per call, and a call measured no
+faster than ctypes (a one-row float32 matmul: the kernel's own time either way); its API mode
+would compile a Python extension, with the slow build above.
+
 `NBSERVE_KERNEL_ISA=avx2` builds the AVX2 path even on a CPU with AVX-512 (`plain` builds the
 plain C one), so that one machine can measure what an AVX2-only laptop runs.
 """
@@ -24,9 +30,12 @@ import threading
 import warnings
 from pathlib import Path
 
+from .abi import declare
+
 SOURCES = [Path(__file__).with_name(name)
            for name in ("quant_matmul.c", "paged_attention.c", "decode_stack.c")]
-HEADERS = [Path(__file__).with_name("paged_attention_body.h")]  # in the cache key, not built
+HEADERS = [Path(__file__).with_name(name)  # in the cache key, not built
+           for name in ("nbserve_kernels.h", "paged_attention_body.h")]
 # -ffp-contract=off: a * b + c stays two roundings, as in torch's separate ops (no silent FMA)
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11", "-ffp-contract=off"]
 BUILD_TIMEOUT_S = 120
@@ -86,7 +95,7 @@ def kernels_available() -> bool:
 
 def _load(path: Path) -> ctypes.CDLL:
     try:
-        return _declare(ctypes.CDLL(str(path)))
+        return declare(ctypes.CDLL(str(path)))  # argument types from nbserve_kernels.h
     except OSError as exc:  # e.g. a cache on a noexec mount
         raise KernelBuildError(f"nbserve's C kernels were built but could not be loaded "
                                f"({exc}); point NBSERVE_CACHE at another folder, or set "
@@ -156,26 +165,3 @@ def _build(sources: list[Path], arch_options: list[list[str]]) -> Path:
     raise KernelBuildError(f"compiling nbserve's kernels with {cc} failed:\n{errors}\n"
                            "Load the model with dtype='mixed16' or 'float32' instead "
                            "(NBSERVE_KERNELS=0 turns the kernel off).")
-
-
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.nbq_q4_matmul.argtypes = [ptr, i32, i32, ptr, ptr, ptr, i32, ptr, i32, ptr, f32, i32]
-    lib.nbq_q8_matmul.argtypes = [ptr, i32, i32, ptr, ptr, i32, ptr, i32, ptr, f32, i32]
-    lib.nbq_f32_matmul.argtypes = [ptr, i32, i32, ptr, i32, ptr, i32, ptr, f32, i32]
-    lib.nbq_q4_matmul.restype = lib.nbq_q8_matmul.restype = lib.nbq_f32_matmul.restype = i32
-    for suffix in ("", "_f16"):  # a float32 cache, a float16 one
-        lone = getattr(lib, f"nbq_paged_lone_attention{suffix}")
-        lone.argtypes = [ptr, i32, i32, i32, ptr, ptr, ptr, ptr, i32, ptr, i32, ptr, i32]
-        decode = getattr(lib, f"nbq_paged_decode_attention{suffix}")
-        decode.argtypes = [ptr, i32, i32, i32, i32, ptr, ptr, i32, ptr, i32, ptr, ptr, i32]
-        step = getattr(lib, f"nbq_paged_decode_step{suffix}")
-        step.argtypes = [ptr, i32, i32, i32, i32, ptr, ptr, ptr, ptr, i32, ptr, i32, ptr, ptr,
-                         i32]
-        lone.restype = decode.restype = step.restype = i32
-    lib.nbq_decode_stack.argtypes = [ptr, i32, i32, i32, i32, i32, i32, f32, i32, i32, ptr,
-                                     i32, ptr, ptr, ptr, ptr, i32, ptr]
-    lib.nbq_decode_stack.restype = i32
-    lib.nbq_simd_width.restype = lib.nbq_row_path_max.restype = i32
-    lib.nbq_round16_max_rows.restype = i32
-    return lib

@@ -9,10 +9,11 @@
  * bit the Python path's; what it removes is the Python and op dispatch between the kernels,
  * a large share of a small model's step outside the matmuls.
  *
- * Every layer's weights are described once by an nbq_layer (nbserve/models/decode_stack.py
- * builds the array); the step's inputs are the hidden states x (rows x hidden floats, updated
- * in place), each row's position and block table row (tables + r * table_stride), and each
- * row's rope row (cos, sin_signed: rows x d) that all layers share. `spent`, when not NULL,
+ * Every layer's weights are described once by an nbq_layer (nbserve_kernels.h;
+ * nbserve/models/decode_stack.py builds the array); the step's inputs are the hidden states x
+ * (rows x hidden floats, updated in place), each row's position and block table row
+ * (tables + r * table_stride), and each row's rope row (cos, sin_signed: rows x d) that all
+ * layers share. `spent`, when not NULL,
  * gets the seconds of the matmuls and of the attention calls added to spent[0] and spent[1]
  * (benchmarks/step_split.py). Returns 0, -1 when out of memory, -2 for invalid arguments
  * (shapes that do not fit, the attention kernel's checks); x is then unspecified.
@@ -21,40 +22,7 @@
 #include <stdlib.h>
 #include <time.h>
 
-typedef uint16_t half_t;
-
-int nbq_q4_matmul(const float *x, int rows, int k, const uint8_t *codes, const half_t *d,
-                  const half_t *m, int n, float *y, int threads, const float *norm, float eps,
-                  int flags);
-int nbq_q8_matmul(const float *x, int rows, int k, const int8_t *codes, const half_t *d, int n,
-                  float *y, int threads, const float *norm, float eps, int flags);
-int nbq_f32_matmul(const float *x, int rows, int k, const float *w, int n, float *y,
-                   int threads, const float *norm, float eps, int flags);
-int nbq_paged_decode_step(const float *heads, int batch, int hq, int hkv, int d,
-                          const float *cos, const float *sin_signed, float *keys, float *values,
-                          int block_size, const int32_t *tables, int table_stride,
-                          const int32_t *positions, float *out, int threads);
-int nbq_paged_decode_step_f16(const float *heads, int batch, int hq, int hkv, int d,
-                              const float *cos, const float *sin_signed, _Float16 *keys,
-                              _Float16 *values, int block_size, const int32_t *tables,
-                              int table_stride, const int32_t *positions, float *out,
-                              int threads);
-
-enum { W_Q4 = 0, W_Q8 = 1, W_F32 = 2 };
-
-/* One weight: kind W_Q4 (codes, d, m), W_Q8 (codes, d) or W_F32 (codes: the float32 rows);
- * n outputs of k inputs; flags for its matmuls (ROUND16 of quant_matmul.c). */
-typedef struct {
-    int32_t kind, n, k, flags;
-    const void *codes;
-    const half_t *d, *m;
-} nbq_weight;
-
-typedef struct {
-    nbq_weight qkv, o, gate_up, down;
-    const float *attn_norm, *mlp_norm;  /* RMSNorm weights (hidden floats) */
-    void *keys, *values;                /* this layer's cache: (blocks, hkv, block_size, d) */
-} nbq_layer;
+#include "nbserve_kernels.h"
 
 static double now(void) {
     struct timespec t;
@@ -65,15 +33,15 @@ static double now(void) {
 /* y = w @ prepare(x) for `rows` input rows (norm / gated as in quant_matmul.c) */
 static int project(const nbq_weight *w, const float *x, int rows, float *y, int threads,
                    const float *norm, float eps, int gated) {
-    int flags = w->flags | gated;  /* GATED is bit 0 of quant_matmul.c's flags */
+    int flags = w->flags | gated;  /* gated: 0 or NBQ_GATED */
     switch (w->kind) {
-    case W_Q4:
+    case NBQ_Q4:
         return nbq_q4_matmul(x, rows, w->k, w->codes, w->d, w->m, w->n, y, threads, norm, eps,
                              flags);
-    case W_Q8:
+    case NBQ_Q8:
         return nbq_q8_matmul(x, rows, w->k, w->codes, w->d, w->n, y, threads, norm, eps,
                              flags);
-    case W_F32:
+    case NBQ_F32:
         return nbq_f32_matmul(x, rows, w->k, w->codes, w->n, y, threads, norm, eps, flags);
     default:
         return -2;
@@ -122,7 +90,7 @@ int nbq_decode_stack(const nbq_layer *layers, int n_layers, int rows, int hidden
         for (size_t j = 0; j < cells; j++) x[j] = x[j] + h[j];
         failed = project(&L->gate_up, x, rows, wide, threads, L->mlp_norm, eps, 0);
         if (failed) break;
-        failed = project(&L->down, wide, rows, h, threads, NULL, 0.f, 1);
+        failed = project(&L->down, wide, rows, h, threads, NULL, 0.f, NBQ_GATED);
         if (failed) break;
         for (size_t j = 0; j < cells; j++) x[j] = x[j] + h[j];
         if (spent) { t1 = now(); spent[0] += t1 - t0; t0 = t1; }  /* with the residual adds */

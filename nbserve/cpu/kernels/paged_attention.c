@@ -30,6 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "nbserve_kernels.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAS_VECTOR_ATTENTION 1

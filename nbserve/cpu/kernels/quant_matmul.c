@@ -6,18 +6,17 @@
  *       nibble and code j + 16 in its high one (the GGUF Q4_0/Q4_1 order; Q4_0 is m = -8 d);
  *   q8: w = d * q, q a signed byte, 32 bytes a block (the GGUF Q8_0 order).
  * d and m are float16 arrays (N, K / 32), as GGUF stores them, read as float32 (exactly).
- * Everything else is float32, except with the flag ROUND16 on the AVX2 and AVX-512 paths: there
- * inputs of one or two rows are rounded to 16 bits per block of 32 (integer row kernels, faster
- * there). Never
- * to 8 bits as llama.cpp's CPU kernels do: that changed most of the default model's greedy
- * answers, 16 bits none (benchmarks/activation_rounding.py).
+ * Everything else is float32, except with the flag NBQ_ROUND16 on the AVX2 and AVX-512 paths:
+ * there inputs of one or two rows are rounded to 16 bits per block of 32 (integer row kernels,
+ * faster there). Never to 8 bits as llama.cpp's CPU kernels do: that changed most of the
+ * default model's greedy answers, 16 bits none (benchmarks/activation_rounding.py).
  *
  * Two ways, by the number of input rows:
  * - up to ROW_PATH_MAX rows (a lone stream, small batches), the row kernels: output rows shared
  *   among `threads` OpenMP threads, x read once per output row from L1, each weight block
  *   decoded once for up to TILE input rows. The AVX-512 path rebuilds each weight exactly as
  *   GGUF's dequantization does (d * q, then + m) and multiplies it as a float32 model would;
- *   the AVX2 and plain C paths add d * sum(x * q) + m * sum(x) per block. With ROUND16, the
+ *   the AVX2 and plain C paths add d * sum(x * q) + m * sum(x) per block. With NBQ_ROUND16, the
  *   AVX2 and AVX-512 paths do the same over the input's 16-bit codes, in integers (row16: the
  *   same 256-bit code on both; whether an AVX-512 machine takes it or its table path is timed
  *   once per machine, nbserve/cpu/kernels/tuning.py).
@@ -38,6 +37,8 @@
 #include <immintrin.h>
 #endif
 
+#include "nbserve_kernels.h"
+
 #define BLOCK 32
 #define TILE 4
 #define ROW_PATH_MAX 8  /* inputs of up to this many rows take the row kernels (measured
@@ -47,14 +48,10 @@
                           (prefetcht0: the non-temporal hint was slower on both paths;
                           benchmarks/README.md) */
 #define INLINE static inline __attribute__((always_inline))
-enum { Q4, Q8, F32 };  /* weight kinds */
-typedef uint16_t half_t;  /* an IEEE float16: the blocks' scales and minimums */
-
-/* flags of the matmul entry points */
-#define GATED 1     /* x is [a | b]: multiply silu(a) * b */
-#define ROUND16 2   /* inputs of up to ROUND16_MAX_ROWS rows are rounded to 16 bits per block
-                       (round16) for the integer row kernels, where the build has them; other
-                       inputs, and builds without them, keep float32 */
+/* weight kinds NBQ_Q4, NBQ_Q8, NBQ_F32 and flags NBQ_GATED, NBQ_ROUND16: nbserve_kernels.h.
+ * NBQ_ROUND16: inputs of up to ROUND16_MAX_ROWS rows are rounded to 16 bits per block (round16)
+ * for the integer row kernels, where the build has them; other inputs, and builds without
+ * them, keep float32. */
 #define ROUND16_MAX_ROWS 2  /* measured faster up to here; from 4 rows on, as slow or slower
                                than the float32 row kernels, whose weight decoding is shared
                                by the rows (benchmarks/README.md) */
@@ -76,8 +73,6 @@ INLINE float h2f(half_t h) {
     return f;
 #endif
 }
-
-int nbq_row_path_max(void);  /* defined below, with the panels */
 
 int nbq_simd_width(void) {
 #if defined(__AVX512F__)
@@ -153,16 +148,17 @@ INLINE void fma_rows(__m512 w0, __m512 w1, const float *x, int rows, int k, __m5
     }
 }
 
-/* the 32 weights of block b: kind Q4, Q8 (m unused) or F32 (qs: float32 weights, d, m unused) */
+/* the 32 weights of block b: kind NBQ_Q4, NBQ_Q8 (m unused) or NBQ_F32 (qs: float32 weights,
+ * d, m unused) */
 INLINE void block_weights(int kind, const uint8_t *qs, int b, const half_t *d, const half_t *m,
                           __m512 *w0, __m512 *w1) {
-    if (kind == F32) {
+    if (kind == NBQ_F32) {
         *w0 = _mm512_loadu_ps((const float *)qs + b * BLOCK);
         *w1 = _mm512_loadu_ps((const float *)qs + b * BLOCK + 16);
         return;
     }
     __m512 scale = _mm512_set1_ps(h2f(d[b]));
-    if (kind == Q4) {
+    if (kind == NBQ_Q4) {
         const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + b * 16)));
         __m512 table = _mm512_add_ps(_mm512_mul_ps(iota, scale), _mm512_set1_ps(h2f(m[b])));
@@ -204,16 +200,16 @@ INLINE void dot_rows(int kind, const float *x, int rows, int k, const uint8_t *q
 INLINE void q4_row(const float *x, int rows, int k, const uint8_t *qs, const half_t *d,
                    const half_t *m, const float *xs, float *out, int n_out) {
     (void)xs;
-    dot_rows(Q4, x, rows, k, qs, d, m, out, n_out);
+    dot_rows(NBQ_Q4, x, rows, k, qs, d, m, out, n_out);
 }
 
 INLINE void q8_row(const float *x, int rows, int k, const int8_t *qs, const half_t *d,
                    float *out, int n_out) {
-    dot_rows(Q8, x, rows, k, (const uint8_t *)qs, d, d, out, n_out);
+    dot_rows(NBQ_Q8, x, rows, k, (const uint8_t *)qs, d, d, out, n_out);
 }
 
 INLINE void f32_row(const float *x, int rows, int k, const float *w, float *out, int n_out) {
-    dot_rows(F32, x, rows, k, (const uint8_t *)w, NULL, NULL, out, n_out);
+    dot_rows(NBQ_F32, x, rows, k, (const uint8_t *)w, NULL, NULL, out, n_out);
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -322,7 +318,7 @@ INLINE void f32_row(const float *x, int rows, int k, const float *w, float *out,
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* The same with the input rounded to 16 bits per block (flag ROUND16, see round16): x16 the
+/* The same with the input rounded to 16 bits per block (flag NBQ_ROUND16, see round16): x16 the
  * codes, xsc their scales (rows x blocks). A block's products are integers: vpmaddwd (weight
  * code times input code, pairs summed), exact in int32. Eight blocks' sums are gathered into
  * one vector (horizontal adds) and scaled at once by d * the input's scale (the conversion to
@@ -331,7 +327,7 @@ INLINE void f32_row(const float *x, int rows, int k, const float *w, float *out,
 #define HAS_ROUND16 1
 /* one block's 32 weight codes as two vectors of 16 int16, in k order */
 INLINE void codes16(int kind, const uint8_t *qs, int b, __m256i *w0, __m256i *w1) {
-    if (kind == Q4) {  /* low nibbles: codes 0-15, high nibbles: codes 16-31 */
+    if (kind == NBQ_Q4) {  /* low nibbles: codes 0-15, high nibbles: codes 16-31 */
         __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + (size_t)b * 16)));
         *w0 = _mm256_and_si256(c, _mm256_set1_epi16(0x0F));
         *w1 = _mm256_srli_epi16(c, 4);
@@ -393,7 +389,7 @@ INLINE void row16(int kind, const int16_t *x16, const float *xsc, int rows, int 
                                      acc[i]);
         }
     }
-    if (kind == Q8) {
+    if (kind == NBQ_Q8) {
         for (int i = 0; i < rows; i++) out[(size_t)i * n_out] = hsum(acc[i]);
         return;
     }
@@ -402,12 +398,12 @@ INLINE void row16(int kind, const int16_t *x16, const float *xsc, int rows, int 
 
 INLINE void q4_row16(const int16_t *x16, const float *xsc, int rows, int k, const uint8_t *qs,
                      const half_t *d, const half_t *m, const float *xs, float *out, int n_out) {
-    row16(Q4, x16, xsc, rows, k, qs, d, m, xs, out, n_out);
+    row16(NBQ_Q4, x16, xsc, rows, k, qs, d, m, xs, out, n_out);
 }
 
 INLINE void q8_row16(const int16_t *x16, const float *xsc, int rows, int k, const int8_t *qs,
                      const half_t *d, float *out, int n_out) {
-    row16(Q8, x16, xsc, rows, k, (const uint8_t *)qs, d, NULL, NULL, out, n_out);
+    row16(NBQ_Q8, x16, xsc, rows, k, (const uint8_t *)qs, d, NULL, NULL, out, n_out);
 }
 
 #endif
@@ -517,7 +513,7 @@ static void dequant_rows(int kind, const uint8_t *codes, const half_t *d, const 
     for (int r = 0; r < nr; r++) {
         const half_t *rd = d + (size_t)(r0 + r) * nb, *rm = m ? m + (size_t)(r0 + r) * nb : NULL;
         float *out = buf + (size_t)r * k;
-        if (kind == Q4) {
+        if (kind == NBQ_Q4) {
             const uint8_t *q = codes + (size_t)(r0 + r) * (k / 2);
             for (int b = 0; b < nb; b++, q += 16, out += BLOCK) {
                 float scale = h2f(rd[b]), min = h2f(rm[b]);
@@ -621,7 +617,7 @@ static void weight_panel(const float *w, int nw_all, int k, const float *xt, int
 /* the most input rows the row kernels take; more go to the panels */
 int nbq_row_path_max(void) { return ROW_PATH_MAX; }
 
-/* the most input rows that ROUND16 rounds in this build (0: it has no integer row kernels) */
+/* the most input rows that NBQ_ROUND16 rounds in this build (0: it has no integer row kernels) */
 int nbq_round16_max_rows(void) {
 #ifdef HAS_ROUND16
     return ROUND16_MAX_ROWS;
@@ -642,14 +638,14 @@ static int panel_matmul(int kind, const float *x, int rows, int k, const void *c
         for (int j = 0; j < k; j++)
             for (int i = 0; i < lanes; i++)
                 xt[(size_t)j * lanes + i] = i < rows ? x[(size_t)i * k + j] : 0.f;
-        float *buf = kind == F32 ? NULL : malloc(sizeof(float) * (size_t)PANEL * k);
-        if (kind != F32 && !buf) failed = 1;
+        float *buf = kind == NBQ_F32 ? NULL : malloc(sizeof(float) * (size_t)PANEL * k);
+        if (kind != NBQ_F32 && !buf) failed = 1;
         #pragma omp for schedule(static)
         for (int p = 0; p < panels; p++) {
             if (failed) continue;
             int c0 = p * PANEL, nw = n - c0 < PANEL ? n - c0 : PANEL;
-            const float *w = kind == F32 ? (const float *)codes + (size_t)c0 * k : buf;
-            if (kind != F32) dequant_rows(kind, (const uint8_t *)codes, d, m, c0, nw, k, buf);
+            const float *w = kind == NBQ_F32 ? (const float *)codes + (size_t)c0 * k : buf;
+            if (kind != NBQ_F32) dequant_rows(kind, (const uint8_t *)codes, d, m, c0, nw, k, buf);
             weight_panel(w, nw, k, xt, lanes, rows, y + c0, n);
         }
         free(buf);
@@ -658,19 +654,19 @@ static int panel_matmul(int kind, const float *x, int rows, int k, const void *c
     return failed ? -1 : 0;
 }
 
-/* y (R, N) = prepare(x) (R, K) @ w.T for a weight of `kind`: Q4 codes (N, K/2) bytes with
- * d and m (N, K/32); Q8 codes (N, K) signed bytes with d (N, K/32); F32 (N, K) floats.
+/* y (R, N) = prepare(x) (R, K) @ w.T for a weight of `kind`: NBQ_Q4 codes (N, K/2) bytes with
+ * d and m (N, K/32); NBQ_Q8 codes (N, K) signed bytes with d (N, K/32); NBQ_F32 (N, K) floats.
  * Up to ROW_PATH_MAX rows, the row kernels above (on the input rounded to 16 bits with
- * ROUND16 in `flags`, where the build has those kernels); more, the panels.
+ * NBQ_ROUND16 in `flags`, where the build has those kernels); more, the panels.
  * Returns 0, or -1 when out of memory (y is then not written). */
 static int matmul(int kind, const float *x, int rows, int k, const void *codes, const half_t *d,
                   const half_t *m, int n, float *y, int threads, const float *norm, float eps,
                   int flags) {
     int nb = k / BLOCK;
-    size_t row_bytes = kind == Q4 ? (size_t)k / 2 : kind == Q8 ? (size_t)k : (size_t)k * 4;
+    size_t row_bytes = kind == NBQ_Q4 ? (size_t)k / 2 : kind == NBQ_Q8 ? (size_t)k : (size_t)k * 4;
     float *buf, *xs = NULL, *xsc = NULL;
     int16_t *x16 = NULL;
-    x = prepare(x, rows, k, norm, eps, flags & GATED, &buf, threads);
+    x = prepare(x, rows, k, norm, eps, flags & NBQ_GATED, &buf, threads);
     if (!x) return -1;
     if (rows > ROW_PATH_MAX) {
         int failed = panel_matmul(kind, x, rows, k, codes, d, m, n, y, threads);
@@ -678,7 +674,7 @@ static int matmul(int kind, const float *x, int rows, int k, const void *codes, 
         return failed;
     }
 #ifdef HAS_ROUND16
-    if ((flags & ROUND16) && kind != F32 && rows <= ROUND16_MAX_ROWS) {
+    if ((flags & NBQ_ROUND16) && kind != NBQ_F32 && rows <= ROUND16_MAX_ROWS) {
         x16 = malloc(sizeof(int16_t) * (size_t)rows * k);
         xsc = malloc(sizeof(float) * (size_t)rows * nb);
         if (!x16 || !xsc) { free(x16); free(xsc); free(buf); return -1; }
@@ -686,9 +682,9 @@ static int matmul(int kind, const float *x, int rows, int k, const void *codes, 
     }
 #endif
 #ifdef HAS_TABLE_PATH  /* the table path needs no block sums, the 16-bit kernels do */
-    if (kind == Q4 && x16) {
+    if (kind == NBQ_Q4 && x16) {
 #else
-    if (kind == Q4) {
+    if (kind == NBQ_Q4) {
 #endif
         xs = malloc(sizeof(float) * (size_t)rows * nb);
         if (!xs) { free(x16); free(xsc); free(buf); return -1; }
@@ -698,7 +694,7 @@ static int matmul(int kind, const float *x, int rows, int k, const void *codes, 
     for (int r = 0; r < n; r++) {
         const uint8_t *wq = (const uint8_t *)codes + (size_t)r * row_bytes;
         const half_t *wd = d ? d + (size_t)r * nb : NULL, *wm = m ? m + (size_t)r * nb : NULL;
-        if (kind != F32 && r + PREFETCH_ROWS < n) {  /* this thread's row PREFETCH_ROWS on */
+        if (kind != NBQ_F32 && r + PREFETCH_ROWS < n) {  /* this thread's row PREFETCH_ROWS on */
             const char *ahead = (const char *)wq + PREFETCH_ROWS * row_bytes;
             for (size_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(ahead + o, 0, 3);
             __builtin_prefetch(wd + PREFETCH_ROWS * nb, 0, 3);
@@ -712,7 +708,7 @@ static int matmul(int kind, const float *x, int rows, int k, const void *codes, 
             if (x16) {
                 const int16_t *qi = x16 + (size_t)i0 * k;
                 const float *ci = xsc + (size_t)i0 * nb;
-#define ROWS16(T) if (kind == Q4) q4_row16(qi, ci, T, k, wq, wd, wm, si, yi, n); \
+#define ROWS16(T) if (kind == NBQ_Q4) q4_row16(qi, ci, T, k, wq, wd, wm, si, yi, n); \
                   else q8_row16(qi, ci, T, k, (const int8_t *)wq, wd, yi, n)
                 if (t == 1) ROWS16(1);  /* t <= ROUND16_MAX_ROWS */
                 else ROWS16(ROUND16_MAX_ROWS);
@@ -721,8 +717,8 @@ static int matmul(int kind, const float *x, int rows, int k, const void *codes, 
             }
 #endif
             /* constant row counts, so that the accumulators stay in registers */
-#define ROWS(T) if (kind == Q4) q4_row(xi, T, k, wq, wd, wm, si, yi, n); \
-                else if (kind == Q8) q8_row(xi, T, k, (const int8_t *)wq, wd, yi, n); \
+#define ROWS(T) if (kind == NBQ_Q4) q4_row(xi, T, k, wq, wd, wm, si, yi, n); \
+                else if (kind == NBQ_Q8) q8_row(xi, T, k, (const int8_t *)wq, wd, yi, n); \
                 else f32_row(xi, T, k, (const float *)wq, yi, n)
             switch (t) {
             case 1: ROWS(1); break;
@@ -743,15 +739,15 @@ static int matmul(int kind, const float *x, int rows, int k, const void *codes, 
 int nbq_q4_matmul(const float *x, int rows, int k, const uint8_t *codes, const half_t *d,
                   const half_t *m, int n, float *y, int threads, const float *norm, float eps,
                   int flags) {
-    return matmul(Q4, x, rows, k, codes, d, m, n, y, threads, norm, eps, flags);
+    return matmul(NBQ_Q4, x, rows, k, codes, d, m, n, y, threads, norm, eps, flags);
 }
 
 int nbq_q8_matmul(const float *x, int rows, int k, const int8_t *codes, const half_t *d, int n,
                   float *y, int threads, const float *norm, float eps, int flags) {
-    return matmul(Q8, x, rows, k, codes, d, NULL, n, y, threads, norm, eps, flags);
+    return matmul(NBQ_Q8, x, rows, k, codes, d, NULL, n, y, threads, norm, eps, flags);
 }
 
 int nbq_f32_matmul(const float *x, int rows, int k, const float *w, int n, float *y,
                    int threads, const float *norm, float eps, int flags) {
-    return matmul(F32, x, rows, k, w, NULL, NULL, n, y, threads, norm, eps, flags);
+    return matmul(NBQ_F32, x, rows, k, w, NULL, NULL, n, y, threads, norm, eps, flags);
 }

@@ -1,6 +1,6 @@
 """Per-machine choices between kernel paths that only a measurement can make.
 
-One today: whether the 16-bit row kernels (flag ROUND16 of `quant_matmul.c`: steps of one or
+One today: whether the 16-bit row kernels (flag NBQ_ROUND16 of `quant_matmul.c`: steps of one or
 two rows with their inputs rounded to 16 bits per block) beat the exact float32 row kernels. On
 an AVX2 build they are the only fast row path, so they always run. An AVX-512 build has both,
 and which wins depends on the core: the 16-bit kernels were faster on an Intel Xeon, the
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import ROUND16
+from .abi import KernelFlag
 
 _choices: dict[str, bool] = {}  # by library path, for this process
 _lock = threading.Lock()
@@ -76,7 +76,7 @@ def time_row_paths(lib: ctypes.CDLL, threads: int, n: int = 6144, k: int = 1536,
     y = np.empty((1, n), dtype=np.float32)
     best = {"float32": float("inf"), "round16": float("inf")}
     for _ in range(rounds):
-        for path, flags in (("float32", 0), ("round16", ROUND16)):
+        for path, flags in (("float32", 0), ("round16", int(KernelFlag.ROUND16))):
             start = time.perf_counter()
             lib.nbq_q4_matmul(x.ctypes.data, 1, k, codes.ctypes.data, scales.ctypes.data,
                               mins.ctypes.data, n, y.ctypes.data, threads, None, 0.0, flags)

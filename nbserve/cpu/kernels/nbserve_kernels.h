@@ -1,0 +1,96 @@
+/* nbserve's C kernel interface, written once: the weight kinds, the matmul flags, the structs
+ * and the prototypes of every function the library exports. Every .c file includes it, so the
+ * compiler checks each definition against its prototype here; the Python side
+ * (nbserve/cpu/kernels/abi.py) reads this file to declare the ctypes argument types, the
+ * structs and the kind and flag values, so nothing of it is written a second time.
+ *
+ * abi.py parses a small subset of C, so keep to it: named enums with explicit values,
+ * `typedef struct { ... } name;` with fields of the types below (several names a line are
+ * fine), and prototypes `int nbq_name(type name, ...);` on one or more lines. Types: int,
+ * int32_t, float, double, void, and pointers to anything (passed as addresses).
+ */
+#ifndef NBSERVE_KERNELS_H
+#define NBSERVE_KERNELS_H
+
+#include <stdint.h>
+
+typedef uint16_t half_t; /* an IEEE float16: the quantized blocks' scales and minimums */
+
+/* A weight's storage (nbq_weight.kind; the matmul entry point of each). */
+enum nbq_kind {
+    NBQ_Q4 = 0,  /* 4-bit codes with a float16 scale and minimum per block of 32 */
+    NBQ_Q8 = 1,  /* signed 8-bit codes with a float16 scale per block of 32 */
+    NBQ_F32 = 2, /* float32 rows as they are */
+};
+
+/* The matmul entry points' `flags` (nbq_weight.flags holds the weight's own). */
+enum nbq_flag {
+    NBQ_GATED = 1,   /* x is [a | b]: multiply silu(a) * b */
+    NBQ_ROUND16 = 2, /* inputs of a few rows are rounded to 16 bits per block for the integer
+                        row kernels, where the build has them (quant_matmul.c) */
+};
+
+/* One weight: kind NBQ_Q4 (codes, d, m), NBQ_Q8 (codes, d) or NBQ_F32 (codes: the float32
+ * rows); n outputs of k inputs; flags for its matmuls (NBQ_ROUND16 or 0). */
+typedef struct {
+    int32_t kind, n, k, flags;
+    const void *codes;
+    const half_t *d, *m;
+} nbq_weight;
+
+/* One Llama-shaped layer of nbq_decode_stack. */
+typedef struct {
+    nbq_weight qkv, o, gate_up, down;
+    const float *attn_norm, *mlp_norm; /* RMSNorm weights (hidden floats) */
+    void *keys, *values;               /* this layer's cache: (blocks, hkv, block_size, d) */
+} nbq_layer;
+
+/* quant_matmul.c: y (rows, n) = prepare(x) (rows, k) @ w.T, prepare being RMSNorm with `norm`
+ * and `eps` when norm is not NULL, silu(a) * b with NBQ_GATED; 0, or -1 when out of memory. */
+int nbq_q4_matmul(const float *x, int rows, int k, const uint8_t *codes, const half_t *d,
+                  const half_t *m, int n, float *y, int threads, const float *norm, float eps,
+                  int flags);
+int nbq_q8_matmul(const float *x, int rows, int k, const int8_t *codes, const half_t *d, int n,
+                  float *y, int threads, const float *norm, float eps, int flags);
+int nbq_f32_matmul(const float *x, int rows, int k, const float *w, int n, float *y,
+                   int threads, const float *norm, float eps, int flags);
+int nbq_simd_width(void);       /* the floats of the build's vectors: 16, 8 or 1 (plain C) */
+int nbq_row_path_max(void);     /* the most input rows the row kernels take */
+int nbq_round16_max_rows(void); /* the most rows NBQ_ROUND16 rounds (0: no such kernels) */
+
+/* paged_attention.c, over a float32 cache and (_f16) a float16 one; 0, -1 when out of memory,
+ * -2 for invalid arguments. */
+int nbq_paged_lone_attention(const float *heads, int hq, int hkv, int d, const float *cos,
+                             const float *sin_signed, float *keys, float *values,
+                             int block_size, const int32_t *table, int pos, float *out,
+                             int threads);
+int nbq_paged_decode_attention(const float *q, int batch, int hq, int hkv, int d,
+                               const float *keys, const float *values, int block_size,
+                               const int32_t *tables, int table_stride, const int32_t *lengths,
+                               float *out, int threads);
+int nbq_paged_decode_step(const float *heads, int batch, int hq, int hkv, int d,
+                          const float *cos, const float *sin_signed, float *keys, float *values,
+                          int block_size, const int32_t *tables, int table_stride,
+                          const int32_t *positions, float *out, int threads);
+int nbq_paged_lone_attention_f16(const float *heads, int hq, int hkv, int d, const float *cos,
+                                 const float *sin_signed, _Float16 *keys, _Float16 *values,
+                                 int block_size, const int32_t *table, int pos, float *out,
+                                 int threads);
+int nbq_paged_decode_attention_f16(const float *q, int batch, int hq, int hkv, int d,
+                                   const _Float16 *keys, const _Float16 *values, int block_size,
+                                   const int32_t *tables, int table_stride,
+                                   const int32_t *lengths, float *out, int threads);
+int nbq_paged_decode_step_f16(const float *heads, int batch, int hq, int hkv, int d,
+                              const float *cos, const float *sin_signed, _Float16 *keys,
+                              _Float16 *values, int block_size, const int32_t *tables,
+                              int table_stride, const int32_t *positions, float *out,
+                              int threads);
+
+/* decode_stack.c: a decode step through every layer in one call (see there). */
+int nbq_decode_stack(const nbq_layer *layers, int n_layers, int rows, int hidden, int hq,
+                     int hkv, int d, float eps, int kv_f16, int block_size,
+                     const int32_t *tables, int table_stride, const int32_t *positions,
+                     const float *cos, const float *sin_signed, float *x, int threads,
+                     double *spent);
+
+#endif
