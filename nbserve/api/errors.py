@@ -96,10 +96,10 @@ def error_event_to_api(message: str, kind: str, request_id: str) -> APIError:
 # ----------------------------------------------------------------------------- validation
 
 
-def _param(loc: tuple[Any, ...]) -> str | None:
+def _param(loc: tuple[int | str, ...]) -> str | None:
     """('messages', 0, 'user', 'content', 'str') -> 'messages[0].content'."""
     out = ""
-    prev: Any = None
+    prev: int | str | None = None
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"

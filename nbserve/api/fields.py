@@ -14,7 +14,6 @@ import difflib
 import logging
 import re
 from collections.abc import Iterator
-from typing import Any
 
 from pydantic import BaseModel
 
@@ -46,7 +45,7 @@ def _extras(model: BaseModel, path: str) -> Iterator[tuple[str, BaseModel, str]]
         yield from _walk(getattr(model, name), f"{path}.{name}" if path else name)
 
 
-def _walk(value: Any, path: str) -> Iterator[tuple[str, BaseModel, str]]:
+def _walk(value: object, path: str) -> Iterator[tuple[str, BaseModel, str]]:
     if isinstance(value, BaseModel):
         yield from _extras(value, path)
     elif isinstance(value, list):

@@ -3,18 +3,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+from pydantic import BaseModel
 
 _REF = "#/components/schemas/{model}"
 
 
-def body_ref(model: type[Any]) -> dict[str, Any]:
+def body_ref(model: type[BaseModel]) -> dict[str, Any]:
     """openapi_extra for a route that parses its body itself (see `add_request_schemas`)."""
     return {"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": _REF.format(model=model.__name__)}}}}}
 
 
-def add_request_schemas(openapi: dict[str, Any], models: list[type[Any]]) -> None:
+def add_request_schemas(openapi: dict[str, Any], models: Sequence[type[BaseModel]]) -> None:
     """Put the request models (and the models they use) into the document's components."""
     schemas = openapi.setdefault("components", {}).setdefault("schemas", {})
     for model in models:
