@@ -17,16 +17,20 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ..text.json_bounds import bounded_numbers
 from ..text.reasoning import ThoughtRule
+from ..text.tokenizer import TokenizerProtocol
 from ..text.tool_calls import HERMES, JSON_STYLE, ToolFormat, closed_schema, function_of
 from ..types import Constraint, InvalidRequestError, Request
 from .thoughts import after_thought
+
+if TYPE_CHECKING:
+    from llguidance import LLExecutor, LLMatcher
 
 log = logging.getLogger("nbserve.engine")
 
@@ -82,27 +86,27 @@ def grammar_text(c: Constraint) -> str:
 class Grammars:
     """The grammar data of one tokenizer and its compiled grammars. Thread-safe."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]):
+    def __init__(self, tokenizer: TokenizerProtocol, vocab_size: int, stop_ids: Sequence[int]):
         llg = _llg()
         self.vocab_size = vocab_size
-        eos = list(stop_ids) or list(getattr(tokenizer, "eos_token_ids", []))
+        eos = list(stop_ids) or list(tokenizer.eos_token_ids)
         # llguidance reads each token's bytes (the ones logprobs report) and tokenizes through
         # nbserve's tokenizer: a third of the memory of handing it the tokenizer.json, which it
         # would load into a tokenizer of its own
         self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(_ByteTokens(tokenizer, vocab_size,
                                                                            eos)),
                                          n_vocab=vocab_size, eos_token=eos)
-        self._specials = {getattr(tokenizer, "_added", {}).get(i): i
-                          for i in getattr(tokenizer, "special_ids", ())}
+        added = tokenizer.added_tokens
+        self._specials = {added.get(i): i for i in tokenizer.special_ids}
         self._lock = threading.Lock()
-        self._compiled: OrderedDict[str, Any] = OrderedDict()
-        self._executor: Any = None
+        self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
+        self._executor: LLExecutor | None = None
 
     def special_id(self, marker: str) -> int | None:
         """The id of the special token spelled `marker`, if there is one."""
         return self._specials.get(marker)
 
-    def matcher(self, grammar: str, param: str) -> Any:
+    def matcher(self, grammar: str, param: str) -> LLMatcher:
         """A fresh matcher for `grammar`, copied from the compiled one; InvalidRequestError
         (naming `param`) when llguidance cannot compile it."""
         with self._lock:
@@ -150,7 +154,7 @@ class Grammars:
                                answer=answer, special=self.special_id)
         return None if c is None else grammar_text(c)
 
-    def accepts(self, start: Any, text: str) -> bool:
+    def accepts(self, start: LLMatcher, text: str) -> bool:
         """Whether `text` is a whole answer of the grammar whose matcher `start` has consumed
         nothing (`start` is left as it is): a stop string or a stop token may end a
         constrained answer only there."""
@@ -159,7 +163,7 @@ class Grammars:
         return m.try_consume_tokens(ids) == len(ids) and bool(m.is_accepting())
 
     @property
-    def executor(self) -> Any:
+    def executor(self) -> LLExecutor:
         """llguidance's thread pool for a batch's masks (made on first use)."""
         if self._executor is None:
             self._executor = _llg().LLExecutor(num_threads=2)
@@ -170,12 +174,12 @@ class _ByteTokens:
     """What llguidance's TokenizerWrapper reads of a tokenizer: each token's bytes (a special
     token's as llguidance marks them: 0xFF, then its name) and how to tokenize text."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos: list[int]):
+    def __init__(self, tokenizer: TokenizerProtocol, vocab_size: int, eos: list[int]):
         self._tok = tokenizer
         self.eos_token_id = eos[0] if eos else 0
-        self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
-        known = int(getattr(tokenizer, "vocab_size", vocab_size))
-        special = set(getattr(tokenizer, "special_ids", ())) | set(range(known, vocab_size))
+        self.bos_token_id = tokenizer.bos_token_id
+        known = int(tokenizer.vocab_size)
+        special = set(tokenizer.special_ids) | set(range(known, vocab_size))
         self.special_token_ids = sorted(special)  # with the ids past the tokenizer: padding
         self.tokens = [b"\xff" + (tokenizer.decode([i]).encode() if i < known else
                                   f"<[pad {i}]>".encode()) if i in special
@@ -186,17 +190,18 @@ class _ByteTokens:
         return list(self._tok.encode(s))
 
 
-_GRAMMARS: weakref.WeakKeyDictionary[Any, Grammars] = weakref.WeakKeyDictionary()
+_GRAMMARS: weakref.WeakKeyDictionary[TokenizerProtocol, Grammars] = weakref.WeakKeyDictionary()
 _GRAMMARS_LOCK = threading.Lock()
 
 
-def has_grammars(tokenizer: Any, vocab_size: int) -> bool:
+def has_grammars(tokenizer: TokenizerProtocol, vocab_size: int) -> bool:
     """Whether the tokenizer's grammar data is built already."""
     g = _GRAMMARS.get(tokenizer)
     return g is not None and g.vocab_size == vocab_size
 
 
-def grammars_for(tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> Grammars:
+def grammars_for(tokenizer: TokenizerProtocol, vocab_size: int,
+                 stop_ids: Sequence[int]) -> Grammars:
     """The `Grammars` of a tokenizer, built on first use and kept while the tokenizer lives."""
     with _GRAMMARS_LOCK:
         g = _GRAMMARS.get(tokenizer)
@@ -209,7 +214,7 @@ def grammars_for(tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> Gr
 # ----------------------------------------------------------------------------- masks
 
 
-def compute_masks(grammars: Grammars, matchers: Sequence[Any]) -> torch.Tensor:
+def compute_masks(grammars: Grammars, matchers: Sequence[LLMatcher]) -> torch.Tensor:
     """The next-token bitmasks (R, ceil(V / 32)) int32 of `matchers`, in parallel."""
     words = (grammars.vocab_size + 31) // 32
     masks = torch.empty(len(matchers), words, dtype=torch.int32)
@@ -260,7 +265,7 @@ class MaskJob:
     _pool: ThreadPoolExecutor | None = None
     _pool_lock = threading.Lock()
 
-    def __init__(self, grammars: Grammars, rows: list[int], matchers: Sequence[Any]):
+    def __init__(self, grammars: Grammars, rows: list[int], matchers: Sequence[LLMatcher]):
         self.rows = rows  # the batch rows the masks are for
         self._future: Future[torch.Tensor] = self._worker().submit(compute_masks, grammars,
                                                                    list(matchers))
