@@ -403,7 +403,8 @@ class Engine(SyncHelpers):
         # step.py) elsewhere is not matched; ignore_eos holds the end tokens while it may go on
         ends_answer = None if matcher is None else partial(group.grammars.accepts, matcher)
         for i in range(params.n):
-            group.seqs.append(Sequence(group, i, ids))
+            group.seqs.append(Sequence(group, i, ids,
+                                       scores_prompt=params.prompt_logprobs is not None))
             sampler = SeqSampler.create(params, ids, device, seed_offset=i, stop_ids=stop_ids)
             sampler.matcher = None if matcher is None else matcher.deep_copy()
             if matcher is not None and params.ignore_eos:

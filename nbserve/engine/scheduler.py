@@ -31,7 +31,7 @@ __all__ = ["PrefillWork", "Scheduler", "Sequence", "StepPlan", "common_prefix_le
 class Sequence:
     """One choice of one request, as the scheduler sees it."""
 
-    group: Any  # the engine's per-request record (shared by the n choices)
+    group: Any  # the engine's RequestGroup (requests.py imports this module), one a request
     index: int  # choice number within the request
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
@@ -47,6 +47,7 @@ class Sequence:
     copy: tuple[int, int, int] | None = None
     resumed: bool = False  # preempted once: its request was already admitted
     skipped: int = 0  # times a request behind it was admitted first
+    scores_prompt: bool = False  # its prompt's log-probabilities were asked for
 
     @property
     def tokens(self) -> list[int]:
@@ -136,7 +137,7 @@ class Scheduler:
         log-probabilities were asked for (every position's logits are needed)."""
         if seq.output_ids:
             return seq.target
-        if getattr(getattr(seq.group, "params", None), "prompt_logprobs", None) is not None:
+        if seq.scores_prompt:
             return 0
         return seq.target - 1
 

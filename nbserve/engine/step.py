@@ -352,6 +352,8 @@ class EngineStep:
         t1 = time.perf_counter()
         if work.start == 0:
             group.prompt_logprobs = [None]  # the first token: nothing predicts it
+        scored = group.prompt_logprobs
+        assert scored is not None  # set at the first chunk, kept until the prompt is scored
         prompt = seq.prompt_ids
         upto = min(len(work.ids), len(prompt) - 1 - work.start)  # rows that predict the prompt
         if upto > 0:
@@ -362,7 +364,7 @@ class EngineStep:
             top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
             for tok, value, vals, idx in zip(targets.tolist(), chosen, top_v.tolist(),
                                              top_i.tolist()):
-                group.prompt_logprobs.append(self._token_logprob(tok, value, idx, vals))
+                scored.append(self._token_logprob(tok, value, idx, vals))
         self._after_prefill(work, logits[-1:])
         return t1 - t0, time.perf_counter() - t1
 

@@ -34,7 +34,8 @@ from ..text.chat_template import load_chat_template
 from ..text.tokenizer import load_tokenizer
 from . import registry
 from .adapters import RecomputeAdapter, TransformersAdapter
-from .base import LoadedModel
+from .base import LoadedModel, PagedModel, SlotModel, StepModel
+from .nanochat import NanochatModel
 from .weights import count_parameters
 
 M = TypeVar("M")
@@ -66,6 +67,7 @@ def adopt(model: Any, tokenizer: Any = None, *, chat_template: str | ChatTemplat
         return adopt_transformers(model, tokenizer, chat_template=chat_template,
                                   max_context=max_context, name=name,
                                   stop_token_ids=stop_token_ids, verbose=verbose)
+    step: StepModel | SlotModel
     if callable(getattr(model, "make_cache", None)):
         step, how = _checked_step_model(model), "your StepModel, as is"
         if max_context is not None and max_context > int(model.max_context):
@@ -73,9 +75,8 @@ def adopt(model: Any, tokenizer: Any = None, *, chat_template: str | ChatTemplat
                              f"max_context ({model.max_context}); set its attribute to allow more")
     elif isinstance(model, nn.Module) and (native := _take_over_module(model)) is not None:
         _require_tokenizer(model, tokenizer)
-        defaults = getattr(native, "serving_defaults", None)  # nanochat: its format and stops
-        if callable(defaults):
-            tokenizer, own_template, own_stops = defaults(tokenizer)
+        if isinstance(native, NanochatModel):  # its own tokenizer format, template and stops
+            tokenizer, own_template, own_stops = native.serving_defaults(tokenizer)
             chat_template = chat_template or own_template
             stop_token_ids = own_stops if stop_token_ids is None else stop_token_ids
         if max_context is not None:
@@ -106,7 +107,7 @@ def adopt_transformers(model: Any, tokenizer: Any, *,
         raise TypeError(f"{type(model).__name__} is not a causal language model: nbserve serves "
                         "decoder-only models with a language-model head (e.g. "
                         "AutoModelForCausalLM.from_pretrained(...), not AutoModel)")
-    step = take_over(model, max_context=max_context)
+    step: SlotModel | None = take_over(model, max_context=max_context)
     family = registry.for_class_name(type(model).__name__)
     if step is not None and family is not None:
         how = f"nbserve's decoder ({family.name} family, weights shared, no copy)"
@@ -116,7 +117,7 @@ def adopt_transformers(model: Any, tokenizer: Any, *,
     return _bundle(model, step, tokenizer, chat_template, name, stop_token_ids, how, verbose)
 
 
-def take_over(model: Any, max_context: int | None = None) -> Any:
+def take_over(model: Any, max_context: int | None = None) -> PagedModel | None:
     """nbserve's own model (from the registry) over `model`'s own parameter tensors, or None
     (with the reason printed) when the architecture or its options are not ones nbserve
     implements."""
@@ -136,31 +137,32 @@ def take_over(model: Any, max_context: int | None = None) -> Any:
         if max_context is not None:
             cfg.max_position_embeddings = int(max_context)
         device, dtype = placements.pop()
-        step = family.build(cfg, params, device=device, dtype=dtype, transposed_head=False,
-                            fuse=False, pack=False)
+        step: PagedModel = family.build(cfg, params, device=device, dtype=dtype,
+                                        transposed_head=False, fuse=False, pack=False)
     except ValueError as exc:
         print(f"nbserve: {arch} cannot use nbserve's own model ({exc}); serving it through "
               "TransformersAdapter", flush=True)
         return None
-    _assert_shared(step, [p for _, p in params])
+    if isinstance(step, nn.Module):
+        _assert_shared(step, [p for _, p in params])
     return step
 
 
-def _take_over_module(module: nn.Module) -> Any:
+def _take_over_module(module: nn.Module) -> PagedModel | None:
     """nbserve's decoder over a plain module of a native family (nanoGPT, nanochat), or None;
     a module of such a family that cannot be taken over says why and goes to the adapter."""
     try:
-        step = registry.for_module(module)
+        step: PagedModel | None = registry.for_module(module)
     except ValueError as exc:
         print(f"nbserve: {type(module).__name__} cannot use nbserve's own model ({exc}); "
               "serving it through RecomputeAdapter", flush=True)
         return None
-    if step is not None:
+    if isinstance(step, nn.Module):
         _assert_shared(step, list(module.parameters()))
     return step
 
 
-def _assert_shared(step: Any, theirs: list[torch.Tensor]) -> None:
+def _assert_shared(step: nn.Module, theirs: list[torch.Tensor]) -> None:
     """Every parameter of `step` lives in the memory of one of `theirs` (views allowed)."""
     storages = {p.untyped_storage().data_ptr() for p in theirs}
     ours = {p.untyped_storage().data_ptr() for p in step.parameters()}
@@ -178,7 +180,8 @@ def snapshot(module: M) -> M:
     return frozen
 
 
-def check_placement(step: Any, device: Any = None, dtype: torch.dtype | None = None) -> None:
+def check_placement(step: StepModel | SlotModel, device: str | torch.device | None = None,
+                    dtype: torch.dtype | None = None) -> None:
     """Raise when `device`/`dtype` were asked for but the in-memory model is elsewhere: it is
     served where it is, never moved or copied."""
     have = torch.device(step.device)
@@ -199,7 +202,7 @@ def _is_transformers_model(obj: Any) -> bool:
     return tf is not None and isinstance(obj, tf.PreTrainedModel)
 
 
-def _checked_step_model(model: Any) -> Any:
+def _checked_step_model(model: Any) -> StepModel:
     """`model` if it has what the StepModel protocol asks for, else a TypeError saying what."""
     what = type(model).__name__
     missing = [a for a in ("max_context", "vocab_size", "device", "dtype")
@@ -217,7 +220,8 @@ def _checked_step_model(model: Any) -> Any:
     return model
 
 
-def _bundle(model: Any, step: Any, tokenizer: Any, chat_template: Any, name: str | None,
+def _bundle(model: object, step: StepModel | SlotModel, tokenizer: Any,
+            chat_template: str | ChatTemplate | None, name: str | None,
             stop_token_ids: Iterable[int] | None, how: str, verbose: bool) -> LoadedModel:
     """Tokenizer, template and stop ids around a StepModel, and a summary line."""
     _require_tokenizer(model, tokenizer)
@@ -226,7 +230,7 @@ def _bundle(model: Any, step: Any, tokenizer: Any, chat_template: Any, name: str
     template = _template(chat_template, tokenizer, name, verbose)
     stops = _stop_ids(stop_token_ids, tok, model, template, int(step.vocab_size))
     if verbose:
-        n = count_parameters(step)[0] if callable(getattr(step, "parameters", None)) else 0
+        n = count_parameters(step)[0] if isinstance(step, nn.Module) else 0
         size = f"{n / 1e6:.1f}M parameters, " if n else ""
         print(f"nbserve: serving {name} ({type(model).__name__}, {size}"
               f"{str(step.dtype).replace('torch.', '')}, {step.device}) through {how}",
@@ -235,18 +239,19 @@ def _bundle(model: Any, step: Any, tokenizer: Any, chat_template: Any, name: str
                        stop_token_ids=stops, source=f"<{type(model).__name__} in memory>")
 
 
-def _require_tokenizer(model: Any, tokenizer: Any) -> None:
+def _require_tokenizer(model: object, tokenizer: Any) -> None:
     if tokenizer is None:
         raise TypeError(f"serving a {type(model).__name__} needs its tokenizer: pass "
                         "tokenizer=... (e.g. nbserve.launch(model, tokenizer=tok)). " + ACCEPTED)
 
 
-def _default_name(model: Any) -> str:
+def _default_name(model: object) -> str:
     path = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
     return Path(str(path)).name or type(model).__name__
 
 
-def _template(chat_template: Any, tokenizer: Any, name: str, verbose: bool) -> ChatTemplate:
+def _template(chat_template: str | os.PathLike[str] | ChatTemplate | None, tokenizer: Any,
+              name: str, verbose: bool) -> ChatTemplate:
     if isinstance(chat_template, ChatTemplate):
         return chat_template
     specials: dict[str, Any] = {
@@ -273,7 +278,7 @@ def _template(chat_template: Any, tokenizer: Any, name: str, verbose: bool) -> C
     return ChatTemplate.default()
 
 
-def _ids(value: Any) -> list[int]:
+def _ids(value: object) -> list[int]:
     if isinstance(value, int) and not isinstance(value, bool):
         return [value]
     if isinstance(value, (list, tuple, set)):
@@ -281,7 +286,7 @@ def _ids(value: Any) -> list[int]:
     return []
 
 
-def _stop_ids(explicit: Iterable[int] | None, tok: Tokenizer, model: Any,
+def _stop_ids(explicit: Iterable[int] | None, tok: Tokenizer, model: object,
               template: ChatTemplate, vocab_size: int) -> list[int]:
     """`explicit`, else the tokenizer's EOS ids, the model's own (StepModel `stop_token_ids`,
     generation/model config `eos_token_id`) and `<|im_end|>` under the default template."""

@@ -86,8 +86,12 @@ class StepModel(Protocol):
 
     max_context: int
     vocab_size: int
-    device: torch.device
-    dtype: torch.dtype
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
 
     def make_cache(self, max_batch: int, max_context: int) -> Any: ...
 
