@@ -11,6 +11,7 @@ vocabulary, quantized experts, and the refusals of what nbserve would misread.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -43,9 +44,10 @@ from tokenizers import (
 from tokenizers import pre_tokenizers as pre
 from transformers.tokenization_utils_base import generate_merges
 
-from nbserve.loading import gguf_archs
 from nbserve.loading.gguf import read_gguf, read_quant_blocks
 from nbserve.models import registry
+from nbserve.models.families import gemma
+from nbserve.models.family import GGUFKeys
 
 TEXTS = [
     "Hello, world! What's the capital of France? I'LL say it's Paris.",
@@ -134,29 +136,6 @@ KEYS = {
 # Pre-tokenizer names the helper cannot infer from tokenizer.json (OLMo 2's is "dbrx", a
 # cl100k vocabulary split like Llama 3's).
 _PRE = {"dbrx": "dbrx"}
-_HF_NAMES = {layout.hf_architecture for layout in gguf_archs.LAYOUTS.values()}
-
-
-def _unbuilt(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("test stand-in: this family reads GGUF files, it builds nothing")
-
-
-@pytest.fixture(autouse=True)
-def served(monkeypatch):
-    """The architectures here registered as served where the registry does not serve them yet
-    (the real families take precedence); the registry is restored after each test."""
-    registry.families()  # built-ins first
-    monkeypatch.setattr(registry, "_FAMILIES", list(registry._FAMILIES))
-    known = registry.gguf_architectures()
-    missing = {arch: gguf_archs.LAYOUTS[name].hf_architecture
-               for arch, name in gguf_archs.GGUF_LAYOUTS.items() if arch not in known}
-    unserved = tuple(sorted(n for n in _HF_NAMES if registry.for_class_name(n) is None))
-    registry.register(registry.Family(
-        name="gguf-families-test", hf_architectures=unserved, model_types=(),
-        gguf_architectures=missing, read_config=_unbuilt, build=_unbuilt,
-        description="test stand-in"))
-
-
 # --- tokenizers -------------------------------------------------------------------------------
 
 _GEMMA_CORPUS = """\
@@ -317,7 +296,7 @@ def test_load_gguf_computes_the_checkpoint(case_dirs, tmp_path, case):
     """The family nbserve registers for the file serves it: logits as transformers'."""
     family = registry.for_class_name(json.loads(
         (case_dirs[case] / "config.json").read_text())["architectures"][0])
-    if family is None or family.name == "gguf-families-test":
+    if family is None:
         pytest.skip(f"no nbserve family serves {case} yet")
     from nbserve.loading.gguf import load_gguf
 
@@ -394,7 +373,7 @@ def test_gemma_query_scalar_as_llama_cpp_takes_it(layers, hidden, heads, head_di
                                                   period):
     cfg = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
            "head_dim": head_dim}
-    assert gguf_archs._attention_scalar(cfg, period) == scalar
+    assert gemma.attention_scalar(cfg, period) == scalar
 
 
 def test_sliding_pattern_given_per_layer(case_dirs, tmp_path):
@@ -474,3 +453,44 @@ def test_refuses_a_stray_tensor(case_dirs, tmp_path):
                           extra_tensors={"output.weight": np.zeros((4, 64), np.float32)})
     with pytest.raises(ValueError, match=r"unexpected tensor 'output.weight'.*'gemma2'"):
         read_gguf(path)
+
+
+# --- a family's GGUF identity lives in its family file ------------------------------------------
+
+
+def test_a_registered_familys_gguf_layout_is_what_the_loader_reads(case_dirs, tmp_path,
+                                                                   monkeypatch):
+    """A family registered with its own `GGUFLayout` for an architecture is read through that
+    layout: its key reader and its tensor names, nothing repeated in loading/."""
+    registry.families()
+    monkeypatch.setattr(registry, "_FAMILIES", list(registry._FAMILIES))
+    qwen3 = next(f for f in registry.families() if f.name == "qwen3")
+    (layout,) = qwen3.gguf
+    seen: list[int] = []
+
+    def read_keys(keys: GGUFKeys, cfg: dict[str, Any]) -> None:
+        assert layout.read_keys is not None
+        layout.read_keys(keys, cfg)
+        seen.append(keys.get_int("block_count"))
+        cfg["rope_theta"] = 12345.0
+
+    registry.register(dataclasses.replace(
+        qwen3, gguf=(dataclasses.replace(layout, read_keys=read_keys),)))
+    ckpt = read_gguf(hf_dir_to_gguf(case_dirs["qwen3"], tmp_path / "m.gguf"))
+    assert seen == [ckpt.hf_config["num_hidden_layers"]]
+    assert ckpt.hf_config["rope_theta"] == 12345.0
+    assert registry.gguf_layout("qwen3") is not layout
+
+    # a family that stops declaring the architecture: files of it are refused, listed as unread
+    registry.register(dataclasses.replace(qwen3, gguf=()))
+    assert "qwen3" not in registry.gguf_architectures()
+    with pytest.raises(ValueError, match=r"architecture 'qwen3'; nbserve reads"):
+        read_gguf(hf_dir_to_gguf(case_dirs["qwen3"], tmp_path / "n.gguf"))
+
+
+def test_a_gguf_llama_with_experts_reads_as_mixtral() -> None:
+    layouts = {(arch, n): registry.gguf_layout(arch, n)
+               for arch, n in (("llama", 0), ("llama", 8), ("qwen3moe", 8), ("mamba", 0))}
+    names = {k: None if v is None else v.hf_architecture for k, v in layouts.items()}
+    assert names == {("llama", 0): "LlamaForCausalLM", ("llama", 8): "MixtralForCausalLM",
+                     ("qwen3moe", 8): "Qwen3MoeForCausalLM", ("mamba", 0): None}

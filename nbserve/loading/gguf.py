@@ -1,8 +1,8 @@
 """Read a llama.cpp GGUF file: a config.json-style dict, HF-named tensors and a rebuilt tokenizer.
 
-Tensors are dequantized one at a time and what llama.cpp's converter did to them is undone (per
-architecture, in gguf_archs.py: Q/K row order, Gemma's +1 norms, GPT-2's transposes, stacked
-experts split), so the result feeds the same builder as a Hugging Face folder.
+Tensors are dequantized one at a time and what llama.cpp's converter did to them is undone (as
+each family file declares it, applied in gguf_archs.py: Q/K row order, Gemma's +1 norms, GPT-2's
+transposes, stacked experts split), so the result feeds the same builder as a Hugging Face folder.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 
 from ..models import registry
 from ..models.base import LoadedModel
-from .gguf_archs import CONFIG_ONLY, Meta, Rule, hf_config, layout_of, tensor_rule, unpermute_qk
+from ..models.family import GGUFLayout
+from .gguf_archs import CONFIG_ONLY, Meta, Rule, hf_config, tensor_rule, unpermute_qk
 from .gguf_reader import BulkArrayReader
 
 if TYPE_CHECKING:
@@ -73,17 +74,17 @@ class GGUFCheckpoint:
 class GGUFTensors:
     """Re-iterable stream of (hf_name, tensor): each tensor is dequantized only when reached."""
 
-    def __init__(self, path: Path, tensors: list[ReaderTensor], arch: str, cfg: dict[str, Any],
-                 dtype: torch.dtype) -> None:
+    def __init__(self, path: Path, tensors: list[ReaderTensor], layout: GGUFLayout,
+                 cfg: dict[str, Any], dtype: torch.dtype) -> None:
         self._path, self._dtype = path, dtype
         self._plan: list[tuple[ReaderTensor, Rule]] = []
         for t in tensors:
             if t.name in CONFIG_ONLY:
                 continue
-            rule = tensor_rule(t, arch, cfg)
+            rule = tensor_rule(t, layout, cfg)
             if rule is None:
                 raise ValueError(f"unexpected tensor {t.name!r} in {path} for architecture "
-                                 f"{arch!r} (read as {cfg['architectures'][0]})")
+                                 f"{layout.architecture!r} (read as {cfg['architectures'][0]})")
             self._plan.append((t, rule))
 
     def __len__(self) -> int:
@@ -133,8 +134,8 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheck
                 "which nbserve does not "
                 f"dequantize; supported: {', '.join(q.name for q in SUPPORTED_TYPES)}. "
                 "Use a GGUF quantized with one of these (e.g. Q4_K_M, Q8_0 or F16).")
-    arch, cfg = _checked_config(meta, reader, path)
-    tensors = GGUFTensors(path, list(reader.tensors), arch, cfg, dtype)
+    layout, cfg = _checked_config(meta, reader, path)
+    tensors = GGUFTensors(path, list(reader.tensors), layout, cfg, dtype)
     tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
     if not tokens:
         raise ValueError(f"{path} carries no tokenizer (tokenizer.ggml.tokens is missing)")
@@ -149,21 +150,16 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheck
         add_bos_token=add_bos)
 
 
-def _checked_config(meta: Meta, reader: GGUFReader, path: Path) -> tuple[str, dict[str, Any]]:
-    """(architecture, config dict) of a file whose architecture a registered family serves."""
+def _checked_config(meta: Meta, reader: GGUFReader, path: Path
+                    ) -> tuple[GGUFLayout, dict[str, Any]]:
+    """(layout, config dict) of a file whose architecture a registered family reads."""
     arch = meta.get("general.architecture")
-    known = registry.gguf_architectures()
-    if arch not in known:
+    layout = registry.gguf_layout(arch, int(meta.get(f"{arch}.expert_count") or 0))
+    if layout is None:
+        known = registry.gguf_architectures()
         raise ValueError(f"{path} has architecture {arch!r}; nbserve reads GGUF architectures "
                          f"{', '.join(known)} ({'; '.join(registry.descriptions())}).")
-    experts = int(meta.get(f"{arch}.expert_count") or 0)
-    layout = layout_of(arch, experts)
-    hf_arch = layout.hf_architecture if experts and layout else known[arch]
-    if experts and registry.for_class_name(hf_arch) is None:
-        raise ValueError(f"{path} is a mixture-of-experts model ({arch} with {experts} experts, "
-                         f"read as {hf_arch}), and no nbserve family serves {hf_arch}; "
-                         f"nbserve serves {', '.join(registry.native_architectures())}")
-    return arch, hf_config(meta, arch, hf_arch, {t.name: t for t in reader.tensors}, path)
+    return layout, hf_config(meta, layout, {t.name: t for t in reader.tensors}, path)
 
 
 def read_quant_blocks(path: str | Path) -> dict[str, QuantBlocks]:
@@ -171,8 +167,8 @@ def read_quant_blocks(path: str | Path) -> dict[str, QuantBlocks]:
     without building its tokenizer (which `read_gguf` does)."""
     path = Path(path).expanduser()
     reader = _open(path)
-    arch, cfg = _checked_config(Meta(reader), reader, path)
-    return GGUFTensors(path, list(reader.tensors), arch, cfg, torch.float32).quant_blocks()
+    layout, cfg = _checked_config(Meta(reader), reader, path)
+    return GGUFTensors(path, list(reader.tensors), layout, cfg, torch.float32).quant_blocks()
 
 
 def load_gguf(path: str | Path, device: str | torch.device | None = None,

@@ -1,28 +1,33 @@
-"""Per GGUF architecture: metadata -> config.json keys, GGUF tensors -> HF names and values.
+"""GGUF metadata -> config.json keys, GGUF tensors -> HF names and values.
 
 llama.cpp's converter (convert_hf_to_gguf.py) writes each architecture its own way: which
 hyperparameters it keeps, which it leaves to llama.cpp's defaults (Gemma 2's softcaps and
 sliding pattern, SmolLM3's no-RoPE layers, Qwen3-MoE's normalized top-k), and what it does to
 tensors (Q/K rows interleaved for llama and smollm3, Gemma's norms stored +1, GPT-2's Conv1D
-weights transposed, experts stacked into one 3-D tensor per projection). This module undoes
-that, so a file reads as the Hugging Face checkpoint it came from. GGUF tensor names come from
-the `gguf` package's own map (`gguf.get_tensor_name_map`), asked with each layout's HF names.
+weights transposed, experts stacked into one 3-D tensor per projection). Each family file
+declares that for its architectures (`models.family.GGUFLayout`, found through
+`models.registry.gguf_layout`); this module applies it, with the keys and refusals every
+architecture shares, so a file reads as the Hugging Face checkpoint it came from. GGUF tensor
+names come from the `gguf` package's own map (`gguf.get_tensor_name_map`), asked with each
+layout's HF names.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import gguf
 import numpy as np
 import torch
 from gguf import GGUFReader, ReaderTensor, TokenType
 from gguf.quants import dequantize
+
+from ..models.family import GGUFLayout
 
 # Tensors that only carry configuration (folded into rope_scaling), never served as weights.
 CONFIG_ONLY = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
@@ -54,78 +59,14 @@ def f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-# --- layouts: the HF modules of each model type, and what the converter did to them ----------
-
-_ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
-_QK_NORM = ("self_attn.q_norm", "self_attn.k_norm")
-_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-_NORMS = ("input_layernorm", "post_attention_layernorm")
-_GEMMA_NORMS = _NORMS + ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-_TOP = ("model.embed_tokens", "model.norm", "lm_head")
-
-
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """One HF model type's tensor names. `{xid}` in a block module marks one of a stack of
-    experts (GGUF keeps them as one 3-D tensor, first axis the expert)."""
-
-    model_type: str
-    hf_architecture: str
-    top: tuple[str, ...]
-    block_prefix: str
-    block: tuple[str, ...]
-    permuted_qk: bool = False  # llama.cpp's RoPE row order (LlamaModel.permute in the converter)
-    norm_shift: float = 0.0  # added to every `*norm.weight` by the converter (Gemma: 1)
-    conv1d: tuple[str, ...] = ()  # Conv1D weights (in, out) the converter transposed (GPT-2)
-
-
-_L = "model.layers.{bid}."
-LAYOUTS = {
-    "llama": Layout("llama", "LlamaForCausalLM", _TOP, _L, _NORMS + _ATTN + _MLP,
-                    permuted_qk=True),
-    "mixtral": Layout("mixtral", "MixtralForCausalLM", _TOP, _L, _NORMS + _ATTN + (
-        "block_sparse_moe.gate", "block_sparse_moe.experts.{xid}.w1",
-        "block_sparse_moe.experts.{xid}.w2", "block_sparse_moe.experts.{xid}.w3"),
-        permuted_qk=True),
-    "qwen2": Layout("qwen2", "Qwen2ForCausalLM", _TOP, _L, _NORMS + _ATTN + _MLP),
-    "qwen3": Layout("qwen3", "Qwen3ForCausalLM", _TOP, _L, _NORMS + _ATTN + _QK_NORM + _MLP),
-    "qwen3_moe": Layout("qwen3_moe", "Qwen3MoeForCausalLM", _TOP, _L, _NORMS + _ATTN + _QK_NORM + (
-        "mlp.gate", "mlp.experts.{xid}.gate_proj", "mlp.experts.{xid}.up_proj",
-        "mlp.experts.{xid}.down_proj")),
-    "smollm3": Layout("smollm3", "SmolLM3ForCausalLM", _TOP, _L, _NORMS + _ATTN + _MLP,
-                      permuted_qk=True),
-    "olmo2": Layout("olmo2", "Olmo2ForCausalLM", _TOP, _L, (
-        "post_attention_layernorm", "post_feedforward_layernorm") + _ATTN + _QK_NORM + _MLP),
-    "gemma2": Layout("gemma2", "Gemma2ForCausalLM", _TOP, _L, _GEMMA_NORMS + _ATTN + _MLP,
-                     norm_shift=1.0),
-    "gemma3_text": Layout("gemma3_text", "Gemma3ForCausalLM", _TOP, _L,
-                          _GEMMA_NORMS + _ATTN + _QK_NORM + _MLP, norm_shift=1.0),
-    "phi3": Layout("phi3", "Phi3ForCausalLM", _TOP, _L, _NORMS + (
-        "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")),
-    "gpt2": Layout("gpt2", "GPT2LMHeadModel", (
-        "transformer.wte", "transformer.wpe", "transformer.ln_f", "lm_head"),
-        "transformer.h.{bid}.", ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc",
-                                 "mlp.c_proj"),
-        conv1d=("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")),
-}
-# GGUF architecture -> the layout of its dense files (llama with experts reads as Mixtral).
-GGUF_LAYOUTS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-                "smollm3": "smollm3", "olmo2": "olmo2", "gemma2": "gemma2",
-                "gemma3": "gemma3_text", "phi3": "phi3", "gpt2": "gpt2"}
-
-
-def layout_of(arch: str, expert_count: int) -> Layout | None:
-    """The layout a file of GGUF architecture `arch` reads as; None if nbserve has none."""
-    if arch == "llama" and expert_count:
-        return LAYOUTS["mixtral"]
-    name = GGUF_LAYOUTS.get(arch)
-    return LAYOUTS[name] if name else None
+# --- tensors: GGUF names -> HF names, with what the converter did undone -----------------------
 
 
 @functools.cache
-def _gguf_to_hf(arch: str, model_type: str) -> tuple[dict[str, str], dict[str, str]]:
-    """(top-level, per-block) GGUF name -> HF module, from `gguf`'s name map for `arch`."""
-    layout = LAYOUTS[model_type]
+def _gguf_to_hf(layout: GGUFLayout) -> tuple[dict[str, str], dict[str, str]]:
+    """(top-level, per-block) GGUF name -> HF module, from `gguf`'s name map for the layout's
+    architecture."""
+    arch = layout.architecture
     tmap = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], 1)
     top: dict[str, str] = {}
     for module in layout.top:
@@ -172,11 +113,10 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
             .reshape(w.shape))
 
 
-def tensor_rule(t: ReaderTensor, arch: str, cfg: dict[str, Any]) -> Rule | None:
-    """The rule for GGUF tensor `t` of a file read as `cfg`; None if the layout has no such
-    tensor."""
-    layout = LAYOUTS[cfg["model_type"]]
-    top, block = _gguf_to_hf(arch, layout.model_type)
+def tensor_rule(t: ReaderTensor, layout: GGUFLayout, cfg: dict[str, Any]) -> Rule | None:
+    """The rule for GGUF tensor `t` of a file read as `cfg` through `layout`; None if the
+    layout has no such tensor."""
+    top, block = _gguf_to_hf(layout)
     base, _, suffix = t.name.rpartition(".")
     parts = base.split(".")
     if base in top:
@@ -203,10 +143,12 @@ def tensor_rule(t: ReaderTensor, arch: str, cfg: dict[str, Any]) -> Rule | None:
 
 
 class _Keys:
-    """`{arch}.*` metadata with the refusals every reader needs (missing, per-layer arrays)."""
+    """`{arch}.*` metadata with the refusals every reader needs (missing, per-layer arrays),
+    and the tensors' shapes: what a family's reader sees of a file (`models.family.GGUFKeys`)."""
 
-    def __init__(self, meta: Meta, arch: str, path: Path) -> None:
-        self.meta, self.arch, self.path = meta, arch, path
+    def __init__(self, meta: Meta, arch: str, path: Path,
+                 by_name: dict[str, ReaderTensor]) -> None:
+        self.meta, self.arch, self.path, self.by_name = meta, arch, path, by_name
 
     def key(self, name: str) -> str:
         return f"{self.arch}.{name}"
@@ -231,16 +173,24 @@ class _Keys:
                              "is it a complete file?")
         return value
 
-    def int(self, name: str, default: int | None = None) -> int | None:
+    def get_int(self, name: str, default: int | None = None) -> int | None:
         value = self._scalar(name, default)
         return None if value is None else int(value)
 
-    def float(self, name: str, default: float | None = None) -> float | None:
+    def get_float(self, name: str, default: float | None = None) -> float | None:
         value = self._scalar(name, default)
         return None if value is None else f32(value)
 
-    def refuse(self, name: str, why: str) -> None:
+    def refuse(self, name: str, why: str) -> NoReturn:
         raise ValueError(f"{self.path} has {self.key(name)} = {self.raw(name)!r}: {why}")
+
+    def tensor_shape(self, name: str) -> tuple[int, ...] | None:
+        t = self.by_name.get(name)
+        return None if t is None else tuple(int(n) for n in t.shape)
+
+    def tensor_values(self, name: str) -> list[float]:
+        t = self.by_name[name]
+        return [f32(x) for x in dequantize(t.data, t.tensor_type).reshape(-1)]
 
 
 # Keys that change the computation in ways no supported layout has: refused when present with
@@ -256,27 +206,20 @@ _UNSUPPORTED: dict[str, Any] = {
 }
 
 
-def hf_config(meta: Meta, arch: str, hf_architecture: str, by_name: dict[str, ReaderTensor],
+def hf_config(meta: Meta, layout: GGUFLayout, by_name: dict[str, ReaderTensor],
               path: Path) -> dict[str, Any]:
     """config.json-style dict from `{arch}.*` keys, tensor shapes and special-token ids, with
-    the keys the model type's config.json holds."""
-    keys = _Keys(meta, arch, path)
-    experts = int(keys.raw("expert_count") or 0)
-    layout = layout_of(arch, experts)
-    if layout is None:
-        raise ValueError(f"{path}: nbserve has no reader for GGUF architecture {arch!r}")
+    the keys the model type's config.json holds (the family's `read_keys` adds its own)."""
+    keys = _Keys(meta, layout.architecture, path, by_name)
     for name, neutral in _UNSUPPORTED.items():
         if keys.has(name) and (neutral is None or keys.raw(name) != neutral):
             keys.refuse(name, "nbserve's model does not compute this")
     if "token_embd.weight" not in by_name:
         raise ValueError(f"{path} has no token_embd.weight tensor; is it a complete model file?")
-    if layout.model_type == "gpt2":
-        cfg = _gpt2(keys, by_name)
-    else:
-        cfg = _decoder(keys, layout, by_name)
-        _SPECIFIC.get(layout.model_type, lambda k, c, b: None)(keys, cfg, by_name)
-    arch_name = hf_architecture if layout.model_type != "mixtral" else layout.hf_architecture
-    return {"architectures": [arch_name], "model_type": layout.model_type, **cfg,
+    cfg = _decoder(keys, layout, by_name) if layout.decoder_keys else {}
+    if layout.read_keys is not None:
+        layout.read_keys(keys, cfg)
+    return {"architectures": [layout.hf_architecture], "model_type": layout.model_type, **cfg,
             **_special_ids(meta)}
 
 
@@ -284,23 +227,24 @@ def _rows(by_name: dict[str, ReaderTensor], name: str) -> int:
     return int(by_name[name].shape[1])  # GGUF shapes are (ne0, ne1): ne1 counts rows
 
 
-def _decoder(keys: _Keys, layout: Layout, by_name: dict[str, ReaderTensor]) -> dict[str, Any]:
+def _decoder(keys: _Keys, layout: GGUFLayout, by_name: dict[str, ReaderTensor]) -> dict[str, Any]:
     """The keys every RoPE decoder here shares (Llama's config.json names)."""
     hidden, heads = int(keys.need("embedding_length")), int(keys.need("attention.head_count"))
-    head_dim = keys.int("attention.key_length") or hidden // heads
-    value_dim = keys.int("attention.value_length") or head_dim
+    head_dim = keys.get_int("attention.key_length") or hidden // heads
+    value_dim = keys.get_int("attention.value_length") or head_dim
     if value_dim != head_dim:
         keys.refuse("attention.value_length", f"values of another size than keys ({head_dim})")
     for name in ("attention.key_length_swa", "attention.value_length_swa"):
-        if keys.has(name) and keys.int(name) != head_dim:
+        if keys.has(name) and keys.get_int(name) != head_dim:
             keys.refuse(name, "sliding-window layers with another head size")
-    rope_dim = keys.int("rope.dimension_count")
-    if rope_dim is not None and rope_dim != head_dim and layout.model_type != "phi3":
+    rope_dim = keys.get_int("rope.dimension_count")
+    if rope_dim is not None and rope_dim != head_dim and not layout.partial_rotary:
         keys.refuse("rope.dimension_count", f"RoPE over part of the {head_dim} head dimensions, "
                                             f"which {layout.hf_architecture} does not do")
-    if keys.has("rope.dimension_count_swa") and keys.int("rope.dimension_count_swa") != rope_dim:
+    swa_dim = keys.get_int("rope.dimension_count_swa", rope_dim)
+    if keys.has("rope.dimension_count_swa") and swa_dim != rope_dim:
         keys.refuse("rope.dimension_count_swa", "another RoPE size in sliding-window layers")
-    theta = keys.float("rope.freq_base", 10000.0)
+    theta = keys.get_float("rope.freq_base", 10000.0)
     assert theta is not None
     return {
         "vocab_size": _rows(by_name, "token_embd.weight"),
@@ -308,192 +252,14 @@ def _decoder(keys: _Keys, layout: Layout, by_name: dict[str, ReaderTensor]) -> d
         "intermediate_size": int(keys.need("feed_forward_length")),
         "num_hidden_layers": int(keys.need("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": keys.int("attention.head_count_kv") or heads,
+        "num_key_value_heads": keys.get_int("attention.head_count_kv") or heads,
         "head_dim": head_dim,
-        "max_position_embeddings": keys.int("context_length", 2048),
+        "max_position_embeddings": keys.get_int("context_length", 2048),
         "rms_norm_eps": f32(keys.need("attention.layer_norm_rms_epsilon")),
         "rope_theta": theta,
         "rope_scaling": rope_scaling(keys, by_name.get("rope_freqs.weight"), theta, head_dim),
         "tie_word_embeddings": "output.weight" not in by_name,
         "attention_bias": "blk.0.attn_q.bias" in by_name or "blk.0.attn_qkv.bias" in by_name,
-    }
-
-
-def _no_sliding_window(cfg: dict[str, Any]) -> None:
-    cfg.update(use_sliding_window=False, sliding_window=None,
-               layer_types=["full_attention"] * cfg["num_hidden_layers"])
-
-
-def _qwen3(keys: _Keys, cfg: dict[str, Any], by_name: dict[str, ReaderTensor]) -> None:
-    _no_sliding_window(cfg)
-
-
-def _moe(keys: _Keys, cfg: dict[str, Any], by_name: dict[str, ReaderTensor]) -> tuple[int, int]:
-    """(experts, experts per token), every layer checked to route (no dense layers between)."""
-    experts, used = keys.int("expert_count") or 0, keys.int("expert_used_count") or 0
-    if not experts or not used:
-        raise ValueError(f"{keys.path} lacks {keys.key('expert_count')} or "
-                         f"{keys.key('expert_used_count')}; is it a complete file?")
-    dense = [i for i in range(cfg["num_hidden_layers"]) if f"blk.{i}.ffn_gate_inp.weight"
-             not in by_name]
-    if dense:
-        raise ValueError(f"{keys.path}: layers {dense} have no router (blk.N.ffn_gate_inp); "
-                         "nbserve reads files whose every layer routes to experts")
-    gating = keys.int("expert_gating_func", int(gguf.ExpertGatingFuncType.SOFTMAX))
-    if gating != gguf.ExpertGatingFuncType.SOFTMAX:
-        keys.refuse("expert_gating_func", "experts weighted otherwise than by a softmax")
-    return experts, used
-
-
-def _qwen3_moe(keys: _Keys, cfg: dict[str, Any], by_name: dict[str, ReaderTensor]) -> None:
-    experts, used = _moe(keys, cfg, by_name)
-    # llama.cpp always renormalizes the top-k weights of qwen3moe (norm_topk_prob: true in
-    # every Qwen3-MoE), and routes in every layer; the converter writes neither.
-    norm = keys.raw("expert_weights_norm", True)
-    gate = by_name.get("blk.0.ffn_gate_exps.weight")
-    size = keys.int("expert_feed_forward_length") or (int(gate.shape[1]) if gate else None)
-    if size is None:
-        raise ValueError(f"{keys.path} lacks {keys.key('expert_feed_forward_length')}")
-    cfg.update(num_experts=experts, num_experts_per_tok=used, moe_intermediate_size=size,
-               norm_topk_prob=bool(norm), decoder_sparse_step=1, mlp_only_layers=[])
-    _no_sliding_window(cfg)
-
-
-def _mixtral(keys: _Keys, cfg: dict[str, Any], by_name: dict[str, ReaderTensor]) -> None:
-    experts, used = _moe(keys, cfg, by_name)
-    if not keys.raw("expert_weights_norm", True):
-        keys.refuse("expert_weights_norm", "Mixtral renormalizes the top-k expert weights")
-    cfg.update(num_local_experts=experts, num_experts_per_tok=used, sliding_window=None,
-               intermediate_size=keys.int("expert_feed_forward_length")
-               or cfg["intermediate_size"])
-
-
-def _smollm3(keys: _Keys, cfg: dict[str, Any], by_name: dict[str, ReaderTensor]) -> None:
-    # llama.cpp skips RoPE in every 4th layer of smollm3 (n_no_rope_layer_step = 4), as the
-    # HF default no_rope_layers does; the converter writes no key for it.
-    n = cfg["num_hidden_layers"]
-    cfg.update(no_rope_layers=[int((i + 1) % 4 != 0) for i in range(n)],
-               no_rope_layer_interval=4, mlp_bias=False)
-    _no_sliding_window(cfg)
-
-
-def _olmo2(keys: _Keys, cfg: dict[str, Any], by_name: dict[str, ReaderTensor]) -> None:
-    if keys.has("attention.sliding_window"):
-        keys.refuse("attention.sliding_window", "sliding-window layers (OLMo 3), not OLMo 2")
-
-
-def _layer_types(keys: _Keys, n_layers: int, default_period: int) -> tuple[list[str], int | None]:
-    """Sliding/full per layer as llama.cpp reads `attention.sliding_window_pattern` (an array
-    of bools, or a period whose last layer is full), and the period when there is one."""
-    value = keys.raw("attention.sliding_window_pattern", default_period)
-    if isinstance(value, list):
-        if len(value) != n_layers:
-            keys.refuse("attention.sliding_window_pattern", f"not one flag per layer ({n_layers})")
-        sliding = [bool(v) for v in value]
-        period = next((p for p in range(1, n_layers + 1) if sliding == [
-            i % p < p - 1 for i in range(n_layers)]), None)
-    else:
-        period = int(value)
-        sliding = [period == 0 or i % period < period - 1 for i in range(n_layers)]
-    return ["sliding_attention" if s else "full_attention" for s in sliding], period
-
-
-def _attention_scalar(cfg: dict[str, Any], n_layers_27b: int) -> int:
-    """Gemma's query_pre_attn_scalar as llama.cpp takes it (no key is written): hidden / heads
-    for the 27B models, the head size for the others."""
-    if cfg["num_hidden_layers"] == n_layers_27b:
-        return cfg["hidden_size"] // cfg["num_attention_heads"]
-    return cfg["head_dim"]
-
-
-def _gemma(keys: _Keys, cfg: dict[str, Any]) -> None:
-    cfg.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
-
-
-def _gemma2(keys: _Keys, cfg: dict[str, Any], by_name: dict[str, ReaderTensor]) -> None:
-    _gemma(keys, cfg)
-    layer_types, _ = _layer_types(keys, cfg["num_hidden_layers"], 2)
-    cfg.update(
-        sliding_window=keys.int("attention.sliding_window", 4096), layer_types=layer_types,
-        attn_logit_softcapping=keys.float("attn_logit_softcapping"),
-        final_logit_softcapping=keys.float("final_logit_softcapping"),
-        query_pre_attn_scalar=_attention_scalar(cfg, 46))
-    if keys.float("rope.freq_base_swa", cfg["rope_theta"]) != cfg["rope_theta"]:
-        keys.refuse("rope.freq_base_swa", "another RoPE base in Gemma 2's sliding layers")
-
-
-def _gemma3(keys: _Keys, cfg: dict[str, Any], by_name: dict[str, ReaderTensor]) -> None:
-    _gemma(keys, cfg)
-    if keys.has("attn_logit_softcapping"):
-        keys.refuse("attn_logit_softcapping", "Gemma 3 has no attention softcapping")
-    window = keys.int("attention.sliding_window") or 0
-    if window:
-        layer_types, period = _layer_types(keys, cfg["num_hidden_layers"], 6)
-    else:
-        layer_types, period = ["full_attention"] * cfg["num_hidden_layers"], 1
-    cfg.update(
-        sliding_window=window or None, layer_types=layer_types, attn_logit_softcapping=None,
-        final_logit_softcapping=keys.float("final_logit_softcapping"),
-        rope_local_base_freq=keys.float("rope.freq_base_swa", 10000.0),
-        query_pre_attn_scalar=_attention_scalar(cfg, 62))
-    if period is not None:
-        cfg["sliding_window_pattern"] = period
-
-
-def _phi3(keys: _Keys, cfg: dict[str, Any], by_name: dict[str, ReaderTensor]) -> None:
-    rope_dim = keys.int("rope.dimension_count") or cfg["head_dim"]
-    orig = keys.int("rope.scaling.original_context_length") or cfg["max_position_embeddings"]
-    cfg.update(partial_rotary_factor=rope_dim / cfg["head_dim"],
-               original_max_position_embeddings=orig,
-               sliding_window=keys.int("attention.sliding_window") or None,
-               rope_scaling=_longrope(keys, by_name, cfg["max_position_embeddings"], orig,
-                                      rope_dim))
-
-
-def _longrope(keys: _Keys, by_name: dict[str, ReaderTensor], n_ctx: int, orig: int,
-              rope_dim: int) -> dict[str, Any] | None:
-    """Phi-3's LongRoPE: the long/short factor tensors the converter writes (no type key)."""
-    long, short = by_name.get("rope_factors_long.weight"), by_name.get("rope_factors_short.weight")
-    if long is None and short is None:
-        return None
-    if long is None or short is None:
-        raise ValueError(f"{keys.path} has only one of rope_factors_long/short")
-    factors = [[f32(x) for x in dequantize(t.data, t.tensor_type).reshape(-1)]
-               for t in (long, short)]
-    if any(len(f) != rope_dim // 2 for f in factors):
-        raise ValueError(f"{keys.path}: rope_factors_long/short are not {rope_dim // 2} long")
-    out: dict[str, Any] = {"rope_type": "longrope", "long_factor": factors[0],
-                           "short_factor": factors[1]}
-    scale = n_ctx / orig  # the attention factor HF derives by default; kept only if another
-    default = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
-    attn = keys.float("rope.scaling.attn_factor")
-    if attn is not None and not math.isclose(attn, default, rel_tol=1e-6):
-        out["attention_factor"] = attn
-    return out
-
-
-_SPECIFIC: dict[str, Callable[[_Keys, dict[str, Any], dict[str, ReaderTensor]], None]] = {
-    "qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral, "smollm3": _smollm3,
-    "olmo2": _olmo2, "gemma2": _gemma2, "gemma3_text": _gemma3, "phi3": _phi3,
-}
-
-
-def _gpt2(keys: _Keys, by_name: dict[str, ReaderTensor]) -> dict[str, Any]:
-    """GPT-2's own config.json names (n_embd, n_head, ...)."""
-    hidden = int(keys.need("embedding_length"))
-    heads = int(keys.need("attention.head_count"))
-    if (keys.int("attention.head_count_kv") or heads) != heads:
-        keys.refuse("attention.head_count_kv", "GPT-2 has as many K/V heads as query heads")
-    ff = int(keys.need("feed_forward_length"))
-    return {
-        "vocab_size": _rows(by_name, "token_embd.weight"),
-        "n_embd": hidden, "n_layer": int(keys.need("block_count")), "n_head": heads,
-        "n_positions": _rows(by_name, "position_embd.weight") if "position_embd.weight"
-        in by_name else keys.int("context_length", 1024),
-        "n_inner": None if ff == 4 * hidden else ff,
-        "layer_norm_epsilon": f32(keys.need("attention.layer_norm_epsilon")),
-        "activation_function": "gelu_new",
-        "tie_word_embeddings": "output.weight" not in by_name,
     }
 
 
@@ -516,15 +282,15 @@ def rope_scaling(keys: _Keys, freqs: ReaderTensor | None, theta: float,
     kind = keys.raw("rope.scaling.type")
     if kind and kind != "none":  # linear / yarn: passed on; the model config decides support
         out: dict[str, Any] = {"rope_type": kind,
-                               "factor": keys.float("rope.scaling.factor", 1.0)}
-        orig = keys.int("rope.scaling.original_context_length")
+                               "factor": keys.get_float("rope.scaling.factor", 1.0)}
+        orig = keys.get_int("rope.scaling.original_context_length")
         if orig:
             out["original_max_position_embeddings"] = orig
         for key, hf in (("yarn_attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"),
                         ("yarn_beta_slow", "beta_slow"), ("yarn_ext_factor",
                                                           "extrapolation_factor")):
             if keys.has(f"rope.scaling.{key}"):
-                out[hf] = keys.float(f"rope.scaling.{key}")
+                out[hf] = keys.get_float(f"rope.scaling.{key}")
         return out
     if freqs is None:
         return None

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .family import Family
+from .family import Family, GGUFLayout
 
-__all__ = ["Family", "families", "register"]
+__all__ = ["Family", "GGUFLayout", "families", "register"]
 
 
 _FAMILIES: list[Family] = []
@@ -49,14 +49,19 @@ def for_hf_config(config: dict[str, Any], name: str = "model") -> Family:
         "launch(transformers_model, tokenizer=...) or the StepModel protocol.")
 
 
-def for_gguf(architecture: str) -> Family | None:
-    """The family of a GGUF `general.architecture`, or None."""
-    return next((f for f in families() if architecture in f.gguf_architectures), None)
+def gguf_layout(architecture: str, experts: int = 0) -> GGUFLayout | None:
+    """How a GGUF file of `general.architecture` `architecture` was written, or None if no
+    family reads it. A file with `experts` takes a family's layout for such files first (GGUF
+    "llama" with experts is Mixtral)."""
+    layouts = [g for f in families() for g in f.gguf if g.architecture == architecture]
+    return next((g for g in layouts if g.with_experts and experts), None) or \
+        next((g for g in layouts if not g.with_experts), None)
 
 
 def gguf_architectures() -> dict[str, str]:
     """Every GGUF architecture nbserve reads, with the HF architecture name it reads as."""
-    return {g: hf for f in families() for g, hf in f.gguf_architectures.items()}
+    return {g.architecture: g.hf_architecture for f in families() for g in f.gguf
+            if not g.with_experts}
 
 
 def descriptions() -> list[str]:

@@ -14,7 +14,7 @@ import torch
 
 from ..config import DecoderConfig, layer_types_of
 from ..decoder import DecoderModel, build_decoder
-from ..family import Family
+from ..family import ATTENTION, MLP, NORMS, QK_NORMS, Family, GGUFKeys, GGUFLayout
 from ..rope import RopeSpec, read_rope
 
 ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu",
@@ -100,11 +100,76 @@ def build(cfg: DecoderConfig, tensors: Iterable[tuple[str, torch.Tensor]],
     return build_decoder(cfg, text_tensors(tensors), **options)
 
 
+# --- GGUF: the keys llama.cpp's converter writes, and the defaults llama.cpp takes for the others
+
+
+def _layer_types(keys: GGUFKeys, n_layers: int, default_period: int
+                 ) -> tuple[list[str], int | None]:
+    """Sliding/full per layer as llama.cpp reads `attention.sliding_window_pattern` (an array
+    of bools, or a period whose last layer is full), and the period when there is one."""
+    value = keys.raw("attention.sliding_window_pattern", default_period)
+    if isinstance(value, list):
+        if len(value) != n_layers:
+            keys.refuse("attention.sliding_window_pattern", f"not one flag per layer ({n_layers})")
+        sliding = [bool(v) for v in value]
+        period = next((p for p in range(1, n_layers + 1) if sliding == [
+            i % p < p - 1 for i in range(n_layers)]), None)
+    else:
+        period = int(value)
+        sliding = [period == 0 or i % period < period - 1 for i in range(n_layers)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding], period
+
+
+def attention_scalar(cfg: dict[str, Any], n_layers_27b: int) -> int:
+    """Gemma's query_pre_attn_scalar as llama.cpp takes it (no key is written): hidden / heads
+    for the 27B models, the head size for the others."""
+    if cfg["num_hidden_layers"] == n_layers_27b:
+        return int(cfg["hidden_size"] // cfg["num_attention_heads"])
+    return int(cfg["head_dim"])
+
+
+def _gemma2_keys(keys: GGUFKeys, cfg: dict[str, Any]) -> None:
+    cfg.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
+    layer_types, _ = _layer_types(keys, cfg["num_hidden_layers"], 2)
+    cfg.update(
+        sliding_window=keys.get_int("attention.sliding_window", 4096), layer_types=layer_types,
+        attn_logit_softcapping=keys.get_float("attn_logit_softcapping"),
+        final_logit_softcapping=keys.get_float("final_logit_softcapping"),
+        query_pre_attn_scalar=attention_scalar(cfg, 46))
+    if keys.get_float("rope.freq_base_swa", cfg["rope_theta"]) != cfg["rope_theta"]:
+        keys.refuse("rope.freq_base_swa", "another RoPE base in Gemma 2's sliding layers")
+
+
+def _gemma3_keys(keys: GGUFKeys, cfg: dict[str, Any]) -> None:
+    cfg.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
+    if keys.has("attn_logit_softcapping"):
+        keys.refuse("attn_logit_softcapping", "Gemma 3 has no attention softcapping")
+    window = keys.get_int("attention.sliding_window") or 0
+    period: int | None
+    if window:
+        layer_types, period = _layer_types(keys, cfg["num_hidden_layers"], 6)
+    else:
+        layer_types, period = ["full_attention"] * cfg["num_hidden_layers"], 1
+    cfg.update(
+        sliding_window=window or None, layer_types=layer_types, attn_logit_softcapping=None,
+        final_logit_softcapping=keys.get_float("final_logit_softcapping"),
+        rope_local_base_freq=keys.get_float("rope.freq_base_swa", 10000.0),
+        query_pre_attn_scalar=attention_scalar(cfg, 62))
+    if period is not None:
+        cfg["sliding_window_pattern"] = period
+
+
+_GEMMA_NORMS = NORMS + ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+
 FAMILY = Family(
     name="gemma",
     hf_architectures=("Gemma2ForCausalLM", "Gemma3ForCausalLM", MULTIMODAL),
     model_types=("gemma2", "gemma3_text", "gemma3"),
-    gguf_architectures={"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"},
+    gguf=(GGUFLayout("gemma2", "gemma2", "Gemma2ForCausalLM", _GEMMA_NORMS + ATTENTION + MLP,
+                     norm_shift=1.0, read_keys=_gemma2_keys),
+          GGUFLayout("gemma3", "gemma3_text", "Gemma3ForCausalLM",
+                     _GEMMA_NORMS + ATTENTION + QK_NORMS + MLP, norm_shift=1.0,
+                     read_keys=_gemma3_keys)),
     read_config=read_config,
     build=build,
     description="Gemma 2, Gemma 3 (text; of the multimodal ones, the language model)",

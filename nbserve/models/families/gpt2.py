@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config import DecoderConfig
 from ..decoder import DecoderModel, build_decoder
-from ..family import Family
+from ..family import Family, GGUFKeys, GGUFLayout
 
 _LAYER = re.compile(r"^transformer\.h\.(\d+)\.(.+)$")
 _LAYER_NAMES = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
@@ -126,11 +126,41 @@ def _nanogpt_activation(module: nn.Module) -> str:
                      "implements nanoGPT's MLP (c_fc, GELU, c_proj)")
 
 
+def read_gguf_keys(keys: GGUFKeys, cfg: dict[str, Any]) -> None:
+    """GPT-2's own config.json names (n_embd, n_head, ...)."""
+    hidden = int(keys.need("embedding_length"))
+    heads = int(keys.need("attention.head_count"))
+    if (keys.get_int("attention.head_count_kv") or heads) != heads:
+        keys.refuse("attention.head_count_kv", "GPT-2 has as many K/V heads as query heads")
+    ff = int(keys.need("feed_forward_length"))
+    embd = keys.tensor_shape("token_embd.weight")
+    positions = keys.tensor_shape("position_embd.weight")
+    assert embd is not None  # the loader refuses a file without token_embd.weight
+    layers = int(keys.need("block_count"))
+    keys.need("attention.layer_norm_epsilon")  # refused when absent
+    cfg.update({
+        "vocab_size": embd[1],
+        "n_embd": hidden, "n_layer": layers, "n_head": heads,
+        "n_positions": positions[1] if positions is not None
+        else keys.get_int("context_length", 1024),
+        "n_inner": None if ff == 4 * hidden else ff,
+        "layer_norm_epsilon": keys.get_float("attention.layer_norm_epsilon"),
+        "activation_function": "gelu_new",
+        "tie_word_embeddings": keys.tensor_shape("output.weight") is None,
+    })
+
+
+_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
 FAMILY = Family(
     name="gpt2",
     hf_architectures=("GPT2LMHeadModel",),
     model_types=("gpt2",),
-    gguf_architectures={"gpt2": "GPT2LMHeadModel"},
+    gguf=(GGUFLayout("gpt2", "gpt2", "GPT2LMHeadModel", ("ln_1", "attn.c_attn", "attn.c_proj",
+                                                         "ln_2", "mlp.c_fc", "mlp.c_proj"),
+                     top=("transformer.wte", "transformer.wpe", "transformer.ln_f", "lm_head"),
+                     block_prefix="transformer.h.{bid}.", conv1d=_CONV1D, decoder_keys=False,
+                     read_keys=read_gguf_keys),),
     read_config=read_config,
     build=build,
     description="GPT-2, nanoGPT",

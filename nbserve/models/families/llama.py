@@ -10,7 +10,7 @@ from typing import Any
 
 from ..config import DecoderConfig, layer_types_of
 from ..decoder import build_decoder
-from ..family import Family
+from ..family import ATTENTION, MLP, NORMS, Family, GGUFLayout
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Qwen2ForCausalLM": "qwen2"}
@@ -53,8 +53,9 @@ FAMILY = Family(
     name="llama",
     hf_architectures=tuple(ARCHITECTURES),
     model_types=tuple(ARCHITECTURES.values()),
-    gguf_architectures={"llama": "LlamaForCausalLM",  # GGUF "llama" covers Mistral
-                        "qwen2": "Qwen2ForCausalLM"},
+    gguf=(GGUFLayout("llama", "llama", "LlamaForCausalLM",  # GGUF "llama" covers Mistral
+                     NORMS + ATTENTION + MLP, permuted_qk=True),
+          GGUFLayout("qwen2", "qwen2", "Qwen2ForCausalLM", NORMS + ATTENTION + MLP)),
     read_config=read_config,
     build=build_decoder,
     description="Llama 2/3, Mistral, Qwen2/2.5, SmolLM",

@@ -4,9 +4,8 @@ float32 until they scale the experts' outputs, as transformers does. Hub checkpo
 block `block_sparse_moe` and each expert's matrices w1 (gate), w3 (up), w2 (down): they are
 renamed and stacked at load; transformers 5's `mlp.experts.*` tensors load as they are.
 
-GGUF: Mixtral files say architecture "llama" with an expert count, which the GGUF reader
-(loading/gguf_archs.py) reads as MixtralForCausalLM, so this family claims no GGUF name of
-its own (the llama family holds "llama")."""
+GGUF: Mixtral files say architecture "llama" with an expert count: this family's layout is
+the one for such files (`with_experts`), the llama family's for the others."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import torch
 
 from ..config import DecoderConfig
 from ..decoder import DecoderModel, build_decoder
-from ..family import Family
+from ..family import ATTENTION, NORMS, Family, GGUFKeys, GGUFLayout, gguf_experts
 from ..moe import MoEConfig, moe_tensors
 
 PROJECTIONS = {"w1": "gate", "w3": "up", "w2": "down"}
@@ -44,11 +43,23 @@ def build(cfg: DecoderConfig, tensors: Iterable[tuple[str, torch.Tensor]],
                          **options)
 
 
+def read_gguf_keys(keys: GGUFKeys, cfg: dict[str, Any]) -> None:
+    experts, used = gguf_experts(keys, cfg)
+    if not keys.raw("expert_weights_norm", True):
+        keys.refuse("expert_weights_norm", "Mixtral renormalizes the top-k expert weights")
+    cfg.update(num_local_experts=experts, num_experts_per_tok=used, sliding_window=None,
+               intermediate_size=keys.get_int("expert_feed_forward_length")
+               or cfg["intermediate_size"])
+
+
 FAMILY = Family(
     name="mixtral",
     hf_architectures=("MixtralForCausalLM",),
     model_types=("mixtral",),
-    gguf_architectures={},  # GGUF "llama" + expert_count reads as Mixtral (see above)
+    gguf=(GGUFLayout("llama", "mixtral", "MixtralForCausalLM", NORMS + ATTENTION + (
+        "block_sparse_moe.gate", "block_sparse_moe.experts.{xid}.w1",
+        "block_sparse_moe.experts.{xid}.w2", "block_sparse_moe.experts.{xid}.w3"),
+        permuted_qk=True, with_experts=True, read_keys=read_gguf_keys),),
     read_config=read_config,
     build=build,
     description="Mixtral",

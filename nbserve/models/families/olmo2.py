@@ -7,7 +7,7 @@ from typing import Any
 
 from ..config import DecoderConfig
 from ..decoder import build_decoder
-from ..family import Family
+from ..family import ATTENTION, MLP, QK_NORMS, Family, GGUFKeys, GGUFLayout
 
 
 def read_config(cfg: dict[str, Any], name: str) -> DecoderConfig:
@@ -15,11 +15,18 @@ def read_config(cfg: dict[str, Any], name: str) -> DecoderConfig:
                                  attention_bias=bool(cfg.get("attention_bias")))
 
 
+def read_gguf_keys(keys: GGUFKeys, cfg: dict[str, Any]) -> None:
+    if keys.has("attention.sliding_window"):
+        keys.refuse("attention.sliding_window", "sliding-window layers (OLMo 3), not OLMo 2")
+
+
 FAMILY = Family(
     name="olmo2",
     hf_architectures=("Olmo2ForCausalLM",),
     model_types=("olmo2",),
-    gguf_architectures={"olmo2": "Olmo2ForCausalLM"},
+    gguf=(GGUFLayout("olmo2", "olmo2", "Olmo2ForCausalLM", (
+        "post_attention_layernorm", "post_feedforward_layernorm") + ATTENTION + QK_NORMS + MLP,
+        read_keys=read_gguf_keys),),
     read_config=read_config,
     build=build_decoder,
     description="OLMo 2",

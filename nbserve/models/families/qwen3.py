@@ -7,7 +7,16 @@ from typing import Any
 
 from ..config import DecoderConfig
 from ..decoder import build_decoder
-from ..family import Family
+from ..family import (
+    ATTENTION,
+    MLP,
+    NORMS,
+    QK_NORMS,
+    Family,
+    GGUFKeys,
+    GGUFLayout,
+    no_sliding_window,
+)
 from .llama import qwen_windows
 
 
@@ -16,11 +25,16 @@ def read_config(cfg: dict[str, Any], name: str) -> DecoderConfig:
                                  attention_bias=bool(cfg.get("attention_bias")))
 
 
+def read_gguf_keys(keys: GGUFKeys, cfg: dict[str, Any]) -> None:
+    no_sliding_window(cfg)
+
+
 FAMILY = Family(
     name="qwen3",
     hf_architectures=("Qwen3ForCausalLM",),
     model_types=("qwen3",),
-    gguf_architectures={"qwen3": "Qwen3ForCausalLM"},
+    gguf=(GGUFLayout("qwen3", "qwen3", "Qwen3ForCausalLM", NORMS + ATTENTION + QK_NORMS + MLP,
+                     read_keys=read_gguf_keys),),
     read_config=read_config,
     build=build_decoder,
     description="Qwen3",

@@ -14,7 +14,16 @@ import torch
 
 from ..config import DecoderConfig
 from ..decoder import DecoderModel, build_decoder
-from ..family import Family
+from ..family import (
+    ATTENTION,
+    NORMS,
+    QK_NORMS,
+    Family,
+    GGUFKeys,
+    GGUFLayout,
+    gguf_experts,
+    no_sliding_window,
+)
 from ..moe import MoEConfig, moe_tensors, sparse_layers
 
 PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -42,11 +51,28 @@ def build(cfg: DecoderConfig, tensors: Iterable[tuple[str, torch.Tensor]],
     return build_decoder(cfg, moe_tensors(tensors, cfg, PROJECTIONS), **options)
 
 
+def read_gguf_keys(keys: GGUFKeys, cfg: dict[str, Any]) -> None:
+    experts, used = gguf_experts(keys, cfg)
+    # llama.cpp always renormalizes the top-k weights of qwen3moe (norm_topk_prob: true in
+    # every Qwen3-MoE), and routes in every layer; the converter writes neither.
+    norm = keys.raw("expert_weights_norm", True)
+    gate = keys.tensor_shape("blk.0.ffn_gate_exps.weight")
+    size = keys.get_int("expert_feed_forward_length") or (gate[1] if gate is not None else None)
+    if size is None:
+        raise ValueError(f"{keys.path} lacks {keys.key('expert_feed_forward_length')}")
+    cfg.update(num_experts=experts, num_experts_per_tok=used, moe_intermediate_size=size,
+               norm_topk_prob=bool(norm), decoder_sparse_step=1, mlp_only_layers=[])
+    no_sliding_window(cfg)
+
+
 FAMILY = Family(
     name="qwen3_moe",
     hf_architectures=("Qwen3MoeForCausalLM",),
     model_types=("qwen3_moe",),
-    gguf_architectures={"qwen3moe": "Qwen3MoeForCausalLM"},
+    gguf=(GGUFLayout("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM",
+                     NORMS + ATTENTION + QK_NORMS + (
+                         "mlp.gate", "mlp.experts.{xid}.gate_proj", "mlp.experts.{xid}.up_proj",
+                         "mlp.experts.{xid}.down_proj"), read_keys=read_gguf_keys),),
     read_config=read_config,
     build=build,
     description="Qwen3-MoE",

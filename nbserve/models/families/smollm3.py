@@ -7,7 +7,7 @@ from typing import Any
 
 from ..config import DecoderConfig
 from ..decoder import build_decoder
-from ..family import Family
+from ..family import ATTENTION, MLP, NORMS, Family, GGUFKeys, GGUFLayout, no_sliding_window
 from .llama import qwen_windows
 
 
@@ -25,11 +25,21 @@ def read_config(cfg: dict[str, Any], name: str) -> DecoderConfig:
                                  mlp_bias=bool(cfg.get("mlp_bias")))
 
 
+def read_gguf_keys(keys: GGUFKeys, cfg: dict[str, Any]) -> None:
+    # llama.cpp skips RoPE in every 4th layer of smollm3 (n_no_rope_layer_step = 4), as the
+    # HF default no_rope_layers does; the converter writes no key for it.
+    n = cfg["num_hidden_layers"]
+    cfg.update(no_rope_layers=[int((i + 1) % 4 != 0) for i in range(n)],
+               no_rope_layer_interval=4, mlp_bias=False)
+    no_sliding_window(cfg)
+
+
 FAMILY = Family(
     name="smollm3",
     hf_architectures=("SmolLM3ForCausalLM",),
     model_types=("smollm3",),
-    gguf_architectures={"smollm3": "SmolLM3ForCausalLM"},
+    gguf=(GGUFLayout("smollm3", "smollm3", "SmolLM3ForCausalLM", NORMS + ATTENTION + MLP,
+                     permuted_qk=True, read_keys=read_gguf_keys),),
     read_config=read_config,
     build=build_decoder,
     description="SmolLM3",
