@@ -11,6 +11,7 @@ import pytest
 
 from nbserve.serving.ui import ERROR_PREFIX, make_chat_fn, to_messages
 from nbserve.types import (
+    BackendDefaults,
     BusyError,
     ContextLengthError,
     Delta,
@@ -22,7 +23,7 @@ from nbserve.types import (
 )
 
 
-class FakeBackend:
+class FakeBackend(BackendDefaults):
     """Streams "w0 w1 ..." one word per token; records requests, aborts and what is running."""
 
     model_name = "fake-model"

@@ -25,7 +25,15 @@ from nbserve.serving.ui import (
     to_messages,
     tool_call_message,
 )
-from nbserve.types import Delta, Finished, InvalidRequestError, Request, Started, Usage
+from nbserve.types import (
+    BackendDefaults,
+    Delta,
+    Finished,
+    InvalidRequestError,
+    Request,
+    Started,
+    Usage,
+)
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
@@ -39,7 +47,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit
        '</tool_call>'
 
 
-class Scripted:
+class Scripted(BackendDefaults):
     """A backend that writes the given chunks of text (in Hermes' tool-call format) and records
     the requests it was given."""
 

@@ -13,10 +13,18 @@ from typing import Any
 import pytest
 
 from nbserve.serving.backend_ref import StoppedBackend, SwappableBackend, is_backend
-from nbserve.types import BusyError, EngineStoppedError, Finished, Request, Started, Usage
+from nbserve.types import (
+    BackendDefaults,
+    BusyError,
+    EngineStoppedError,
+    Finished,
+    Request,
+    Started,
+    Usage,
+)
 
 
-class FakeBackend:
+class FakeBackend(BackendDefaults):
     """A Backend whose requests stay open until the test calls `finish(request_id)`."""
 
     def __init__(self, name: str, max_context: int = 100):

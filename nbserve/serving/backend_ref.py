@@ -8,10 +8,10 @@ while requests already running finish on the old backend, closed when its last o
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from ..types import Backend, BackendDefaults, EngineStoppedError, Event, Request
+from ..types import Backend, BackendDefaults, EngineStoppedError, Event, Request, TokenCodec
 
 
 class StoppedBackend(BackendDefaults):
@@ -57,12 +57,26 @@ class SwappableBackend:
     def model_name(self) -> str:
         return self._current.model_name
 
-    def __getattr__(self, name: str) -> Any:
-        # Engine-specific attributes (max_context, tokenizer, chat, count_prompt_tokens, ...) of
-        # the current backend; AttributeError where it has none (the UI then does not trim).
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._current, name)
+    # What the current backend knows of its model and prompts (`Backend`): read per call, so a
+    # swap is seen at once.
+
+    @property
+    def tokenizer(self) -> TokenCodec | None:
+        return self._current.tokenizer
+
+    @property
+    def max_context(self) -> int | None:
+        return self._current.max_context
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self._current.vocab_size
+
+    def prompt_token_ids(self, request: Request) -> list[int] | None:
+        return self._current.prompt_token_ids(request)
+
+    def count_prompt_tokens(self, request: Request) -> int | None:
+        return self._current.count_prompt_tokens(request)
 
     # ------------------------------------------------------------------ serving
 
@@ -79,9 +93,8 @@ class SwappableBackend:
                 yield ev
         finally:
             try:
-                aclose = getattr(stream, "aclose", None)
-                if aclose is not None:
-                    await aclose()  # closing the backend's iterator aborts the request
+                if isinstance(stream, AsyncGenerator):
+                    await stream.aclose()  # closing the backend's iterator aborts the request
             finally:
                 self._release(backend)
 
@@ -135,11 +148,11 @@ class SwappableBackend:
         t.start()
 
     def cancel_all(self) -> int:
-        """Cancel the requests running on every backend (current and retiring); see
-        `cancel_all`. Returns how many were cancelled."""
+        """Cancel the requests on every backend (current and retiring; see
+        `Backend.cancel_all`). Returns how many were cancelled."""
         with self._lock:
             backends = [self._current, *self._retiring.values()]
-        return sum(cancel_all(b) for b in backends)
+        return sum(b.cancel_all() for b in backends)
 
     # ------------------------------------------------------------------ Backend protocol
 
@@ -170,23 +183,13 @@ class SwappableBackend:
         return f"SwappableBackend({self._current!r})"
 
 
-def cancel_all(backend: Any) -> int:
-    """Ask `backend` (an Engine, or a Pool through its engines) to cancel every request:
-    running ones end with finish reason "cancelled", waiting ones with a 503-style error."""
-    method = getattr(backend, "cancel_all", None)
-    if callable(method):
-        return int(method())
-    return sum(int(e.cancel_all()) for e in getattr(backend, "engines", ())
-               if callable(getattr(e, "cancel_all", None)))
-
-
 # ----------------------------------------------------------------------------- building
 
 
-def is_backend(obj: Any) -> bool:
-    """Whether `obj` already serves requests (an Engine, a Pool, or another Backend)."""
-    return all(callable(getattr(obj, name, None)) for name in ("generate", "stats", "close")) \
-        and hasattr(obj, "model_name")
+def is_backend(obj: object) -> bool:
+    """Whether `obj` already serves requests: an Engine, a Pool, or another `Backend` (an
+    object with every member the protocol declares)."""
+    return isinstance(obj, Backend)
 
 
 LOAD_OPTIONS = ("device", "dtype", "chat_template")  # build_backend gives these to the loader

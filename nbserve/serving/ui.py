@@ -22,7 +22,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -31,6 +31,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import gradio as gr
 from fastapi import FastAPI
+from starlette.routing import Mount
 
 from ..api.auth import KeyAuth, RateLimiter
 from ..api.errors import APIError
@@ -49,7 +50,7 @@ from ..types import (
     SamplingParams,
     Started,
 )
-from .ui_context import NOTE_START, fit_conversation
+from .ui_context import NOTE_START, Message, fit_conversation
 
 log = logging.getLogger("nbserve.ui")
 
@@ -171,9 +172,8 @@ async def _closing(stream: AsyncIterator[Any]) -> AsyncIterator[AsyncIterator[An
     try:
         yield stream
     finally:
-        aclose = getattr(stream, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        if isinstance(stream, AsyncGenerator):
+            await stream.aclose()
 
 
 PROGRESS_EVERY = 0.5  # seconds between updates of the speed line while an answer streams
@@ -465,18 +465,17 @@ def rate_limit_client(request: Any, login: UILogin | None) -> str:
 
 
 def _token_counter(backend: Backend, params: SamplingParams,
-                   tools: list[dict[str, Any]] | None = None):
+                   tools: list[dict[str, Any]] | None = None
+                   ) -> Callable[[list[Message]], int | None]:
     """Counts a conversation's prompt tokens through the backend (with the tools, which the
-    prompt describes), or None if it cannot."""
-    count = getattr(backend, "count_prompt_tokens", None)
-    if not callable(count):
-        return None
-    return lambda messages: count(Request(messages=messages, params=params, tools=tools))
+    prompt describes); None where the backend cannot."""
+    return lambda messages: backend.count_prompt_tokens(
+        Request(messages=messages, params=params, tools=tools))
 
 
 def _max_context(backend: Backend) -> int | None:
-    limit = getattr(backend, "max_context", None)
-    if not isinstance(limit, int):
+    limit = backend.max_context
+    if limit is None:
         try:
             limit = backend.stats().get("max_context")
         except Exception:  # noqa: BLE001 -- a backend without stats: no context known
@@ -677,8 +676,7 @@ def calm_queue(demo: gr.Blocks) -> None:
 def _gradio_apps(app: FastAPI) -> list[Any]:
     from gradio.routes import App
 
-    mounted = (getattr(r, "app", None) for r in app.routes)
-    return [a for a in mounted if isinstance(a, App)]
+    return [r.app for r in app.routes if isinstance(r, Mount) and isinstance(r.app, App)]
 
 
 def reset_ui(app: FastAPI) -> None:

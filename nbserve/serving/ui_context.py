@@ -69,11 +69,12 @@ def _fewest_for_limits(limits: Limits, turns: list[list[Message]], kept_messages
 
 
 def fit_conversation(messages: Sequence[Message], *, limits: Limits, max_tokens: int,
-                     count_tokens: Callable[[list[Message]], int] | None = None,
+                     count_tokens: Callable[[list[Message]], int | None] | None = None,
                      max_context: int | None = None) -> Fitted:
     """`messages` (an optional system prompt first, the newest user message last) with the
     fewest oldest turns left out so that the size limits hold and, given `count_tokens` and
-    `max_context`, the prompt plus `max_tokens` fits the context.
+    `max_context`, the prompt plus `max_tokens` fits the context (a count of None: the backend
+    cannot count, and nothing is left out for the context).
 
     Raises InvalidRequestError when the system prompt or the newest message alone breaks a
     size limit. When even the newest message alone does not fit the context, every old turn is
@@ -92,12 +93,13 @@ def fit_conversation(messages: Sequence[Message], *, limits: Limits, max_tokens:
     dropped = by_limits
     if count_tokens is not None and max_context:
         budget = max_context - max_tokens
-        tokens: dict[int, int] = {}
+        tokens: dict[int, int | None] = {}
 
         def fits(k: int) -> bool:
             if k not in tokens:
                 tokens[k] = count_tokens(build(k))
-            return tokens[k] <= budget
+            n = tokens[k]
+            return n is None or n <= budget
 
         if not fits(by_limits):
             # fewer tokens with every turn left out: the fewest that fit, by bisection
