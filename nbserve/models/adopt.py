@@ -197,7 +197,7 @@ def check_placement(step: StepModel | SlotModel, device: str | torch.device | No
 # ----------------------------------------------------------------------------- helpers
 
 
-def _is_transformers_model(obj: Any) -> bool:
+def _is_transformers_model(obj: object) -> bool:
     tf = sys.modules.get("transformers")  # not imported -> it cannot be one
     return tf is not None and isinstance(obj, tf.PreTrainedModel)
 

@@ -25,7 +25,7 @@ class SlowPathWarning(UserWarning):
 
 
 _PACKAGE = str(Path(__file__).resolve().parents[2])  # .../nbserve
-_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()
+_WARNED: weakref.WeakSet[object] = weakref.WeakSet()
 
 
 def native_list() -> str:
@@ -34,7 +34,7 @@ def native_list() -> str:
     return "; ".join(registry.descriptions())
 
 
-def warn_slow(module: Any, message: str) -> None:
+def warn_slow(module: object, message: str) -> None:
     """Warn with `SlowPathWarning` once per module (not again at each `srv.update(model)`),
     attributed to the first caller outside nbserve: the user's cell or script."""
     try:
@@ -69,7 +69,7 @@ def eval_view(module: nn.Module) -> nn.Module:
     return view
 
 
-def module_device_dtype(module: Any) -> tuple[torch.device, torch.dtype]:
+def module_device_dtype(module: object) -> tuple[torch.device, torch.dtype]:
     """Device and dtype of the first floating-point parameter (cpu/float32 when none)."""
     params = module.parameters() if isinstance(module, nn.Module) else ()
     for p in params:
@@ -78,12 +78,12 @@ def module_device_dtype(module: Any) -> tuple[torch.device, torch.dtype]:
     return torch.device("cpu"), torch.float32
 
 
-def config_value(obj: Any, keys: tuple[str, ...]) -> int | None:
+def config_value(obj: object, keys: tuple[str, ...]) -> int | None:
     """The first positive int under `keys` in `obj.config` (an object or a dict), then `obj`."""
     return first_int(keys, getattr(obj, "config", None), obj)
 
 
-def first_int(keys: tuple[str, ...], *sources: Any) -> int | None:
+def first_int(keys: tuple[str, ...], *sources: object) -> int | None:
     """The first positive int found under `keys` in `sources` (objects or dicts), in order."""
     for source in sources:
         if source is None:

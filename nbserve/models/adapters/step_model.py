@@ -10,6 +10,7 @@ are; they declare the same by subclassing `PagedModel` or `SlotModel`.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ def served(model: StepModel | SlotModel) -> SlotModel:
     return AdoptedSlotModel(model)
 
 
-def takes_hints(forward: Any) -> bool:
+def takes_hints(forward: Callable[..., torch.Tensor]) -> bool:
     """Whether a StepModel's forward takes the optional `max_pos` / `contiguous_from` hints."""
     try:
         inspect.signature(forward).bind(0, 0, 0, 0, logit_index=None, max_pos=0,
