@@ -164,9 +164,11 @@ class SamplingParams:
                     not math.isfinite(value):
                 raise bad(name, f"must be a finite number, got {value!r}")
 
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
-            finite(name, getattr(self, name))
+        for name, value in (("temperature", self.temperature), ("top_p", self.top_p),
+                            ("min_p", self.min_p), ("presence_penalty", self.presence_penalty),
+                            ("frequency_penalty", self.frequency_penalty),
+                            ("repetition_penalty", self.repetition_penalty)):
+            finite(name, value)
         if self.temperature < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
