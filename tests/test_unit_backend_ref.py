@@ -269,3 +269,11 @@ async def test_stopped_backend_refuses_every_request() -> None:
     stopped.close()
     with pytest.raises(EngineStoppedError):
         await anext(stopped.generate(req("r2")))
+
+
+def test_create_app_takes_an_object_with_every_backend_member() -> None:
+    from nbserve.serving.app import create_app
+
+    create_app(FakeBackend("m"), ui=False)  # BackendDefaults gives the optional members
+    with pytest.raises(TypeError, match="nbserve.types.Backend"):
+        create_app(object(), ui=False)  # type: ignore[arg-type]

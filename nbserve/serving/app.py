@@ -186,11 +186,11 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
     """
     # Every keyword but backend and options is a ServerOptions field (a test checks that).
     given = {k: v for k, v in locals().items() if k not in ("backend", "options")}
-    for attr in ("generate", "stats", "model_name"):
-        if not hasattr(backend, attr):
-            raise TypeError(f"create_app needs a Backend (an Engine or a Pool) with .{attr}; got "
-                            f"{type(backend).__name__}. "
-                            "Example: create_app(Engine(load('smollm2')))")
+    if not isinstance(backend, Backend):
+        raise TypeError(f"create_app needs a Backend: an Engine, a Pool, or an object with every "
+                        f"member of nbserve.types.Backend (BackendDefaults gives the optional "
+                        f"ones); got {type(backend).__name__}. "
+                        "Example: create_app(Engine(load('smollm2')))")
     opts = ServerOptions.from_app_keywords(given, options)
     if options is not None:  # the record form is its keywords: the body below reads either
         return create_app(backend, **opts.app_kwargs())
@@ -236,7 +236,7 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
     def health_body() -> tuple[int, dict[str, Any]]:
         h: dict[str, Any]
         try:
-            h = dict(backend.health()) if hasattr(backend, "health") else {"ready": True}
+            h = dict(backend.health())
         except Exception as exc:  # noqa: BLE001 - a broken backend is "not ready", not a 500
             h = {"ready": False, "status": "error", "detail": str(exc)}
         ready = bool(h.get("ready")) and app.state.accepting
