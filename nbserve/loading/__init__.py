@@ -7,13 +7,16 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..cpu.threads import torch_threads
 from ..models.base import LoadedModel
 from ..models.dtypes import MIXED16, QUANTIZED, QUANTIZED_FORMATS, WEIGHT_FORMATS, resolve_dtype
+
+if TYPE_CHECKING:
+    from ..models.weights import WeightFormats
 
 DEFAULT_NAMES = {"smollm2", "default", "smollm2-135m-instruct"}
 
@@ -25,15 +28,16 @@ def default_device() -> str:
 def _add_weight_copies(loaded: LoadedModel, weight_format: str) -> None:
     """mixed16: float16 copies; quantized(-exact): a GGUF's own quantized blocks (or Q8_0
     ones), with 16-bit-rounded inputs on the row kernels that have them, or without."""
-    method = "use_16bit_weights" if weight_format == MIXED16 else "use_quantized_weights"
-    convert = getattr(loaded.model, method, None)
-    if convert is None:
+    from ..models.weights import WeightFormats
+
+    model = loaded.model
+    if not isinstance(model, WeightFormats):
         raise ValueError(f"dtype={weight_format!r} needs nbserve's own model implementation; "
-                         f"{type(loaded.model).__name__} does not have it")
+                         f"{type(model).__name__} does not have it")
     if weight_format == MIXED16:
-        convert()
+        model.use_16bit_weights()
     else:
-        convert(_file_blocks(loaded), round16=weight_format == QUANTIZED)
+        model.use_quantized_weights(_file_blocks(loaded), round16=weight_format == QUANTIZED)
 
 
 def _use_lossless_blocks(loaded: LoadedModel) -> None:
@@ -41,16 +45,19 @@ def _use_lossless_blocks(loaded: LoadedModel) -> None:
     them (dtype="quantized") when the C kernel is available. The blocks hold the float32
     weights' exact values, so nothing changes but the speed. The model was built without the
     float32 model's own copies (`_blocks_will_serve`); a file of other types gets them now."""
-    use = getattr(loaded.model, "use_quantized_weights", None)
-    if use is None or _gguf_file(str(loaded.source)) is None:
+    from ..models.weights import WeightFormats
+
+    model = loaded.model
+    if not isinstance(model, WeightFormats) or _gguf_file(str(loaded.source)) is None:
         return
     from ..cpu.kernels.build import kernels_available
 
-    if not (kernels_available() and use(_file_blocks(loaded), only_lossless=True)):
-        _add_float_copies(loaded.model)
+    if not (kernels_available() and
+            model.use_quantized_weights(_file_blocks(loaded), only_lossless=True)):
+        _add_float_copies(model)
 
 
-def _blocks_will_serve(source: Any, copies: str | None, dtype: Any, device: str) -> bool:
+def _blocks_will_serve(source: object, copies: str | None, dtype: object, device: str) -> bool:
     """Whether quantized blocks will serve every matmul of this load (dtype="quantized", or
     the CPU default for a .gguf, where the kernel builds): then the float32 model is built
     without packed copies or a transposed head, which would be dropped at once (for a large
@@ -65,10 +72,10 @@ def _blocks_will_serve(source: Any, copies: str | None, dtype: Any, device: str)
     return kernels_available()
 
 
-def _add_float_copies(model: Any) -> None:
+def _add_float_copies(model: WeightFormats) -> None:
     """What `build_llama` would have added to a CPU float32 model built without copies: the
     oneDNN-packed copies where they pay (`WeightFormats.packing_pays`), else a transposed head."""
-    if not hasattr(model, "packing_pays") or getattr(model, "dense_released", False):
+    if model.dense_released:
         return
     if model.packing_pays():
         model.pack_weights()
@@ -172,9 +179,11 @@ def _release_unread_weights(loaded: LoadedModel) -> None:
     """dtype="quantized" (asked for, or a GGUF's lossless default): drop the float32 weights
     that its quantized and packed copies leave unread (`WeightFormats.release_dense_weights`;
     the outputs stay the same bit for bit)."""
-    release = getattr(loaded.model, "release_dense_weights", None)
-    if release is not None and getattr(loaded.model, "weight_format", None) in QUANTIZED_FORMATS:
-        release()
+    from ..models.weights import WeightFormats
+
+    model = loaded.model
+    if isinstance(model, WeightFormats) and model.weight_format in QUANTIZED_FORMATS:
+        model.release_dense_weights()
 
 
 def _return_freed_memory() -> None:
@@ -249,20 +258,27 @@ def _load_from_hub(repo_id: str, device: str, dtype: torch.dtype) -> LoadedModel
 
 def summary_line(loaded: LoadedModel, seconds: float) -> str:
     """One line: model, parameters, dtype, device, weight memory, load time."""
-    from ..models.weights import count_parameters
+    from torch import nn
 
-    n, nbytes = count_parameters(loaded.model)
-    copies = getattr(loaded.model, "derived_bytes", lambda: 0)()
-    dtype = getattr(loaded.model, "weight_format", None) or \
-        str(getattr(loaded.model, "dtype", "?")).replace("torch.", "")
-    if getattr(loaded.model, "dense_released", False):  # the blocks stand for the weights
+    from ..models.weights import WeightFormats, count_parameters
+
+    model = loaded.model
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"summary_line counts a torch module's parameters; {type(model).__name__}"
+                        " is not one")
+    n, nbytes = count_parameters(model)
+    formats = model if isinstance(model, WeightFormats) else None
+    copies = formats.derived_bytes() if formats is not None else 0
+    dtype = formats.weight_format if formats is not None else \
+        str(model.dtype).replace("torch.", "")
+    if formats is not None and formats.dense_released:  # the blocks stand for the weights
         weights = f"{nbytes / 2**20:.0f} MiB of weights, {copies / 2**20:.0f} MiB of them " \
             "quantized blocks"
     else:
         extra = f" + {copies / 2**20:.0f} MiB of copies for speed" if copies else ""
         weights = f"{(nbytes - copies) / 2**20:.0f} MiB of weights{extra}"
     return (f"nbserve: loaded {loaded.name} ({n / 1e6:.1f}M parameters, {dtype}, "
-            f"{getattr(loaded.model, 'device', '?')}, {weights}) in {seconds:.1f} s")
+            f"{model.device}, {weights}) in {seconds:.1f} s")
 
 
 __all__ = ["LoadedModel", "load", "resolve_dtype", "default_device", "summary_line"]

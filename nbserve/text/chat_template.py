@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 
 import jinja2
 from jinja2 import nodes
-from jinja2.exceptions import SecurityError, TemplateError
+from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -149,7 +150,8 @@ def _plain(value: Any) -> Any:
     for base in (bool, int, float, str):
         if isinstance(value, base):  # enums, numpy scalars, str subclasses
             return base(value)
-    if callable(getattr(value, "model_dump", None)):  # pydantic (e.g. OpenAI SDK messages)
+    pydantic = sys.modules.get("pydantic")  # a pydantic model means pydantic is imported
+    if pydantic is not None and isinstance(value, pydantic.BaseModel):  # OpenAI SDK messages
         return _plain(value.model_dump(exclude_none=True))
     raise InvalidRequestError(f"chat messages must be JSON data, got a {type(value).__name__}",
                               param="messages")
@@ -209,7 +211,7 @@ class ChatTemplate:
         try:
             return env.from_string(source), _iterates_content(env.parse(source))
         except TemplateError as e:
-            line = getattr(e, "lineno", None)
+            line = e.lineno if isinstance(e, TemplateSyntaxError) else None
             where = f" at line {line}" if line else ""
             raise ValueError(f"the chat template has a syntax error{where}: {e}. "
                              "Fix the template (tokenizer_config.json or chat_template.jinja) or "

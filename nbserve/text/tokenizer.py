@@ -60,19 +60,43 @@ class TokenizerProtocol(Protocol):
     def token_bytes(self, i: int) -> bytes: ...
 
 
+@runtime_checkable
+class _EncodesText(Protocol):
+    """Any tokenizer object `Tokenizer.from_any` adopts: text -> ids -> text."""
+
+    def encode(self, text: str, **kwargs: Any) -> Any: ...
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str: ...
+
+
+@runtime_checkable
+class _IdsToTokens(Protocol):  # transformers tokenizers
+    def convert_ids_to_tokens(self, i: int) -> str | None: ...
+
+
+@runtime_checkable
+class _TokensToIds(Protocol):  # transformers tokenizers
+    def convert_tokens_to_ids(self, token: str) -> int | None: ...
+
+
+@runtime_checkable
+class _SingleTokenBytes(Protocol):  # tiktoken
+    def decode_single_token_bytes(self, i: int) -> bytes: ...
+
+
 class _DuckBackend:
     """Gives an object with `encode`/`decode` (a slow transformers tokenizer, tiktoken, a test
     double) the few `tokenizers.Tokenizer` methods `Tokenizer` calls."""
 
-    def __init__(self, obj: Any):
-        self.obj = obj
+    def __init__(self, obj: _EncodesText):
+        self.obj: Any = obj  # its other members (tiktoken's, transformers') vary
 
     def encode(self, text: str, add_special_tokens: bool = False) -> SimpleNamespace:
         try:
             ids = self.obj.encode(text, add_special_tokens=add_special_tokens)
         except TypeError:
             ids = self.obj.encode(text)
-        ids = getattr(ids, "ids", ids)
+        ids = ids.ids if isinstance(ids, tokenizers.Encoding) else ids
         return SimpleNamespace(ids=[int(i) for i in ids])
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
@@ -82,12 +106,14 @@ class _DuckBackend:
             return self.obj.decode(ids)
 
     def id_to_token(self, i: int) -> str | None:
-        convert = getattr(self.obj, "convert_ids_to_tokens", None)
-        return convert(i) if convert else self.decode([i])
+        if isinstance(self.obj, _IdsToTokens):
+            return self.obj.convert_ids_to_tokens(i)
+        return self.decode([i])
 
     def token_to_id(self, token: str) -> int | None:
-        convert = getattr(self.obj, "convert_tokens_to_ids", None)
-        return convert(token) if convert else None
+        if isinstance(self.obj, _TokensToIds):
+            return self.obj.convert_tokens_to_ids(token)
+        return None
 
     def get_vocab_size(self, with_added_tokens: bool = True) -> int:
         for attr in ("n_vocab", "vocab_size"):
@@ -176,8 +202,7 @@ class Tokenizer:
             if path.is_file():
                 return cls.from_file(path)
             raise ValueError(f"no tokenizer file or model directory at {path}")
-        encode, decode = getattr(obj, "encode", None), getattr(obj, "decode", None)
-        if callable(encode) and callable(decode):
+        if isinstance(obj, _EncodesText):
             bos = getattr(obj, "bos_token_id", None)
             eos = getattr(obj, "eos_token_id", None)
             eos = [] if eos is None else eos
@@ -233,9 +258,8 @@ class Tokenizer:
         if self._byte_mode is None:
             self._byte_mode = _byte_mode(self._tok)
         if isinstance(self._tok, _DuckBackend):
-            single = getattr(self._tok.obj, "decode_single_token_bytes", None)  # tiktoken
-            if callable(single):
-                return bytes(single(i))
+            if isinstance(self._tok.obj, _SingleTokenBytes):
+                return bytes(self._tok.obj.decode_single_token_bytes(i))
         piece = self._tok.id_to_token(i)
         if piece is None:
             return b""
@@ -251,10 +275,10 @@ class Tokenizer:
 _BYTE_DECODER = _gpt2_byte_decoder()
 
 
-def _byte_mode(tok: Any) -> str:
+def _byte_mode(tok: tokenizers.Tokenizer | _DuckBackend) -> str:
     """How vocabulary pieces spell bytes: "byte_level" (GPT-2), "sentencepiece" (▁ and <0xAB>),
     or "text" (ask the decoder)."""
-    decoder = getattr(tok, "decoder", None)
+    decoder = tok.decoder if isinstance(tok, tokenizers.Tokenizer) else None
     try:
         spec = json.dumps(json.loads(decoder.__getstate__())) if decoder is not None else ""
     except Exception:  # noqa: BLE001 - decoders without a JSON state are "text"
