@@ -39,7 +39,14 @@ from .protocol import (
     template_messages,
     thinking_switch,
 )
-from .streams import FINISH_REASONS, JSONBody, StreamFailed, StreamInfo, clamp_logprob
+from .streams import (
+    FINISH_REASONS,
+    JSONBody,
+    StreamFailed,
+    StreamInfo,
+    clamp_logprob,
+    fold_chunks,
+)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -274,39 +281,15 @@ async def chat_chunks(events: AsyncIterator[Event], first: Event, info: StreamIn
 
 async def fold_chat(chunks: AsyncIterator[JSONBody]) -> JSONBody:
     """The non-streaming `chat.completion` built from the stream's chunks."""
-    head: JSONBody = {}
-    choices: dict[int, JSONBody] = {}
-    usage = None
-    async for c in chunks:
-        head = head or c
-        if not c["choices"]:
-            usage = c.get("usage")
-        for ch in c["choices"]:
-            st = choices.setdefault(ch["index"], {"text": [], "calls": {}, "lps": None,
-                                                  "finish": None, "thought": None})
-            d = ch["delta"]
-            if d.get("content"):
-                st["text"].append(d["content"])
-            if d.get("reasoning_content"):
-                st["thought"] = (st["thought"] or "") + d["reasoning_content"]
-            for call in d.get("tool_calls") or ():
-                if call["index"] not in st["calls"]:
-                    st["calls"][call["index"]] = {"id": call["id"], "type": "function",
-                                                  "function": {"name": call["function"]["name"],
-                                                               "arguments": ""}}
-                st["calls"][call["index"]]["function"]["arguments"] += \
-                    call["function"].get("arguments", "")
-            if ch.get("logprobs"):
-                st["lps"] = (st["lps"] or []) + ch["logprobs"]["content"]
-            if ch.get("finish_reason"):
-                st["finish"] = ch["finish_reason"]
+    folded = await fold_chunks(chunks, lambda: {"text": [], "calls": {}, "lps": None,
+                                                "thought": None}, _add_chat_chunk)
     out_choices = []
-    for i in sorted(choices):
-        st = choices[i]
+    for i in sorted(folded.choices):
+        st = folded.choices[i]
         content = "".join(st["text"])
         msg: JSONBody = {"role": "assistant",
-                               "content": content if content or not st["calls"] else None,
-                               "refusal": None}
+                         "content": content if content or not st["calls"] else None,
+                         "refusal": None}
         if st["thought"] is not None:
             msg["reasoning_content"] = msg["reasoning"] = st["thought"]
         if st["calls"]:
@@ -314,9 +297,25 @@ async def fold_chat(chunks: AsyncIterator[JSONBody]) -> JSONBody:
         out_choices.append({"index": i, "message": msg,
                             "logprobs": None if st["lps"] is None else {"content": st["lps"]},
                             "finish_reason": st["finish"]})
-    return {"id": head.get("id"), "object": "chat.completion", "created": head.get("created"),
-            "model": head.get("model"), "system_fingerprint": None, "choices": out_choices,
-            "usage": usage}
+    return folded.answer("chat.completion", out_choices)
+
+
+def _add_chat_chunk(st: JSONBody, ch: JSONBody) -> None:
+    """One choice's chunk into its folded state: text, thought, tool-call pieces, logprobs."""
+    d = ch["delta"]
+    if d.get("content"):
+        st["text"].append(d["content"])
+    if d.get("reasoning_content"):
+        st["thought"] = (st["thought"] or "") + d["reasoning_content"]
+    for call in d.get("tool_calls") or ():
+        if call["index"] not in st["calls"]:
+            st["calls"][call["index"]] = {"id": call["id"], "type": "function",
+                                          "function": {"name": call["function"]["name"],
+                                                       "arguments": ""}}
+        st["calls"][call["index"]]["function"]["arguments"] += \
+            call["function"].get("arguments", "")
+    if ch.get("logprobs"):
+        st["lps"] = (st["lps"] or []) + ch["logprobs"]["content"]
 
 
 # ----------------------------------------------------------------------------- the route

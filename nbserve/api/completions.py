@@ -37,7 +37,14 @@ from .handler import CLIENT_GONE, RouteContext, answer, sse_chunks, unless_disco
 from .limits import Limits
 from .openapi_schemas import body_ref
 from .protocol import _Sampling
-from .streams import FINISH_REASONS, JSONBody, StreamFailed, StreamInfo, clamp_logprob
+from .streams import (
+    FINISH_REASONS,
+    JSONBody,
+    StreamFailed,
+    StreamInfo,
+    clamp_logprob,
+    fold_chunks,
+)
 
 
 class CompletionRequest(_Sampling):
@@ -279,29 +286,20 @@ async def completion_chunks(events: AsyncIterator[tuple[int, Event]], info: Stre
 
 async def fold_completion(chunks: AsyncIterator[JSONBody]) -> JSONBody:
     """The non-streaming `text_completion` built from the stream's chunks."""
-    head: JSONBody = {}
-    choices: dict[int, JSONBody] = {}
-    usage = None
-    async for c in chunks:
-        head = head or c
-        if not c["choices"]:
-            usage = c.get("usage")
-        for ch in c["choices"]:
-            st = choices.setdefault(ch["index"], {"text": [], "lps": None, "finish": None})
-            st["text"].append(ch["text"])
-            if ch.get("logprobs"):
-                if st["lps"] is None:
-                    st["lps"] = {k: [] for k in ch["logprobs"]}
-                for key, vals in ch["logprobs"].items():
-                    st["lps"][key].extend(vals)
-            if ch.get("finish_reason"):
-                st["finish"] = ch["finish_reason"]
-    return {"id": head.get("id"), "object": "text_completion", "created": head.get("created"),
-            "model": head.get("model"), "system_fingerprint": None,
-            "choices": [{"index": i, "text": "".join(choices[i]["text"]),
-                         "logprobs": choices[i]["lps"], "finish_reason": choices[i]["finish"]}
-                        for i in sorted(choices)],
-            "usage": usage}
+    folded = await fold_chunks(chunks, lambda: {"text": [], "lps": None}, _add_completion_chunk)
+    return folded.answer("text_completion", [
+        {"index": i, "text": "".join(st["text"]), "logprobs": st["lps"],
+         "finish_reason": st["finish"]} for i, st in sorted(folded.choices.items())])
+
+
+def _add_completion_chunk(st: JSONBody, ch: JSONBody) -> None:
+    """One choice's chunk into its folded state: its text and logprobs."""
+    st["text"].append(ch["text"])
+    if ch.get("logprobs"):
+        if st["lps"] is None:
+            st["lps"] = {k: [] for k in ch["logprobs"]}
+        for key, vals in ch["logprobs"].items():
+            st["lps"][key].extend(vals)
 
 
 async def first_of_merged(merged: Merge, request_id: str) -> bool:

@@ -1,10 +1,11 @@
 """What the chat and completions streams share: the failure of a started request, what every
-chunk of one response carries, the log-probability floor and the finish reasons. Each family's
-chunks and fold live with its route (`chat.py`, `completions.py`)."""
+chunk of one response carries, the log-probability floor, the finish reasons and the walk that
+folds a stream's chunks per choice. Each family's chunks and what its fold keeps of a chunk
+live with its route (`chat.py`, `completions.py`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,3 +64,39 @@ class StreamInfo:
 def clamp_logprob(value: float) -> float:
     """A log-probability as JSON can hold it (-inf becomes OpenAI's floor)."""
     return max(_LOGPROB_FLOOR, value)
+
+
+@dataclass
+class Folded:
+    """A stream's chunks folded per choice: the first chunk (id, created, model), each choice's
+    state (what the family's `add` kept, and its `finish` reason) and the usage chunk's usage."""
+
+    head: JSONBody
+    choices: dict[int, JSONBody]
+    usage: JSONBody | None
+
+    def answer(self, obj: str, choices: list[JSONBody]) -> JSONBody:
+        """The non-streaming answer of object type `obj` around `choices`."""
+        head = self.head
+        return {"id": head.get("id"), "object": obj, "created": head.get("created"),
+                "model": head.get("model"), "system_fingerprint": None, "choices": choices,
+                "usage": self.usage}
+
+
+async def fold_chunks(chunks: AsyncIterator[JSONBody], new_state: Callable[[], JSONBody],
+                      add: Callable[[JSONBody, JSONBody], None]) -> Folded:
+    """Walk a stream's chunks once: each choice's chunk goes to `add(state, chunk)` on its own
+    state (`new_state()` at its first chunk); its finish reason is kept as `state["finish"]`."""
+    folded = Folded({}, {}, None)
+    async for c in chunks:
+        folded.head = folded.head or c
+        if not c["choices"]:
+            folded.usage = c.get("usage")
+        for ch in c["choices"]:
+            st = folded.choices.get(ch["index"])
+            if st is None:
+                st = folded.choices[ch["index"]] = {**new_state(), "finish": None}
+            add(st, ch)
+            if ch.get("finish_reason"):
+                st["finish"] = ch["finish_reason"]
+    return folded
