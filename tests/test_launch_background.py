@@ -142,3 +142,37 @@ def test_stop_while_loading_closes_what_the_load_builds(tiny_llama_dir):
     assert not loader.is_alive()
     assert not [t.name for t in threading.enumerate()
                 if t.name.startswith("nbserve") and t not in before]
+
+
+def test_health_says_loading_until_the_api_answers(tiny_llama_dir, monkeypatch):
+    """Between the model's load and the end of the UI's build (the UI is built for the loaded
+    model), /health said 200 "ready" while every API route still answered 503 "loading": a
+    client that polls /health, as for llama-server, then met 503s for seconds (about 3 s with
+    the default model). /health is 503 for as long as the API is."""
+    from nbserve.serving import ui
+
+    building, release = threading.Event(), threading.Event()
+    mount = ui.mount_ui
+
+    def slow_mount(*args, **kwargs):
+        building.set()
+        assert release.wait(60)
+        return mount(*args, **kwargs)
+
+    monkeypatch.setattr(ui, "mount_ui", slow_mount)
+    srv = launch(tiny_llama_dir, wait=False, max_batch=2)
+    try:
+        assert building.wait(120)  # the model is loaded and served; the UI is being built
+        health = httpx.get(srv.url + "/health")
+        api = httpx.post(srv.api_base + "/completions",
+                         json={"model": "", "prompt": "hi", "max_tokens": 1})
+        assert api.status_code == 503 and api.json()["error"]["code"] == "model_loading"
+        assert health.status_code == 503 and health.json()["status"] == "loading", health.text
+        release.set()
+        srv.wait(60)
+        assert httpx.get(srv.url + "/health").status_code == 200
+        assert httpx.post(srv.api_base + "/completions",
+                          json={"model": "", "prompt": "hi", "max_tokens": 1}).status_code == 200
+    finally:
+        release.set()
+        srv.stop()

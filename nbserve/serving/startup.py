@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.routing import Match, Mount
 from starlette.types import Message, Receive, Scope, Send
 
@@ -114,8 +114,8 @@ class LoadingBackend(BackendDefaults):
 class LoadingGate:
     """ASGI wrapper of the app: until the model is ready, its API routes (every route of the
     app but /health, /stats, /metrics, the API docs and the UI mounted at /) answer 503 with an
-    OpenAI-style error body, and the chat UI's page (GET /) is a "loading" page that reloads
-    itself; then it steps aside."""
+    OpenAI-style error body, /health answers 503 "loading" (or "error"), and the chat UI's page
+    (GET /) is a "loading" page that reloads itself; then it steps aside."""
 
     def __init__(self, app: FastAPI, state: LoadState, ui: bool):
         self.app, self.state, self.ui = app, state, ui
@@ -130,7 +130,11 @@ class LoadingGate:
         if scope["type"] != "http" or self.state.ready:
             await self.app(scope, receive, send)
             return
-        if self._is_api(scope):
+        if scope["path"] == "/health":  # not ready while the API still refuses (the model
+            # may be served already while the UI is built for it)
+            body = LoadingBackend(self.state).health()
+            await JSONResponse(body, status_code=503)(scope, _no_receive, send)
+        elif self._is_api(scope):
             await self._refuse(scope, send)
         elif self.ui and scope["path"] == "/" and scope.get("method") in ("GET", "HEAD"):
             await self._loading_page(scope, send)
