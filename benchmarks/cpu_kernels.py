@@ -35,8 +35,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from nbserve.cpu.openmp_pool import release_openmp_pool  # noqa: E402
-from nbserve.models.linear import PackedCopy  # noqa: E402
-from nbserve.models.quant import KernelLinear, QuantBlocks  # noqa: E402
+from nbserve.execution.linear import PackedCopy  # noqa: E402
+from nbserve.execution.quant import KernelLinear, QuantBlocks  # noqa: E402
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 HEAD = (49152, 576)

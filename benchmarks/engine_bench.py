@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import nbserve  # noqa: E402
 from nbserve.engine import Engine  # noqa: E402
+from nbserve.execution.weights import count_parameters  # noqa: E402
 from nbserve.loading import summary_line  # noqa: E402
-from nbserve.models.weights import count_parameters  # noqa: E402
 from nbserve.types import Delta, Request, SamplingParams  # noqa: E402
 
 TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "owls", "the piano", "glaciers",

@@ -31,10 +31,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import torch  # noqa: E402
 
 from nbserve.engine import Engine  # noqa: E402
+from nbserve.execution.weights import count_parameters  # noqa: E402
 from nbserve.models.base import LoadedModel  # noqa: E402
 from nbserve.models.config import LlamaConfig  # noqa: E402
 from nbserve.models.decoder import LlamaModel, build_llama
-from nbserve.models.weights import count_parameters  # noqa: E402
 from nbserve.types import Delta, Request, SamplingParams  # noqa: E402
 
 CONFIGS: dict[str, dict[str, Any]] = {  # shapes of public checkpoints (weights are random)

@@ -46,9 +46,9 @@ def instrument() -> None:
     lone step's single C call (models/decode_stack.py) time its own matmuls and attention."""
     import ctypes
 
+    from nbserve.execution import linear, quant
+    from nbserve.execution.decode_stack import DecodeStack
     from nbserve.models import decoder as llama
-    from nbserve.models import linear, quant
-    from nbserve.models.decode_stack import DecodeStack
 
     DecodeStack.spent = (ctypes.c_double * 2)()
 
@@ -64,7 +64,7 @@ def instrument() -> None:
 
 def absorb() -> None:
     """Move the lone stack's own timings into SPENT."""
-    from nbserve.models.decode_stack import DecodeStack
+    from nbserve.execution.decode_stack import DecodeStack
 
     if DecodeStack.spent is not None:
         SPENT["matmul"] += DecodeStack.spent[0]

@@ -169,7 +169,7 @@ def _prefilled(model, prompts: list[list[int]], block_size: int = 16):
 def test_cuda_graphs_replay_what_the_eager_static_step_computes(gpu16):
     """The captured decode steps (every bucket at start-up) replay the eager bucketed step's
     logits exactly, for a full and a padded batch and for one row."""
-    from nbserve.models.static_decode import StaticDecode
+    from nbserve.execution.static_decode import StaticDecode
 
     model = gpu16.model
     prompts = [gpu16.tokenizer.encode(p) for p in PROMPTS[:5]]

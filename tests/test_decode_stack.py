@@ -16,8 +16,8 @@ from kernel_paths import NEEDS_COMPILER, PATHS
 
 import nbserve
 from nbserve.cpu.kernels import build
-from nbserve.models.decode_stack import DecodeStack, unfit_reason
-from nbserve.models.quant import FLOAT_MAX_ROWS
+from nbserve.execution.decode_stack import DecodeStack, unfit_reason
+from nbserve.execution.quant import FLOAT_MAX_ROWS
 
 pytestmark = NEEDS_COMPILER
 IDS = [3, 17, 5, 9, 11, 2, 40, 7]

@@ -110,7 +110,7 @@ def test_a_fused_checkpoint_weight_keeps_its_own_quantized_blocks(family_dirs) -
     """Phi-3's qkv_proj / gate_up_proj come fused: their blocks are found under the
     checkpoint's names (a GGUF's attn_qkv), not remade as Q8_0 from the floats."""
     from nbserve.cpu.kernels.build import kernels_available
-    from nbserve.models.quant import QuantBlocks
+    from nbserve.execution.quant import QuantBlocks
 
     if not kernels_available():
         pytest.skip("needs nbserve's C kernels (a C compiler)")

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from nbserve.cpu.threads import torch_threads
-from nbserve.models.linear import SPLIT_MAX_ROWS, split_linear, split_ways
+from nbserve.execution.linear import SPLIT_MAX_ROWS, split_linear, split_ways
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
@@ -49,7 +49,7 @@ def test_bfloat16_runs_in_row_buckets_with_the_same_rows_out(monkeypatch):
     """oneDNN's bfloat16 GEMM keeps memory for every row count it has run: split_linear pads
     bfloat16 inputs of more than PACK_EXACT_ROWS rows to the row buckets (a few rows run as
     they are), and returns the real rows' outputs."""
-    from nbserve.models import linear as L
+    from nbserve.execution import linear as L
 
     seen = []
     real = F.linear

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import nbserve
-from nbserve.models.linear import FLOAT16_MAX_ROWS, HalfCopy
-from nbserve.models.weights import count_parameters
+from nbserve.execution.linear import FLOAT16_MAX_ROWS, HalfCopy
+from nbserve.execution.weights import count_parameters
 
 
 def _steps(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -213,7 +213,7 @@ def test_decode_attention_with_scale_and_mask_in_one_matmul_keeps_the_values() -
     att = Attention(cfg, 0)
     b, d, hkv, g = 5, cfg.head_dim, 2, 3
     positions = torch.tensor([[3], [9], [0], [12], [7]])
-    from nbserve.models.kv_cache import PagedKVCache
+    from nbserve.execution.kv_cache import PagedKVCache
 
     rows = PagedKVCache(1, 8, 64, hkv, d, "cpu", torch.float32, rows=8)
     step = StepInputs(positions, rows.row_tables(torch.arange(b)), 12, rows, kernel=False)

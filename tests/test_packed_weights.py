@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import nbserve
+from nbserve.execution.linear import PackedCopy, linear, packing_available
+from nbserve.execution.weights import count_parameters
 from nbserve.models.decoder import LlamaModel
-from nbserve.models.linear import PackedCopy, linear, packing_available
-from nbserve.models.weights import count_parameters
 
 pytestmark = pytest.mark.skipif(not packing_available(torch.zeros(2, 2)),
                                 reason="torch built without oneDNN")
@@ -98,7 +98,7 @@ def test_pack_weights_says_what_it_needs(tiny_llama_dir):
 
 def test_loaders_skip_packing_when_the_copies_would_crowd_the_memory(tiny_llama_dir,
                                                                      monkeypatch):
-    from nbserve.models import linear as linear_module
+    from nbserve.execution import linear as linear_module
 
     assert linear_module.packing_affordable(1 << 20)  # a MiB fits on any machine we run on
     monkeypatch.setattr(linear_module, "PACK_MEMORY_SHARE", 0.0)  # as if the model were huge
@@ -120,7 +120,7 @@ def test_the_load_line_shows_the_copies_apart_from_the_weights(tiny_llama_dir):
 
 
 def test_a_row_or_two_are_padded_to_the_faster_kernel_and_keep_their_values():
-    from nbserve.models.linear import PACK_MIN_ROWS
+    from nbserve.execution.linear import PACK_MIN_ROWS
 
     weight, bias = torch.randn(40, 24), torch.randn(40)
     packed = PackedCopy(weight, bias)
@@ -139,7 +139,7 @@ def test_a_row_or_two_are_padded_to_the_faster_kernel_and_keep_their_values():
 
 
 def test_row_buckets_pad_less_than_an_eighth_and_bound_the_shapes():
-    from nbserve.models.linear import PACK_EXACT_ROWS, PACK_MIN_ROWS, packed_rows
+    from nbserve.execution.linear import PACK_EXACT_ROWS, PACK_MIN_ROWS, packed_rows
 
     for rows in range(1, 5000):
         target = packed_rows(rows)

@@ -17,13 +17,13 @@ import torch
 from kernel_paths import NEEDS_COMPILER, PATHS
 
 from nbserve.cpu.kernels import build
-from nbserve.models.decoder import apply_rope
-from nbserve.models.paged_attention import (
+from nbserve.execution.paged_attention import (
     paged_attention_serves,
     paged_cache_serves,
     paged_decode_attention,
     paged_lone_attention,
 )
+from nbserve.models.decoder import apply_rope
 
 pytestmark = NEEDS_COMPILER
 HEADS = [pytest.param(6, 2, id="gqa-6-2"), pytest.param(4, 4, id="mha-4-4")]
@@ -176,7 +176,7 @@ def test_decode_step_ropes_writes_and_attends_a_batch(kernels, threads, block_si
     """The batched decode step in one call: the same cache writes (bit for bit) and the same
     outputs (the same attention kernel after them) as torch's rope and writes followed by
     paged_decode_attention; each row with its own position and rope."""
-    from nbserve.models.paged_attention import paged_decode_step
+    from nbserve.execution.paged_attention import paged_decode_step
 
     positions = [2 * block_size + 3, 0, 3 * block_size - 1, block_size]  # mid, first, last
     lengths = [p + 1 for p in positions]

@@ -262,7 +262,7 @@ def test_an_idle_engine_with_a_large_budget_holds_little_memory(loaded):
 def test_gather_from_a_start_reads_only_those_positions() -> None:
     """`gather(..., start)`: positions start..length-1 (a sliding window's keys), equal to the
     same slice of a gather from 0, whatever the block boundaries."""
-    from nbserve.models.kv_cache import PagedKVCache
+    from nbserve.execution.kv_cache import PagedKVCache
 
     cache = PagedKVCache(1, 12, 4, 2, 8, torch.device("cpu"), torch.float32)
     cache.k[0].copy_(torch.randn_like(cache.k[0]))
@@ -296,7 +296,7 @@ def test_free_pages_returns_the_memory_of_freed_blocks_and_keeps_the_rest() -> N
     """`free_pages`: the pages wholly inside the given runs of blocks go back to the system in
     every layer (the process's resident set falls, and they read back as zeros); the blocks
     outside the runs keep their keys and values, also those that share a page with a run."""
-    from nbserve.models.kv_cache import PagedKVCache
+    from nbserve.execution.kv_cache import PagedKVCache
 
     def rss() -> int:
         with open("/proc/self/statm") as f:

@@ -23,8 +23,8 @@ from tiny_models import make_tiny_hf_dir
 import nbserve
 from nbserve.cpu.kernels import build
 from nbserve.cpu.kernels.tuning import round16_pays
-from nbserve.models.quant import KernelLinear, QuantBlocks
-from nbserve.models.weights import count_parameters
+from nbserve.execution.quant import KernelLinear, QuantBlocks
+from nbserve.execution.weights import count_parameters
 
 pytestmark = NEEDS_COMPILER
 WIDTH = {"avx2": 8, "plain-c": 1}
@@ -264,7 +264,7 @@ def test_a_gguf_is_multiplied_by_its_own_blocks(q4_gguf, monkeypatch):
 
 def test_a_gguf_of_q4_q8_blocks_keeps_them_by_default_on_cpu(q4_gguf, tiny_llama_dir, tmp_path,
                                                               monkeypatch):
-    from nbserve.models.linear import packing_available
+    from nbserve.execution.linear import packing_available
 
     default = nbserve.load(str(q4_gguf), verbose=False).model  # dtype=None
     assert default.weight_format == "quantized"  # lossless for these types: the file's blocks
@@ -304,8 +304,8 @@ def test_a_float_checkpoint_gets_q8_0_copies(tiny_llama_dir):
     (_, one_f), (_, one_q) = _lone_steps(full, ids), _lone_steps(model, ids)
     error = ((one_q - one_f).norm() / one_f.norm()).item()
     assert 0 < error < 0.03, error  # Q8_0 weights (0.2-0.4% each) through 2 random layers
-    n_full, bytes_full = nbserve.models.weights.count_parameters(full)
-    n_q, bytes_q = nbserve.models.weights.count_parameters(model)
+    n_full, bytes_full = nbserve.execution.weights.count_parameters(full)
+    n_q, bytes_q = nbserve.execution.weights.count_parameters(model)
     assert n_q == n_full and bytes_q > 4 * n_q  # the copies are counted
     assert bytes_q < bytes_full  # no packed copies: the blocks serve every step
     # Q8_0 made here is not the weights' exact values: the float32 weights stay, to restore

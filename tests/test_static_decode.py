@@ -15,8 +15,8 @@ from kernel_paths import NEEDS_COMPILER
 
 from nbserve.engine import Engine
 from nbserve.engine.config import EngineConfig
+from nbserve.execution.static_decode import StaticDecode, bucket, powers_of_two_up_to
 from nbserve.loading import load
-from nbserve.models.static_decode import StaticDecode, bucket, powers_of_two_up_to
 from nbserve.types import Delta, Request, SamplingParams
 
 

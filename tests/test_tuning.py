@@ -13,7 +13,7 @@ import torch
 from kernel_paths import NEEDS_COMPILER, PATHS, X86
 
 from nbserve.cpu.kernels import build, tuning
-from nbserve.models.quant import ROUND16, KernelLinear, QuantBlocks
+from nbserve.execution.quant import ROUND16, KernelLinear, QuantBlocks
 
 pytestmark = NEEDS_COMPILER
 AVX2, PLAIN = PATHS[1].values[0], PATHS[2].values[0]

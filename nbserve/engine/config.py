@@ -61,7 +61,7 @@ class EngineConfig:
     CPU). step_timeout: seconds one step may run before the engine counts as stuck. name:
     the served model name (default: the model's). quiet: no start-up line. static_decode:
     decode steps at bucketed shapes from static buffers, captured as CUDA graphs and replayed
-    (`models.static_decode`; None: on for a CUDA model with a paged cache, off on CPU, where
+    (`execution.static_decode`; None: on for a CUDA model with a paged cache, off on CPU, where
     True runs the same bucketed steps eagerly, without the C kernels).
     """
 

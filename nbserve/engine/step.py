@@ -18,9 +18,9 @@ from typing import Any, Protocol
 import torch
 
 from ..cpu.threads import ThreadTuner
+from ..execution.kv_cache import PagedKVCache
 from ..models.adapters.step_model import served
 from ..models.base import LoadedModel, PagedModel, SlotCache, SlotModel, StaticSteps
-from ..models.kv_cache import PagedKVCache
 from ..types import (
     Delta,
     ErrorEvent,

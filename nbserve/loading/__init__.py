@@ -16,7 +16,7 @@ from ..models.base import LoadedModel
 from ..models.dtypes import MIXED16, QUANTIZED, QUANTIZED_FORMATS, WEIGHT_FORMATS, resolve_dtype
 
 if TYPE_CHECKING:
-    from ..models.weights import WeightFormats
+    from ..execution.weights import WeightFormats
 
 DEFAULT_NAMES = {"smollm2", "default", "smollm2-135m-instruct"}
 
@@ -28,7 +28,7 @@ def default_device() -> str:
 def _add_weight_copies(loaded: LoadedModel, weight_format: str) -> None:
     """mixed16: float16 copies; quantized(-exact): a GGUF's own quantized blocks (or Q8_0
     ones), with 16-bit-rounded inputs on the row kernels that have them, or without."""
-    from ..models.weights import WeightFormats
+    from ..execution.weights import WeightFormats
 
     model = loaded.model
     if not isinstance(model, WeightFormats):
@@ -45,7 +45,7 @@ def _use_lossless_blocks(loaded: LoadedModel) -> None:
     them (dtype="quantized") when the C kernel is available. The blocks hold the float32
     weights' exact values, so nothing changes but the speed. The model was built without the
     float32 model's own copies (`_blocks_will_serve`); a file of other types gets them now."""
-    from ..models.weights import WeightFormats
+    from ..execution.weights import WeightFormats
 
     model = loaded.model
     if not isinstance(model, WeightFormats) or _gguf_file(str(loaded.source)) is None:
@@ -179,7 +179,7 @@ def _release_unread_weights(loaded: LoadedModel) -> None:
     """dtype="quantized" (asked for, or a GGUF's lossless default): drop the float32 weights
     that its quantized and packed copies leave unread (`WeightFormats.release_dense_weights`;
     the outputs stay the same bit for bit)."""
-    from ..models.weights import WeightFormats
+    from ..execution.weights import WeightFormats
 
     model = loaded.model
     if isinstance(model, WeightFormats) and model.weight_format in QUANTIZED_FORMATS:
@@ -260,7 +260,7 @@ def summary_line(loaded: LoadedModel, seconds: float) -> str:
     """One line: model, parameters, dtype, device, weight memory, load time."""
     from torch import nn
 
-    from ..models.weights import WeightFormats, count_parameters
+    from ..execution.weights import WeightFormats, count_parameters
 
     model = loaded.model
     if not isinstance(model, nn.Module):

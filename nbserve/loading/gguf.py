@@ -30,7 +30,7 @@ from .gguf_archs import CONFIG_ONLY, Meta, Rule, hf_config, tensor_rule, unpermu
 from .gguf_reader import BulkArrayReader
 
 if TYPE_CHECKING:
-    from ..models.quant import QuantBlocks
+    from ..execution.quant import QuantBlocks
 
 SUPPORTED_TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1,
                    QType.Q5_0, QType.Q5_1, QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K,
@@ -103,7 +103,7 @@ class GGUFTensors:
         name, with llama.cpp's Q/K row order undone and stacked experts split
         (dtype="quantized" multiplies them). GPT-2's Conv1D weights are left out: their blocks
         run along the other axis than the HF tensor's rows."""
-        from ..models.quant import QuantBlocks
+        from ..execution.quant import QuantBlocks
 
         found: dict[str, QuantBlocks] = {}
         for t, rule in self._plan:

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from ..execution.weights import count_parameters
 from ..text import ChatTemplate, Tokenizer
 from ..text.chat_template import load_chat_template
 from ..text.tokenizer import load_tokenizer
@@ -36,7 +37,6 @@ from . import registry
 from .adapters import RecomputeAdapter, TransformersAdapter
 from .base import LoadedModel, PagedModel, SlotModel, StepModel
 from .nanochat import NanochatModel
-from .weights import count_parameters
 
 M = TypeVar("M")
 

@@ -46,7 +46,7 @@ class PagedCache(SlotCache, Protocol):
 
 
 class StaticSteps(Protocol):
-    """Decode steps at fixed shapes over one paged cache (`models.static_decode`)."""
+    """Decode steps at fixed shapes over one paged cache (`execution.static_decode`)."""
 
     def serves(self, rows: int, max_pos: int, width: int) -> bool:
         """Whether a step of `rows` rows up to `max_pos` over `width` table entries runs here."""

@@ -24,27 +24,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cpu.kernels.build import kernels_available
-from .base import PagedModel
-from .config import DecoderConfig
-from .decode_stack import DecodeStack
-from .dtypes import QUANTIZED_FORMATS
-from .kv_cache import PagedKVCache
-from .linear import (
+from ..execution.decode_stack import DecodeStack
+from ..execution.kv_cache import PagedKVCache
+from ..execution.linear import (
     FusedProjection,
     gated_linear,
     linear,
     normed_linear,
 )
-from .paged_attention import (
+from ..execution.paged_attention import (
     CACHE_DTYPES,
     paged_attention_serves,
     paged_cache_serves,
     paged_decode_step,
     paged_lone_attention,
 )
+from ..execution.static_decode import StaticDecode
+from ..execution.weights import WeightFormats
+from .base import PagedModel
+from .config import DecoderConfig
+from .dtypes import QUANTIZED_FORMATS
 from .rope import RopeSpec, apply_rope
-from .static_decode import StaticDecode
-from .weights import WeightFormats
 
 PAGED_BLOCK_SIZE = 32  # positions per block of a cache made by make_cache (the row convention)
 ROPE_TABLE_MIN = 4096  # RoPE tables grow in powers of two from here, up to max_context
@@ -550,7 +550,7 @@ class DecoderModel(WeightFormats, PagedModel):
 
     def make_paged_cache(self, n_blocks: int, block_size: int,
                          dtype: torch.dtype | None = None) -> PagedKVCache:
-        """A paged cache of `n_blocks` blocks (`models.kv_cache`), in `dtype` (default:
+        """A paged cache of `n_blocks` blocks (`execution.kv_cache`), in `dtype` (default:
         `default_kv_dtype`); forward then takes block tables (B, blocks) where slots were."""
         c = self.config
         return PagedKVCache(c.num_hidden_layers, n_blocks, block_size, c.num_key_value_heads,
@@ -695,7 +695,7 @@ class DecoderModel(WeightFormats, PagedModel):
 
     def make_static_decode(self, cache: PagedKVCache, max_batch: int, max_context: int,
                            capture: bool) -> StaticDecode | None:
-        """Decode steps at bucketed shapes over `cache` (`models.static_decode`), captured as
+        """Decode steps at bucketed shapes over `cache` (`execution.static_decode`), captured as
         CUDA graphs where `capture` (on a CUDA model), else run eagerly. None for a model whose
         RoPE depends on the length (its tables are chosen per step)."""
         if any(s.regime(1) is not None or s.regime(max_context) is not None

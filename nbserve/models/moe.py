@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..execution.linear import FusedProjection, linear
 from .decoder import ACTIVATION, MLP
-from .linear import FusedProjection, linear
 
 if TYPE_CHECKING:
     from .config import DecoderConfig

@@ -40,14 +40,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cpu.kernels.build import kernels_available
+from ..execution.kv_cache import PagedKVCache
+from ..execution.linear import linear
+from ..execution.weights import Holder, WeightFormats
 from ..text import ChatTemplate, Tokenizer
 from ..text.nanochat_chat import nanochat_chat_template, nanochat_tokenizer
 from .base import PagedModel
 from .decoder import PAGED_BLOCK_SIZE, StepInputs
-from .kv_cache import PagedKVCache
-from .linear import linear
 from .rope import apply_rope
-from .weights import Holder, WeightFormats
 
 NANOCHAT_COMMIT = "92d63d4e8bb4df75c3b71618f31ddde2378b2bcd"
 NANOCHAT_VERSION = f"nanochat/gpt.py at {NANOCHAT_COMMIT[:12]} (2026-07-03)"
