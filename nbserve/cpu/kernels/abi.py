@@ -3,7 +3,7 @@
 The header declares the weight kinds, the matmul flags, the structs and every exported
 function. This module parses it (the small subset of C the header keeps to, described at its
 top) once, at import, and gives:
-- `WeightKind` and `KernelFlag`, whose values are the header's enums;
+- `WeightKind`, `BlockType` and `KernelFlag`, whose values are the header's enums;
 - `Weight` and `Layer`, ctypes structures laid out field by field as `nbq_weight` and
   `nbq_layer`;
 - `declare(lib)`, which sets every exported function's ctypes argument and result types from its
@@ -137,6 +137,24 @@ class WeightKind(IntEnum):
     Q4 = ABI.constants["NBQ_Q4"]
     Q8 = ABI.constants["NBQ_Q8"]
     F32 = ABI.constants["NBQ_F32"]
+
+
+class BlockType(IntEnum):
+    """The GGUF block types of `nbq_blocks_*` (enum nbq_ggml_type): ggml's type numbers, so
+    a `gguf.GGMLQuantizationType` converts as it is."""
+
+    Q4_0 = ABI.constants["NBQ_GGML_Q4_0"]
+    Q4_1 = ABI.constants["NBQ_GGML_Q4_1"]
+    Q5_0 = ABI.constants["NBQ_GGML_Q5_0"]
+    Q5_1 = ABI.constants["NBQ_GGML_Q5_1"]
+    Q8_0 = ABI.constants["NBQ_GGML_Q8_0"]
+    Q2_K = ABI.constants["NBQ_GGML_Q2_K"]
+    Q3_K = ABI.constants["NBQ_GGML_Q3_K"]
+    Q4_K = ABI.constants["NBQ_GGML_Q4_K"]
+    Q5_K = ABI.constants["NBQ_GGML_Q5_K"]
+    Q6_K = ABI.constants["NBQ_GGML_Q6_K"]
+    IQ4_NL = ABI.constants["NBQ_GGML_IQ4_NL"]
+    IQ4_XS = ABI.constants["NBQ_GGML_IQ4_XS"]
 
 
 class KernelFlag(IntFlag):

@@ -33,9 +33,9 @@ from pathlib import Path
 from .abi import declare
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("quant_matmul.c", "paged_attention.c", "decode_stack.c")]
+           for name in ("quant_matmul.c", "gguf_blocks.c", "paged_attention.c", "decode_stack.c")]
 HEADERS = [Path(__file__).with_name(name)  # in the cache key, not built
-           for name in ("nbserve_kernels.h", "paged_attention_body.h")]
+           for name in ("nbserve_kernels.h", "matmul_common.h", "paged_attention_body.h")]
 # -ffp-contract=off: a * b + c stays two roundings, as in torch's separate ops (no silent FMA)
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11", "-ffp-contract=off"]
 BUILD_TIMEOUT_S = 120

@@ -23,6 +23,23 @@ enum nbq_kind {
     NBQ_F32 = 2, /* float32 rows as they are */
 };
 
+/* The GGUF block types of gguf_blocks.c, numbered as ggml's enum ggml_type (the `gguf` package's
+ * GGMLQuantizationType); nbq_blocks_supported says which a build serves. */
+enum nbq_ggml_type {
+    NBQ_GGML_Q4_0 = 2,
+    NBQ_GGML_Q4_1 = 3,
+    NBQ_GGML_Q5_0 = 6,
+    NBQ_GGML_Q5_1 = 7,
+    NBQ_GGML_Q8_0 = 8,
+    NBQ_GGML_Q2_K = 10,
+    NBQ_GGML_Q3_K = 11,
+    NBQ_GGML_Q4_K = 12,
+    NBQ_GGML_Q5_K = 13,
+    NBQ_GGML_Q6_K = 14,
+    NBQ_GGML_IQ4_NL = 20,
+    NBQ_GGML_IQ4_XS = 23,
+};
+
 /* The matmul entry points' `flags` (nbq_weight.flags holds the weight's own). */
 enum nbq_flag {
     NBQ_GATED = 1,   /* x is [a | b]: multiply silu(a) * b */
@@ -57,6 +74,19 @@ int nbq_f32_matmul(const float *x, int rows, int k, const float *w, int n, float
 int nbq_simd_width(void);       /* the floats of the build's vectors: 16, 8 or 1 (plain C) */
 int nbq_row_path_max(void);     /* the most input rows the row kernels take */
 int nbq_round16_max_rows(void); /* the most rows NBQ_ROUND16 rounds (0: no such kernels) */
+
+/* gguf_blocks.c: y (rows, n) = prepare(x) (rows, k) @ w.T for n weight rows stored as GGUF
+ * blocks of `type` (enum nbq_ggml_type) exactly as the file lays them out, prepare as above;
+ * dequantize: `count` rows (row_index[i] of the n_rows, or the first `count` when row_index is
+ * NULL) as float32, exactly as gguf's dequantization. 0, -1 when out of memory, -2 for a type
+ * not served, k not a multiple of its block or an index out of range. */
+int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blocks, int n,
+                      float *y, int threads, const float *norm, float eps, int flags);
+int nbq_blocks_dequantize(int type, const void *blocks, int n_rows, int k,
+                          const int32_t *row_index, int count, float *out, int threads);
+int nbq_blocks_supported(int type); /* 1 where this build serves the type, else 0 */
+int nbq_block_elems(int type);      /* weights a block of the type (0: not served) */
+int nbq_block_bytes(int type);      /* bytes a block of the type (0: not served) */
 
 /* paged_attention.c, over a float32 cache and (_f16) a float16 one; 0, -1 when out of memory,
  * -2 for invalid arguments. */

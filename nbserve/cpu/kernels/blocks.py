@@ -1,0 +1,101 @@
+"""The Python face of gguf_blocks.c: products and dequantization over GGUF's own weight blocks.
+
+A weight is `n` rows of `k` inputs, each row k / elems blocks of its `BlockType` exactly as the
+GGUF file stores them, passed as a contiguous CPU uint8 tensor (e.g. `torch.frombuffer` over
+the mapped file): nothing is copied or repacked here. The arithmetic is the exact mode of the
+kernels: float32 products of the weights that `gguf.quants.dequantize` gives.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .abi import BlockType, KernelFlag
+from .build import quant_kernels
+
+__all__ = ["BlockType", "block_layout", "blocks_dequantize", "blocks_matmul", "row_bytes"]
+
+
+def _lib(lib: ctypes.CDLL | None) -> ctypes.CDLL:
+    return quant_kernels() if lib is None else lib
+
+
+def block_layout(block_type: int, lib: ctypes.CDLL | None = None) -> tuple[int, int]:
+    """(weights, bytes) of one block of `block_type`; ValueError for a type the kernels do not
+    serve, naming those they do."""
+    kernels = _lib(lib)
+    elems, size = kernels.nbq_block_elems(int(block_type)), kernels.nbq_block_bytes(int(block_type))
+    if not elems:
+        served = ", ".join(t.name for t in BlockType if kernels.nbq_blocks_supported(int(t)))
+        raise ValueError(f"GGUF type {block_type!r} is not served from its blocks by nbserve's "
+                         f"kernels (served: {served})")
+    return elems, size
+
+
+def row_bytes(block_type: int, k: int, lib: ctypes.CDLL | None = None) -> int:
+    """Bytes of one weight row of k inputs; ValueError when k is not whole blocks."""
+    elems, size = block_layout(block_type, lib)
+    if k <= 0 or k % elems:
+        raise ValueError(f"a row of {BlockType(block_type).name} blocks holds a multiple of "
+                         f"{elems} weights, got {k}")
+    return k // elems * size
+
+
+def _check_blocks(blocks: torch.Tensor, block_type: int, n: int, k: int,
+                  lib: ctypes.CDLL | None) -> None:
+    want = n * row_bytes(block_type, k, lib)
+    if blocks.dtype != torch.uint8 or blocks.device.type != "cpu" \
+            or not blocks.is_contiguous() or blocks.numel() != want:
+        raise ValueError(f"blocks must be a contiguous CPU uint8 tensor of {want} bytes ({n} rows "
+                         f"of {k} {BlockType(block_type).name} weights), got {blocks.dtype} "
+                         f"{tuple(blocks.shape)} on {blocks.device}")
+
+
+def blocks_matmul(x: torch.Tensor, block_type: int, blocks: torch.Tensor, n: int, k: int, *,
+                  norm: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
+                  threads: int | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x (..., k) @ w.T -> (..., n) for the weight w in `blocks`; with `norm` (RMSNorm weights,
+    k floats) of RMSNorm(x, eps); `gated`: of silu(a) * b for x (..., 2k) = [a | b]."""
+    kernels = _lib(lib)
+    _check_blocks(blocks, block_type, n, k, kernels)
+    width = 2 * k if gated else k
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != width:
+        raise ValueError(f"x must be float32 on the CPU with a last dimension of {width}, got "
+                         f"{x.dtype} {tuple(x.shape)} on {x.device}")
+    if norm is not None and (norm.dtype != torch.float32 or norm.numel() != k):
+        raise ValueError(f"norm must be {k} float32 weights, got {norm.dtype} {norm.numel()}")
+    rows = x.numel() // width
+    flat = x.reshape(rows, width).contiguous()
+    norm_c = None if norm is None else norm.contiguous()
+    y = torch.empty(rows, n, dtype=torch.float32)
+    failed = kernels.nbq_blocks_matmul(
+        flat.data_ptr(), rows, k, int(block_type), blocks.data_ptr(), n, y.data_ptr(),
+        threads or torch.get_num_threads(), None if norm_c is None else norm_c.data_ptr(), eps,
+        int(KernelFlag.GATED) if gated else 0)
+    if failed == -1:
+        raise MemoryError("block matmul: out of memory for its buffers")
+    if failed:
+        raise ValueError(f"block matmul refused {BlockType(block_type).name} with k={k}")
+    return y.view(*x.shape[:-1], n)
+
+
+def blocks_dequantize(block_type: int, blocks: torch.Tensor, n: int, k: int,
+                      rows: torch.Tensor | None = None, threads: int | None = None,
+                      lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The weight's rows as float32 (exactly `gguf.quants.dequantize`): all n (n, k), or the
+    rows at `rows` (integer indices, any shape) as rows.shape + (k,): an embedding lookup."""
+    kernels = _lib(lib)
+    _check_blocks(blocks, block_type, n, k, kernels)
+    index = None if rows is None else rows.reshape(-1).to(torch.int32).contiguous()
+    count = n if index is None else index.numel()
+    if index is not None and count and (int(index.min()) < 0 or int(index.max()) >= n):
+        raise IndexError(f"row index out of range 0..{n - 1}")
+    out = torch.empty(count, k, dtype=torch.float32)
+    failed = kernels.nbq_blocks_dequantize(
+        int(block_type), blocks.data_ptr(), n, k, None if index is None else index.data_ptr(),
+        count, out.data_ptr(), threads or torch.get_num_threads())
+    if failed:
+        raise ValueError(f"block dequantization refused {BlockType(block_type).name} with k={k}")
+    return out if rows is None else out.view(*rows.shape, k)

@@ -1,0 +1,419 @@
+/* Matrix products over GGUF's own weight blocks, as the file stores them (ggml's block
+ * layouts, llama.cpp ggml/src/ggml-common.h): each weight row of k inputs is k / QK blocks of
+ * QK weights, one after the other, so a tensor's bytes can be used where the file maps them.
+ *
+ * One row per type in TYPES below, as ggml's type traits: the block's weights and bytes, its
+ * dequantization to float32 and its dot with the input rows. The matmul never asks which type it
+ * has; a new type is a block decoder (`<type>_block`, exactly gguf's `dequantize` arithmetic:
+ * the same float32 operations in the same order, e.g. Q4_K's (d * sc) * q - dmin * m) and one
+ * DEFINE_TYPE line.
+ *
+ * Exact mode (the only one so far): a row kernel decodes a block of weights into float32, in L1,
+ * exactly as gguf.quants.dequantize does, and multiplies it with up to TILE input rows; more
+ * than ROW_PATH_MAX input rows take the panels (matmul_common.h) over weight rows dequantized
+ * the same way. A product differs from "dequantize, then a float32 matmul" only in the order of
+ * its sums. The same source is the AVX-512 (16 lanes), AVX2 (8) and plain C build: the block
+ * decoders are plain loops the compiler vectorizes for the build's ISA, the products GCC vector
+ * types (matmul_common.h).
+ */
+#include "matmul_common.h"
+#include "nbserve_kernels.h"
+
+#define TILE 4       /* input rows a row kernel multiplies per decoded block */
+#define MAX_QK 256   /* the largest block (the K-quants', IQ4_XS's) */
+#define N_TYPES 24   /* ggml type numbers below this */
+#define PREFETCH_ROWS 4  /* as quant_matmul.c: the output row this many rows ahead is asked for */
+
+typedef void (*to_float_fn)(const uint8_t *blocks, int nblocks, float *out);
+typedef void (*dot_fn)(const float *x, int rows, int k, const uint8_t *w, float *out,
+                       int n_out);
+
+/* One GGUF block type: `elems` weights in `bytes` bytes a block; to_float: `nblocks`
+ * consecutive blocks as float32; dot: out[i * n_out] = x[i] . (the weight row w) for 1 to
+ * TILE input rows of k. */
+typedef struct {
+    int elems, bytes;
+    to_float_fn to_float;
+    dot_fn dot;
+} block_type;
+
+INLINE float half_at(const uint8_t *p) {  /* a float16 where a block stores one (any address) */
+    half_t h;
+    memcpy(&h, p, sizeof h);
+    return h2f(h);
+}
+
+INLINE uint32_t u32_at(const uint8_t *p) {  /* a little-endian uint32 (x86 is) */
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1, 13, 25, 38, 53, 69, 89, 113};
+
+/* ---------------------------------------------------------------- the block decoders
+ * Each writes one block's QK weights to out, as gguf.quants.dequantize computes them. */
+
+/* Q4_0 (18 bytes): d, 16 bytes of nibbles (byte j: weight j low, weight j + 16 high); d (q - 8) */
+INLINE void q4_0_block(const uint8_t *b, float *out) {
+    float d = half_at(b);
+    const uint8_t *qs = b + 2;
+    for (int j = 0; j < 16; j++) {
+        out[j] = d * (float)((qs[j] & 15) - 8);
+        out[j + 16] = d * (float)((qs[j] >> 4) - 8);
+    }
+}
+
+/* Q4_1 (20 bytes): d, m, 16 bytes of nibbles; d q + m */
+INLINE void q4_1_block(const uint8_t *b, float *out) {
+    float d = half_at(b), m = half_at(b + 2);
+    const uint8_t *qs = b + 4;
+    for (int j = 0; j < 16; j++) {
+        out[j] = d * (float)(qs[j] & 15) + m;
+        out[j + 16] = d * (float)(qs[j] >> 4) + m;
+    }
+}
+
+/* Q5_0 (22 bytes): d, 32 fifth bits (uint32: bit j for weight j), nibbles as Q4_0; d (q - 16) */
+INLINE void q5_0_block(const uint8_t *b, float *out) {
+    float d = half_at(b);
+    uint32_t qh = u32_at(b + 2);
+    const uint8_t *qs = b + 6;
+    for (int j = 0; j < 16; j++) {
+        int lo = (qs[j] & 15) | (int)(((qh >> j) & 1u) << 4);
+        int hi = (qs[j] >> 4) | (int)(((qh >> (j + 16)) & 1u) << 4);
+        out[j] = d * (float)(lo - 16);
+        out[j + 16] = d * (float)(hi - 16);
+    }
+}
+
+/* Q5_1 (24 bytes): d, m, fifth bits, nibbles; d q + m */
+INLINE void q5_1_block(const uint8_t *b, float *out) {
+    float d = half_at(b), m = half_at(b + 2);
+    uint32_t qh = u32_at(b + 4);
+    const uint8_t *qs = b + 8;
+    for (int j = 0; j < 16; j++) {
+        int lo = (qs[j] & 15) | (int)(((qh >> j) & 1u) << 4);
+        int hi = (qs[j] >> 4) | (int)(((qh >> (j + 16)) & 1u) << 4);
+        out[j] = d * (float)lo + m;
+        out[j + 16] = d * (float)hi + m;
+    }
+}
+
+/* Q8_0 (34 bytes): d, 32 signed bytes; q d */
+INLINE void q8_0_block(const uint8_t *b, float *out) {
+    float d = half_at(b);
+    const int8_t *qs = (const int8_t *)(b + 2);
+    for (int j = 0; j < 32; j++) out[j] = (float)qs[j] * d;
+}
+
+/* IQ4_NL (18 bytes): d, nibbles as Q4_0 indexing a fixed table of 16 values; d value */
+INLINE void iq4_nl_block(const uint8_t *b, float *out) {
+    float d = half_at(b);
+    const uint8_t *qs = b + 2;
+    for (int j = 0; j < 16; j++) {
+        out[j] = d * (float)IQ4_VALUES[qs[j] & 15];
+        out[j + 16] = d * (float)IQ4_VALUES[qs[j] >> 4];
+    }
+}
+
+/* Q2_K (84 bytes): 16 bytes of 4-bit scales (low) and mins (high) per 16 weights, 64 bytes of
+ * 2-bit codes (byte l of half h: weights h 128 + s 32 + l at bits 2 s), d, dmin;
+ * (d sc) q - (dmin m) */
+INLINE void q2_k_block(const uint8_t *b, float *out) {
+    const uint8_t *sc = b, *qs = b + 16;
+    float d = half_at(b + 80), dmin = half_at(b + 82), dl[16], ml[16];
+    for (int i = 0; i < 16; i++) {
+        dl[i] = d * (float)(sc[i] & 15);
+        ml[i] = dmin * (float)(sc[i] >> 4);
+    }
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int l = 0; l < 32; l++) {
+                int idx = h * 128 + s * 32 + l;
+                out[idx] = dl[idx / 16] * (float)((qs[h * 32 + l] >> (2 * s)) & 3) - ml[idx / 16];
+            }
+}
+
+/* Q3_K (110 bytes): 32 bytes of high bits (bit g of byte l: weight g 32 + l; set: no - 4),
+ * 64 bytes of 2-bit codes as Q2_K, 12 bytes of sixteen 6-bit scales (low nibbles in bytes
+ * 0-7, two high bits in bytes 8-11), d; (d (sc - 32)) (q - 4 (1 - hbit)) */
+INLINE void q3_k_block(const uint8_t *b, float *out) {
+    const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
+    float d = half_at(b + 108), dl[16];
+    for (int i = 0; i < 16; i++) {
+        int lo = i < 8 ? sc[i] & 15 : sc[i - 8] >> 4;
+        int hi = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
+        dl[i] = d * (float)((int8_t)(lo | (hi << 4)) - 32);
+    }
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int l = 0; l < 32; l++) {
+                int idx = h * 128 + s * 32 + l, g = h * 4 + s;
+                int q = ((qs[h * 32 + l] >> (2 * s)) & 3) - (((hm[l] >> g) & 1) ? 0 : 4);
+                out[idx] = dl[idx / 16] * (float)q;
+            }
+}
+
+/* The 6-bit scales and mins of Q4_K and Q5_K's 8 sub-blocks of 32, from their 12 bytes. */
+INLINE void k_scales(const uint8_t *s, int *sc, int *mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+}
+
+/* Q4_K (144 bytes): d, dmin, 12 bytes of scales and mins, 128 bytes of nibbles (byte l of
+ * chunk c: weight c 64 + l low, c 64 + 32 + l high); (d sc) q - (dmin m) */
+INLINE void q4_k_block(const uint8_t *b, float *out) {
+    float d = half_at(b), dmin = half_at(b + 2), ds[8], dm[8];
+    int sc[8], mn[8];
+    k_scales(b + 4, sc, mn);
+    for (int i = 0; i < 8; i++) {
+        ds[i] = d * (float)sc[i];
+        dm[i] = dmin * (float)mn[i];
+    }
+    const uint8_t *qs = b + 16;
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l++) {
+            out[c * 64 + l] = ds[2 * c] * (float)(qs[c * 32 + l] & 15) - dm[2 * c];
+            out[c * 64 + 32 + l] = ds[2 * c + 1] * (float)(qs[c * 32 + l] >> 4) - dm[2 * c + 1];
+        }
+}
+
+/* Q5_K (176 bytes): as Q4_K with 32 bytes of fifth bits before the nibbles (bit g of byte l:
+ * weight g 32 + l) */
+INLINE void q5_k_block(const uint8_t *b, float *out) {
+    float d = half_at(b), dmin = half_at(b + 2), ds[8], dm[8];
+    int sc[8], mn[8];
+    k_scales(b + 4, sc, mn);
+    for (int i = 0; i < 8; i++) {
+        ds[i] = d * (float)sc[i];
+        dm[i] = dmin * (float)mn[i];
+    }
+    const uint8_t *qh = b + 16, *qs = b + 48;
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l++) {
+            int lo = (qs[c * 32 + l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4);
+            int hi = (qs[c * 32 + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
+            out[c * 64 + l] = ds[2 * c] * (float)lo - dm[2 * c];
+            out[c * 64 + 32 + l] = ds[2 * c + 1] * (float)hi - dm[2 * c + 1];
+        }
+}
+
+/* Q6_K (210 bytes): 128 bytes of low nibbles (byte l of half h: weights h 128 + l and
+ * h 128 + 64 + l), 64 bytes of high 2 bits (byte l of half h: weights h 128 + s 32 + l at bits
+ * 2 s), 16 signed scales per 16 weights, d; (d sc) (q - 32) */
+INLINE void q6_k_block(const uint8_t *b, float *out) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float d = half_at(b + 208), ds[16];
+    for (int i = 0; i < 16; i++) ds[i] = d * (float)sc[i];
+    for (int h = 0; h < 2; h++)
+        for (int t = 0; t < 128; t++) {
+            int lo = (ql[h * 64 + t % 64] >> (4 * (t / 64))) & 15;
+            int hi = (qh[h * 32 + t % 32] >> (2 * (t / 32))) & 3;
+            int idx = h * 128 + t;
+            out[idx] = ds[idx / 16] * (float)((lo | (hi << 4)) - 32);
+        }
+}
+
+/* IQ4_XS (136 bytes): d, 16 bits of scales' high 2 bits, 4 bytes of their low nibbles, 128
+ * bytes of nibbles (16 per sub-block of 32, Q4_0's order) indexing IQ4_NL's table;
+ * (d (sc - 32)) value */
+INLINE void iq4_xs_block(const uint8_t *b, float *out) {
+    float d = half_at(b);
+    int sh = b[2] | (b[3] << 8);
+    const uint8_t *sl = b + 4, *qs = b + 8;
+    for (int ib = 0; ib < 8; ib++) {
+        int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4);
+        float dl = d * (float)(ls - 32);
+        for (int j = 0; j < 16; j++) {
+            out[ib * 32 + j] = dl * (float)IQ4_VALUES[qs[ib * 16 + j] & 15];
+            out[ib * 32 + 16 + j] = dl * (float)IQ4_VALUES[qs[ib * 16 + j] >> 4];
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- the row kernels */
+
+/* acc[i][0..1] += w (QK decoded weights) times input row i (x + i * k, from the block's first
+ * input), two accumulators a row so that the FMA chains interleave */
+INLINE void fma_block(const float *w, int qk, const float *x, int rows, int k,
+                      v8f acc[TILE][2]) {
+    for (int j = 0; j < qk; j += 2 * LANES) {
+        v8f w0 = load8(w + j), w1 = load8(w + j + LANES);
+        for (int i = 0; i < rows; i++) {
+            const float *v = x + (size_t)i * k + j;
+            acc[i][0] = fma8(w0, load8(v), acc[i][0]);
+            acc[i][1] = fma8(w1, load8(v + LANES), acc[i][1]);
+        }
+    }
+}
+
+INLINE float lanes_sum(v8f v) {
+    float s = 0.f;
+    for (int l = 0; l < LANES; l++) s += v[l];
+    return s;
+}
+
+/* A type's functions: T_to_float over blocks, T_dot_n for a constant row count and T_dot
+ * choosing it (so that the accumulators stay in registers). QK is a multiple of 2 LANES. */
+#define DEFINE_TYPE(T, QK, BYTES)                                                               \
+    static void T##_to_float(const uint8_t *blocks, int nblocks, float *out) {                 \
+        for (int b = 0; b < nblocks; b++) T##_block(blocks + (size_t)b * (BYTES), out + b * (QK)); \
+    }                                                                                           \
+    INLINE void T##_dot_n(const float *x, int rows, int k, const uint8_t *w, float *out,      \
+                          int n_out) {                                                          \
+        float tmp[QK] __attribute__((aligned(64)));                                             \
+        v8f acc[TILE][2];                                                                       \
+        for (int i = 0; i < TILE; i++) acc[i][0] = acc[i][1] = (v8f){0};                        \
+        for (int b = 0; b < k / (QK); b++) {                                                    \
+            T##_block(w + (size_t)b * (BYTES), tmp);                                            \
+            fma_block(tmp, QK, x + (size_t)b * (QK), rows, k, acc);                             \
+        }                                                                                       \
+        for (int i = 0; i < rows; i++) out[(size_t)i * n_out] = lanes_sum(acc[i][0] + acc[i][1]); \
+    }                                                                                           \
+    static void T##_dot(const float *x, int rows, int k, const uint8_t *w, float *out,        \
+                        int n_out) {                                                            \
+        switch (rows) {                                                                         \
+        case 1: T##_dot_n(x, 1, k, w, out, n_out); break;                                       \
+        case 2: T##_dot_n(x, 2, k, w, out, n_out); break;                                       \
+        case 3: T##_dot_n(x, 3, k, w, out, n_out); break;                                       \
+        default: T##_dot_n(x, TILE, k, w, out, n_out);                                          \
+        }                                                                                       \
+    }
+
+DEFINE_TYPE(q4_0, 32, 18)
+DEFINE_TYPE(q4_1, 32, 20)
+DEFINE_TYPE(q5_0, 32, 22)
+DEFINE_TYPE(q5_1, 32, 24)
+DEFINE_TYPE(q8_0, 32, 34)
+DEFINE_TYPE(iq4_nl, 32, 18)
+DEFINE_TYPE(q2_k, 256, 84)
+DEFINE_TYPE(q3_k, 256, 110)
+DEFINE_TYPE(q4_k, 256, 144)
+DEFINE_TYPE(q5_k, 256, 176)
+DEFINE_TYPE(q6_k, 256, 210)
+DEFINE_TYPE(iq4_xs, 256, 136)
+
+/* The served types by ggml number (enum nbq_ggml_type); elems 0: not served. */
+static const block_type TYPES[N_TYPES] = {
+    [NBQ_GGML_Q4_0] = {32, 18, q4_0_to_float, q4_0_dot},
+    [NBQ_GGML_Q4_1] = {32, 20, q4_1_to_float, q4_1_dot},
+    [NBQ_GGML_Q5_0] = {32, 22, q5_0_to_float, q5_0_dot},
+    [NBQ_GGML_Q5_1] = {32, 24, q5_1_to_float, q5_1_dot},
+    [NBQ_GGML_Q8_0] = {32, 34, q8_0_to_float, q8_0_dot},
+    [NBQ_GGML_Q2_K] = {256, 84, q2_k_to_float, q2_k_dot},
+    [NBQ_GGML_Q3_K] = {256, 110, q3_k_to_float, q3_k_dot},
+    [NBQ_GGML_Q4_K] = {256, 144, q4_k_to_float, q4_k_dot},
+    [NBQ_GGML_Q5_K] = {256, 176, q5_k_to_float, q5_k_dot},
+    [NBQ_GGML_Q6_K] = {256, 210, q6_k_to_float, q6_k_dot},
+    [NBQ_GGML_IQ4_NL] = {32, 18, iq4_nl_to_float, iq4_nl_dot},
+    [NBQ_GGML_IQ4_XS] = {256, 136, iq4_xs_to_float, iq4_xs_dot},
+};
+
+static const block_type *type_of(int type) {
+    return type >= 0 && type < N_TYPES && TYPES[type].elems ? &TYPES[type] : NULL;
+}
+
+int nbq_blocks_supported(int type) { return type_of(type) != NULL; }
+
+int nbq_block_elems(int type) { return type_of(type) ? type_of(type)->elems : 0; }
+
+int nbq_block_bytes(int type) { return type_of(type) ? type_of(type)->bytes : 0; }
+
+/* ---------------------------------------------------------------- many rows: the panels */
+
+/* y (R, N) = x (R, K) @ w.T over weight rows dequantized PANEL at a time; -1: out of memory */
+static int blocks_panels(const block_type *t, const float *x, int rows, int k,
+                         const uint8_t *blocks, int n, float *y, int threads) {
+    int lanes = (rows + LANES - 1) / LANES * LANES, panels = (n + PANEL - 1) / PANEL, failed = 0;
+    int nb = k / t->elems;
+    size_t row_bytes = (size_t)nb * t->bytes;
+    float *xt = malloc(sizeof(float) * (size_t)k * lanes);
+    if (!xt) return -1;
+    #pragma omp parallel num_threads(threads) reduction(|:failed)
+    {
+        #pragma omp for schedule(static)
+        for (int j = 0; j < k; j++)
+            for (int i = 0; i < lanes; i++)
+                xt[(size_t)j * lanes + i] = i < rows ? x[(size_t)i * k + j] : 0.f;
+        float *buf = malloc(sizeof(float) * (size_t)PANEL * k);
+        if (!buf) failed = 1;
+        #pragma omp for schedule(static)
+        for (int p = 0; p < panels; p++) {
+            if (failed) continue;
+            int c0 = p * PANEL, nw = n - c0 < PANEL ? n - c0 : PANEL;
+            for (int r = 0; r < nw; r++)
+                t->to_float(blocks + (size_t)(c0 + r) * row_bytes, nb, buf + (size_t)r * k);
+            weight_panel(buf, nw, k, xt, lanes, rows, y + c0, n);
+        }
+        free(buf);
+    }
+    free(xt);
+    return failed ? -1 : 0;
+}
+
+/* ---------------------------------------------------------------- entry points */
+
+/* y (rows, n) = prepare(x) (rows, k) @ w.T, w the n weight rows of `type`'s blocks (each row
+ * k / elems blocks, in the file's order); prepare as nbq_q4_matmul's (RMSNorm with `norm`,
+ * NBQ_GATED). Returns 0, -1 when out of memory, -2 for a type not served or k not a multiple
+ * of its block. */
+int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blocks, int n,
+                      float *y, int threads, const float *norm, float eps, int flags) {
+    const block_type *t = type_of(type);
+    if (!t || k <= 0 || k % t->elems || rows < 0 || n < 0) return -2;
+    if (rows == 0 || n == 0) return 0;
+    float *buf;
+    x = prepare(x, rows, k, norm, eps, flags & NBQ_GATED, &buf, threads);
+    if (!x) return -1;
+    const uint8_t *w0 = blocks;
+    size_t row_bytes = (size_t)(k / t->elems) * t->bytes;
+    int failed = 0;
+    if (rows > ROW_PATH_MAX) {
+        failed = blocks_panels(t, x, rows, k, w0, n, y, threads);
+    } else {
+        dot_fn dot = t->dot;
+        #pragma omp parallel for schedule(static) num_threads(threads)
+        for (int r = 0; r < n; r++) {
+            const uint8_t *w = w0 + (size_t)r * row_bytes;
+            if (r + PREFETCH_ROWS < n) {
+                const uint8_t *ahead = w + PREFETCH_ROWS * row_bytes;
+                for (size_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(ahead + o, 0, 3);
+            }
+            for (int i0 = 0; i0 < rows; i0 += TILE) {
+                int tr = rows - i0 < TILE ? rows - i0 : TILE;
+                dot(x + (size_t)i0 * k, tr, k, w, y + (size_t)i0 * n + r, n);
+            }
+        }
+    }
+    free(buf);
+    return failed;
+}
+
+/* out (count, k) = weight rows of `type`'s blocks as float32, exactly gguf's dequantization:
+ * rows row_index[0..count) of the n_rows (an embedding lookup), or rows 0..count) when
+ * row_index is NULL. Returns 0, or -2 for a type not served, k not a multiple of its block or
+ * an index outside 0..n_rows). */
+int nbq_blocks_dequantize(int type, const void *blocks, int n_rows, int k,
+                          const int32_t *row_index, int count, float *out, int threads) {
+    const block_type *t = type_of(type);
+    if (!t || k <= 0 || k % t->elems || count < 0 || n_rows < 0) return -2;
+    if (!row_index && count > n_rows) return -2;
+    if (row_index)
+        for (int i = 0; i < count; i++)
+            if (row_index[i] < 0 || row_index[i] >= n_rows) return -2;
+    int nb = k / t->elems;
+    size_t row_bytes = (size_t)nb * t->bytes;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (count > 16)
+    for (int i = 0; i < count; i++) {
+        size_t r = (size_t)(row_index ? row_index[i] : i);
+        t->to_float((const uint8_t *)blocks + r * row_bytes, nb, out + (size_t)i * k);
+    }
+    return 0;
+}

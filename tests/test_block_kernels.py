@@ -1,0 +1,216 @@
+"""nbserve's kernels over GGUF's own weight blocks (cpu/kernels/gguf_blocks.c, blocks.py), held
+to the `gguf` package's dequantization (llama.cpp's, bit for bit) on every block type and every
+code path (AVX-512 where this CPU has it, AVX2, plain C, each built with its own flags):
+dequantization equal bit for bit, products equal to a float64 product of the dequantized
+weights up to float32 rounding, at row counts of the row kernels and of the panels, with the
+RMSNorm and the SwiGLU gate folded in; and on one real tensor of each type of the real Gemma 3
+270M Q4_K_M file where it is cached."""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+from pathlib import Path
+
+import gguf
+import gguf.quants
+import numpy as np
+import pytest
+import torch
+from kernel_paths import NEEDS_COMPILER, PATHS
+
+from nbserve.cpu.kernels import abi, build
+from nbserve.cpu.kernels.blocks import (
+    BlockType,
+    block_layout,
+    blocks_dequantize,
+    blocks_matmul,
+    row_bytes,
+)
+
+pytestmark = NEEDS_COMPILER
+# byte offsets of each type's float16 fields (d, and dmin or m where it has one): set to sane
+# scales in random blocks, whose other bytes (codes, packed sub-scales) are any bytes
+HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+               "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+               "IQ4_NL": [0], "IQ4_XS": [0]}
+TYPES = list(BlockType)
+ROWS = (1, 2, 3, 4, 7, 16, 33)  # up to 8: the row kernels (tiles of 4), past it: the panels
+GEMMA3 = Path.home() / ".cache" / "nbserve-bench" / "gemma3-270m" / "gemma-3-270m-q4_k_m.gguf"
+_builds: dict[str, ctypes.CDLL] = {}
+
+
+def _kernels(arch: list[str] | None) -> ctypes.CDLL:
+    key = repr(arch)
+    if key not in _builds:
+        _builds[key] = build.quant_kernels(arch)
+    return _builds[key]
+
+
+def _random_blocks(block_type: BlockType, n: int, k: int, seed: int) -> np.ndarray:
+    """n rows of k weights as random blocks of the type: (n, row bytes) uint8."""
+    elems, size = block_layout(block_type)
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // elems, size), dtype=np.uint8)
+    for offset in HALF_FIELDS[block_type.name]:
+        scales = rng.uniform(0.001, 0.05, raw.shape[:2]).astype(np.float16)
+        raw[..., offset:offset + 2] = scales[..., None].view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def _mapped(raw: np.ndarray) -> torch.Tensor:
+    """The bytes of a read-only mapped tensor as a uint8 tensor, without a copy (torch warns
+    once that it cannot mark it read-only; the kernels only read it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(memoryview(raw.reshape(-1)), dtype=torch.uint8)
+
+
+def _reference(raw: np.ndarray, block_type: BlockType, n: int, k: int) -> torch.Tensor:
+    """gguf's dequantization of the blocks, (n, k) float32."""
+    values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(block_type)))
+    return torch.from_numpy(np.ascontiguousarray(values.reshape(n, k), dtype=np.float32))
+
+
+def _assert_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """got == x @ w.T up to float32 rounding: within 1e-5 of the sum of the products' sizes
+    (the kernels measured within 3e-7 of it; one wrong weight is off by far more)."""
+    want = x.double() @ w.double().t()
+    bound = x.double().abs() @ w.double().abs().t()
+    assert got.shape == want.shape
+    error = (got.double() - want).abs()
+    assert bool((error <= 1e-5 * bound + 1e-30).all()), float((error / bound).max())
+
+
+def test_block_types_are_ggml_type_numbers():
+    """BlockType is the header's enum, and each value is ggml's (gguf's) number for its name,
+    so a tensor's type from a GGUF reader converts as it is."""
+    assert {f"NBQ_GGML_{t.name}": t.value for t in BlockType} == abi.ABI.enums["nbq_ggml_type"]
+    for t in BlockType:
+        assert gguf.GGMLQuantizationType[t.name].value == t.value
+        assert block_layout(t) == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t.name]]
+
+
+@pytest.mark.parametrize("arch", PATHS)
+@pytest.mark.parametrize("block_type", TYPES, ids=[t.name for t in TYPES])
+def test_dequantize_is_gguf_bit_for_bit(arch, block_type):
+    """Every row, and rows by index (an embedding lookup, repeats and any order), are gguf's
+    float32 values bit for bit."""
+    lib = _kernels(arch)
+    elems, _ = block_layout(block_type, lib)
+    n, k = 11, elems * 3
+    raw = _random_blocks(block_type, n, k, seed=int(block_type))
+    blocks = torch.from_numpy(raw.reshape(-1).copy())
+    want = _reference(raw, block_type, n, k)
+    got = blocks_dequantize(block_type, blocks, n, k, lib=lib)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    index = torch.tensor([[10, 0, 3], [3, 7, 10]])
+    got = blocks_dequantize(block_type, blocks, n, k, rows=index, lib=lib)
+    assert got.shape == (2, 3, k)
+    assert torch.equal(got.view(torch.int32), want[index].view(torch.int32))
+
+
+@pytest.mark.parametrize("arch", PATHS)
+@pytest.mark.parametrize("block_type", TYPES, ids=[t.name for t in TYPES])
+def test_matmul_is_the_float64_product_of_gguf_weights(arch, block_type):
+    """x @ w.T over the blocks equals the float64 product of gguf's dequantized weights up to
+    float32 rounding, for 1 to 33 input rows (row kernels and panels) and rows of one and of
+    three blocks."""
+    lib = _kernels(arch)
+    elems, _ = block_layout(block_type, lib)
+    g = torch.Generator().manual_seed(int(block_type))
+    for blocks_a_row, n in ((1, 5), (3, 19)):
+        k = elems * blocks_a_row
+        raw = _random_blocks(block_type, n, k, seed=n)
+        w = _reference(raw, block_type, n, k)
+        blocks = torch.from_numpy(raw.reshape(-1).copy())
+        for rows in ROWS:
+            x = torch.randn(rows, k, generator=g)
+            _assert_product(blocks_matmul(x, block_type, blocks, n, k, lib=lib, threads=2),
+                            x, w)
+
+
+@pytest.mark.parametrize("arch", PATHS)
+@pytest.mark.parametrize("block_type", TYPES, ids=[t.name for t in TYPES])
+def test_matmul_folds_in_the_norm_and_the_gate(arch, block_type):
+    """With `norm`, the product of RMSNorm(x) (torch's formula); `gated`, of silu(a) * b for
+    x = [a | b]: on the row kernels and on the panels."""
+    lib = _kernels(arch)
+    elems, _ = block_layout(block_type, lib)
+    n, k, eps = 13, elems * 2, 1e-6
+    raw = _random_blocks(block_type, n, k, seed=3)
+    w = _reference(raw, block_type, n, k)
+    blocks = torch.from_numpy(raw.reshape(-1).copy())
+    g = torch.Generator().manual_seed(1)
+    weight = torch.rand(k, generator=g) + 0.5
+    for rows in (1, 3, 9):
+        x = torch.randn(rows, k, generator=g) * 3
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+        got = blocks_matmul(x, block_type, blocks, n, k, norm=weight, eps=eps, lib=lib)
+        _assert_product(got, normed, w)
+        gate_up = torch.randn(rows, 2 * k, generator=g)
+        gated = torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]
+        got = blocks_matmul(gate_up, block_type, blocks, n, k, gated=True, lib=lib)
+        _assert_product(got, gated, w)
+
+
+def test_what_is_not_served_is_refused_by_name():
+    """A type without kernels, a row that is not whole blocks, blocks of the wrong size and an
+    index outside the rows are errors that say so (the C side answers -2 for each)."""
+    lib = _kernels(None)
+    blocks = torch.from_numpy(_random_blocks(BlockType.Q4_K, 2, 256, seed=0).reshape(-1).copy())
+    with pytest.raises(ValueError, match=r"IQ2_XXS.*not served.*Q4_K"):
+        block_layout(gguf.GGMLQuantizationType.IQ2_XXS)
+    with pytest.raises(ValueError, match="multiple of 256 weights, got 320"):
+        row_bytes(BlockType.Q4_K, 320)
+    with pytest.raises(ValueError, match="288 bytes"):
+        blocks_matmul(torch.randn(1, 256), BlockType.Q4_K, blocks[:-1], 2, 256)
+    with pytest.raises(IndexError, match="0..1"):
+        blocks_dequantize(BlockType.Q4_K, blocks, 2, 256, rows=torch.tensor([2]))
+    y = torch.empty(2)
+    x = torch.randn(256)
+    assert lib.nbq_blocks_supported(int(gguf.GGMLQuantizationType.IQ2_XXS)) == 0
+    assert lib.nbq_blocks_matmul(x.data_ptr(), 1, 256, 16, blocks.data_ptr(), 2, y.data_ptr(),
+                                 1, None, 0.0, 0) == -2
+    assert lib.nbq_blocks_matmul(x.data_ptr(), 1, 128, 12, blocks.data_ptr(), 2, y.data_ptr(),
+                                 1, None, 0.0, 0) == -2
+    index = torch.tensor([0, 2], dtype=torch.int32)
+    out = torch.empty(2, 256)
+    assert lib.nbq_blocks_dequantize(12, blocks.data_ptr(), 2, 256, index.data_ptr(), 2,
+                                     out.data_ptr(), 1) == -2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not GEMMA3.is_file(), reason=f"the real Gemma 3 270M file is not cached at "
+                    f"{GEMMA3} (python benchmarks/real_models.py fetches it)")
+@pytest.mark.parametrize("arch", PATHS)
+def test_real_gemma3_tensors_of_every_type(arch):
+    """One real tensor of each block type in the Gemma 3 270M Q4_K_M file (Q4_K, Q5_0, Q6_K,
+    Q8_0), multiplied from the file's mapped bytes where they lie, at 1, 2 and 9 rows, against
+    gguf's dequantization; and token embeddings looked up from their blocks."""
+    lib = _kernels(arch)
+    reader = gguf.GGUFReader(GEMMA3)
+    smallest: dict[int, gguf.ReaderTensor] = {}
+    for tensor in reader.tensors:
+        kind = int(tensor.tensor_type)
+        if kind in BlockType._value2member_map_ and len(tensor.shape) == 2 and \
+                (kind not in smallest or tensor.n_bytes < smallest[kind].n_bytes):
+            smallest[kind] = tensor
+    assert {BlockType(t).name for t in smallest} >= {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
+    g = torch.Generator().manual_seed(0)
+    for kind, tensor in smallest.items():
+        k, n = (int(v) for v in tensor.shape)  # GGUF lists the fastest dimension first
+        raw = np.asarray(tensor.data)
+        w = _reference(raw, BlockType(kind), n, k)
+        blocks = _mapped(raw)
+        for rows in (1, 2, 9):
+            x = torch.randn(rows, k, generator=g)
+            _assert_product(blocks_matmul(x, kind, blocks, n, k, lib=lib), x, w)
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    k, n = (int(v) for v in embd.shape)
+    raw = np.asarray(embd.data)
+    ids = torch.tensor([0, 2, 105, n - 1, 2])
+    want = _reference(raw[ids.numpy()], BlockType(int(embd.tensor_type)), len(ids), k)
+    blocks = _mapped(raw)
+    got = blocks_dequantize(int(embd.tensor_type), blocks, n, k, rows=ids, lib=lib)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
