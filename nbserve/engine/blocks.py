@@ -29,13 +29,24 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Any, Protocol
+from typing import Protocol
 
 from .prefix_keys import ROOT_KEY, block_key
 
 # cached blocks compared with a prompt's partly matching block, the newest first: enough for
 # the variants of one system prompt a server sees; bounded so that admission stays cheap
 PARTIAL_CANDIDATES = 32
+
+
+class BlockHolder(Protocol):
+    """What a space reads and writes of a sequence (`scheduler.Sequence`): its block table,
+    how many of its leading blocks have known keys, the last of those keys, and the copy
+    `admit` left for it."""
+
+    table: list[int]
+    keyed: int
+    last_key: bytes
+    copy: tuple[int, int, int] | None
 
 
 class KVSpace(Protocol):
@@ -69,14 +80,14 @@ class KVSpace(Protocol):
         never-used neighbours on either side (so that pages shared with them count too). The
         caller returns their memory; a later `grow` or `admit` may hand them out again."""
 
-    def admit(self, seq: Any, tokens: list[int], limit: int, partial: bool = True) -> int:
+    def admit(self, seq: BlockHolder, tokens: list[int], limit: int, partial: bool = True) -> int:
         """Give `seq` the cached blocks of the longest prefix of `tokens[:limit]` that the
         space holds; return how many tokens that covers (their keys/values are ready once
         the copy it may leave in `seq.copy` is made: see `take_copy`). `partial`: whether a
         block that agrees with only part of what follows may be copied (its source is held
         until then, which can cost a block: see `admission_cost`)."""
 
-    def take_copy(self, seq: Any) -> tuple[int, int, int] | None:
+    def take_copy(self, seq: BlockHolder) -> tuple[int, int, int] | None:
         """The copy `admit` left for `seq` (src block, dst block, positions), now to be made
         before anything else writes to the cache; its source is no longer held for it."""
 
@@ -90,20 +101,21 @@ class KVSpace(Protocol):
         (`partial` as for `admit`: without it, a request that fits the pool never waits for
         the block a copy's source would hold)."""
 
-    def grow(self, seq: Any, length: int) -> bool:
+    def grow(self, seq: BlockHolder, length: int) -> bool:
         """Make `seq.table` cover positions < `length`; False (and no change) if the pool
         lacks the blocks."""
 
-    def commit(self, seq: Any, tokens: list[int], computed: int) -> None:
+    def commit(self, seq: BlockHolder, tokens: list[int], computed: int) -> None:
         """`seq`'s first `computed` positions now hold `tokens`' keys/values: share the full
         blocks among them."""
 
-    def fork(self, parent: Any, child: Any, computed: int) -> tuple[int, int, int] | None:
+    def fork(self, parent: BlockHolder, child: BlockHolder, computed: int
+             ) -> tuple[int, int, int] | None:
         """Give `child` the parent's first `computed` positions: the full blocks shared, the
         partial one copied. Returns the copy to make (src block, dst block, positions), or
         None when there is none; raises MemoryError when no block is free for it."""
 
-    def release(self, seq: Any, tokens: list[int], keep: bool) -> None:
+    def release(self, seq: BlockHolder, tokens: list[int], keep: bool) -> None:
         """`seq` ended: return its blocks. `keep`: their cached contents stay valid."""
 
 
@@ -219,7 +231,7 @@ class BlockSpace:
 
     # ---------------------------------------------------------------- changes
 
-    def admit(self, seq: Any, tokens: list[int], limit: int, partial: bool = True) -> int:
+    def admit(self, seq: BlockHolder, tokens: list[int], limit: int, partial: bool = True) -> int:
         limit = min(limit, len(tokens))
         blocks = self._walk(tokens, limit)
         for b in blocks:
@@ -234,14 +246,14 @@ class BlockSpace:
             seq.copy = (src, seq.table[-1], n)
         return len(blocks) * self.block_size + (n if seq.copy else 0)
 
-    def take_copy(self, seq: Any) -> tuple[int, int, int] | None:
+    def take_copy(self, seq: BlockHolder) -> tuple[int, int, int] | None:
         copy = seq.copy
         if copy is not None:
             seq.copy = None
             self._unref(copy[0], keep=True)
         return copy
 
-    def grow(self, seq: Any, length: int) -> bool:
+    def grow(self, seq: BlockHolder, length: int) -> bool:
         need = -(-length // self.block_size) - len(seq.table)
         if need <= 0:
             return True
@@ -250,7 +262,7 @@ class BlockSpace:
         seq.table.extend(self._take() for _ in range(need))
         return True
 
-    def commit(self, seq: Any, tokens: list[int], computed: int) -> None:
+    def commit(self, seq: BlockHolder, tokens: list[int], computed: int) -> None:
         if not self.share:
             return
         bs = self.block_size
@@ -264,7 +276,8 @@ class BlockSpace:
                 self._remember(block, seq.last_key, chunk)
             seq.keyed, seq.last_key = i + 1, key
 
-    def fork(self, parent: Any, child: Any, computed: int) -> tuple[int, int, int] | None:
+    def fork(self, parent: BlockHolder, child: BlockHolder, computed: int
+             ) -> tuple[int, int, int] | None:
         full, rest = divmod(computed, self.block_size)
         if rest and not self.n_free:
             raise MemoryError("no free KV block for a choice's copy of the prompt's last block")
@@ -278,7 +291,7 @@ class BlockSpace:
         child.table.append(dst)
         return parent.table[full], dst, rest
 
-    def release(self, seq: Any, tokens: list[int], keep: bool) -> None:
+    def release(self, seq: BlockHolder, tokens: list[int], keep: bool) -> None:
         if self.take_copy(seq) is None and keep:  # (a copy never made leaves no tail to keep)
             self._keep_tail(seq, tokens)
         # last block first: the LRU then evicts a chain from its tail (evicting its head
@@ -290,7 +303,7 @@ class BlockSpace:
 
     # ---------------------------------------------------------------- internals
 
-    def _keep_tail(self, seq: Any, tokens: list[int]) -> None:
+    def _keep_tail(self, seq: BlockHolder, tokens: list[int]) -> None:
         """Remember what the partly filled last block of a finished `seq` holds, so that a
         prompt continuing from there (the next turn of its chat) can copy it."""
         full, rest = divmod(len(tokens), self.block_size)
@@ -432,13 +445,13 @@ class SlotSpace:
                        partial: bool = True) -> int:
         return n
 
-    def admit(self, seq: Any, tokens: list[int], limit: int, partial: bool = True) -> int:
+    def admit(self, seq: BlockHolder, tokens: list[int], limit: int, partial: bool = True) -> int:
         slot, n = self._best(tokens, limit)
         self._take(slot)
         seq.table = [slot]
         return n
 
-    def grow(self, seq: Any, length: int) -> bool:
+    def grow(self, seq: BlockHolder, length: int) -> bool:
         if seq.table:
             return length <= self.block_size
         if not self._free:
@@ -453,21 +466,22 @@ class SlotSpace:
         self._cached[slot] = []
         self._touched.add(slot)
 
-    def commit(self, seq: Any, tokens: list[int], computed: int) -> None:
+    def commit(self, seq: BlockHolder, tokens: list[int], computed: int) -> None:
         pass
 
     def give_back(self, reach: int) -> list[tuple[int, int]]:
         return []  # a row keeps the prefix it remembers: nothing is freed without contents
 
-    def take_copy(self, seq: Any) -> tuple[int, int, int] | None:
+    def take_copy(self, seq: BlockHolder) -> tuple[int, int, int] | None:
         return None  # a row's cached prefix is in place: nothing to copy
 
-    def fork(self, parent: Any, child: Any, computed: int) -> tuple[int, int, int] | None:
+    def fork(self, parent: BlockHolder, child: BlockHolder, computed: int
+             ) -> tuple[int, int, int] | None:
         if not self.grow(child, computed):
             raise MemoryError("no free cache row for a choice of this request")
         return (parent.table[0], child.table[0], computed) if computed else None
 
-    def release(self, seq: Any, tokens: list[int], keep: bool) -> None:
+    def release(self, seq: BlockHolder, tokens: list[int], keep: bool) -> None:
         if not seq.table:
             return
         slot = seq.table[0]
