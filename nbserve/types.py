@@ -10,7 +10,75 @@ import math
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypeAlias, TypedDict, final, runtime_checkable
+
+# ----------------------------------------------------------------------------- JSON and chat shapes
+
+# Any JSON value: what a JSON schema, a template variable or a parsed tool argument can be.
+JSONValue: TypeAlias = (str | int | float | bool | None | list["JSONValue"]
+                        | dict[str, "JSONValue"])
+JSONObject: TypeAlias = dict[str, JSONValue]
+
+
+class TextPart(TypedDict):
+    """One part of a list-valued message content (only text parts are served)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(TypedDict):
+    """The function a tool call names; `arguments` is JSON text, as OpenAI sends it."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(TypedDict):
+    """One call of an assistant message's `tool_calls`."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class _Role(TypedDict):
+    role: str
+
+
+class ChatMessage(_Role, total=False):
+    """An OpenAI-style chat message as the chat template is given it: a role ("system",
+    "user", "assistant", "tool"), its content (text or text parts), and the optional fields
+    a template may render."""
+
+    content: str | list[TextPart] | None
+    name: str
+    tool_calls: list[ToolCall]
+    tool_call_id: str
+    reasoning_content: str  # an earlier answer's thought (vLLM's name)
+    reasoning: str  # the same (OpenRouter's name)
+
+
+class _FunctionName(TypedDict):
+    name: str
+
+
+@final  # no other keys: `"function" in tool` tells a tool from a bare function
+class FunctionSpec(_FunctionName, total=False):
+    """A tool's function: its name, what it does, and the JSON schema of its arguments."""
+
+    description: str
+    parameters: JSONObject
+    strict: bool
+
+
+@final
+class ToolSpec(TypedDict):
+    """One entry of a request's `tools` (OpenAI's shape)."""
+
+    type: Literal["function"]
+    function: FunctionSpec
+
 
 # ----------------------------------------------------------------------------- errors
 
@@ -94,7 +162,7 @@ class Constraint:
     """
 
     kind: ConstraintKind
-    value: Any = None
+    value: JSONValue = None
     strict: bool = True
     param: str = "response_format"
 
@@ -248,15 +316,15 @@ class Request:
     text answer. A thinking model's thought comes first, free up to its `</think>`.
     """
 
-    messages: list[dict[str, Any]] | None = None
+    messages: list[ChatMessage] | None = None
     prompt: str | None = None
     prompt_ids: list[int] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolSpec] | None = None
     tool_choice: Literal["auto", "required"] = "auto"
     tool_name: str | None = None
     parallel_tool_calls: bool = True
-    template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking
+    template_kwargs: JSONObject = field(default_factory=dict)  # e.g. enable_thinking
     add_generation_prompt: bool = True
     request_id: str = field(default_factory=new_request_id)
     # Set by whoever routes the request (pool affinity, logging); the engine ignores it.

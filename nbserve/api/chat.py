@@ -16,6 +16,7 @@ from ..text.reasoning import ReasoningSplitter
 from ..text.tool_calls import FORMATS, HERMES, Piece, ToolCallParser
 from ..types import (
     MAX_TOP_LOGPROBS,
+    ChatMessage,
     Delta,
     ErrorEvent,
     Event,
@@ -134,7 +135,7 @@ class ChatCompletionRequest(_Sampling):
         c = self.tool_choice
         return repr(c) if isinstance(c, str) else f"naming {c.function.name!r}" if c else "none"
 
-    def template_messages(self, limits: Limits) -> list[JSONBody]:
+    def template_messages(self, limits: Limits) -> list[ChatMessage]:
         """Messages as plain dicts for the chat template, after the size limits."""
         return template_messages(self.messages, limits)
 
@@ -152,8 +153,7 @@ class ChatCompletionRequest(_Sampling):
             limits.check_range("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
         params = self._params(limits, limits.max_tokens if max_tokens is None else max_tokens,
                               param, bool(self.logprobs), self.top_logprobs or 0)
-        tools = [t.model_dump(exclude_none=True) for t in self.tools or []] if self.use_tools \
-            else None
+        tools = [t.spec() for t in self.tools or []] if self.use_tools else None
         req = Request(messages=messages, params=params, tools=tools,
                       parallel_tool_calls=self.parallel_tool_calls is not False,
                       template_kwargs=thinking_switch(self.reasoning_effort,

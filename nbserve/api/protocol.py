@@ -14,12 +14,22 @@ Numbers and booleans are strict: `"n": true` or `"temperature": "hot"` is a 400,
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import Annotated, Any, Literal, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..types import Constraint, InvalidRequestError, SamplingParams
+from ..text.chat_template import plain_json
+from ..types import (
+    ChatMessage,
+    Constraint,
+    FunctionSpec,
+    InvalidRequestError,
+    JSONObject,
+    SamplingParams,
+    TextPart,
+    ToolSpec,
+)
 from .errors import validation_error
 from .fields import UnknownFields
 from .fields import unsupported as _refuse
@@ -150,6 +160,18 @@ class Tool(_Schema):
     type: Literal["function"]
     function: FunctionDefinition
 
+    def spec(self) -> ToolSpec:
+        """The tool as the engine takes it (the fields given, none of the unset ones)."""
+        f = self.function
+        fn: FunctionSpec = {"name": f.name}
+        if f.description is not None:
+            fn["description"] = f.description
+        if f.parameters is not None:
+            fn["parameters"] = {k: plain_json(v) for k, v in f.parameters.items()}
+        if f.strict is not None:
+            fn["strict"] = f.strict
+        return {"type": self.type, "function": fn}
+
 
 class NamedToolChoiceFunction(_Schema):
     name: str
@@ -163,7 +185,7 @@ class NamedToolChoice(_Schema):
 class JSONSchemaFormat(_Schema):
     name: str | None = None
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: dict[str, object] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -181,7 +203,7 @@ class ResponseFormat(_Schema):
                                           "json_schema object with the schema",
                                           param="response_format.json_schema")
             schema = self.json_schema.schema_
-            return Constraint("json_schema", {} if schema is None else schema,
+            return Constraint("json_schema", {} if schema is None else plain_json(schema),
                               strict=True, param="response_format.json_schema.schema")
         return None
 
@@ -189,7 +211,7 @@ class ResponseFormat(_Schema):
 class StructuredOutputs(_Schema):
     """nbserve's (and vLLM's) extension: exactly one of these constrains the answer."""
 
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_: dict[str, object] | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -214,7 +236,7 @@ class StructuredOutputs(_Schema):
                                               param=param) from None
             if not isinstance(value, dict):
                 raise InvalidRequestError(f"{param} must be a JSON schema object", param=param)
-            return Constraint("json_schema", value, param=param)
+            return Constraint("json_schema", plain_json(value), param=param)
         kind = {"json_object": "json_object", "regex": "regex", "choice": "choice",
                 "grammar": "grammar"}[key]
         c = Constraint(kind, None if kind == "json_object" else value,  # type: ignore[arg-type]
@@ -231,14 +253,14 @@ class StreamOptions(_Schema):
 # ----------------------------------------------------------------------------- helpers
 
 
-def _content(content: Content | None, param: str) -> tuple[str | list[dict[str, str]], int]:
+def _content(content: Content | None, param: str) -> tuple[str | list[TextPart], int]:
     """(content for the template, its length in characters). Lists stay lists of text parts
     (the template layer joins them, or loops over them if the template wants parts)."""
     if content is None:
         return "", 0
     if isinstance(content, str):
         return content, len(content)
-    parts = []
+    parts: list[TextPart] = []
     for j, part in enumerate(content):
         text = part.text if part.type == "text" else part.refusal if part.type == "refusal" \
             else None
@@ -279,12 +301,12 @@ def _check_seed(seed: int | None) -> None:
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
-def thinking_switch(effort: str | None, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+def thinking_switch(effort: str | None, kwargs: Mapping[str, object] | None) -> JSONObject:
     """The chat-template variables of a request: its `chat_template_kwargs`, and for a
     `reasoning_effort` the switch thinking models' templates read (Qwen3's and SmolLM3's
     `enable_thinking`): off for "none" and "minimal", on otherwise. A template that does not
     read it is not changed by it. An explicit `enable_thinking` in the kwargs wins."""
-    out = dict(kwargs or {})
+    out = {k: plain_json(v) for k, v in (kwargs or {}).items()}
     if effort is not None:
         out.setdefault("enable_thinking", effort not in ("none", "minimal"))
     return out
@@ -366,7 +388,7 @@ class _Sampling(_Body):
 # ----------------------------------------------------------------------------- template messages
 
 
-def template_messages(messages: Sequence[Message], limits: Limits) -> list[dict[str, Any]]:
+def template_messages(messages: Sequence[Message], limits: Limits) -> list[ChatMessage]:
     """Messages as plain dicts for the chat template, after the size limits."""
     if not messages:
         raise InvalidRequestError("messages must hold at least one message",
@@ -375,7 +397,7 @@ def template_messages(messages: Sequence[Message], limits: Limits) -> list[dict[
         raise InvalidRequestError(
             f"messages holds {len(messages)} messages; the limit is "
             f"{limits.max_messages}. Drop or summarize older turns.", param="messages")
-    out: list[dict[str, Any]] = []
+    out: list[ChatMessage] = []
     total = 0
     for i, m in enumerate(messages):
         if m.role == "function":
@@ -393,14 +415,16 @@ def template_messages(messages: Sequence[Message], limits: Limits) -> list[dict[
         content, chars = _content(text, param)
         limits.check_text(param, chars, limits.max_message_chars, f"messages[{i}]")
         total += chars
-        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                             "content": content}
+        d: ChatMessage = {"role": "system" if m.role == "developer" else m.role,
+                          "content": content}
         name = None if isinstance(m, ToolMessage) else m.name  # a tool message has none
         if name:
             d["name"] = name
         if isinstance(m, AssistantMessage) and m.tool_calls:
             # arguments stay JSON strings; the template layer parses them for templates
-            d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            d["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": c.function.arguments}}
+                for c in m.tool_calls]
         thought = m.reasoning_content or m.reasoning if isinstance(m, AssistantMessage) else None
         if thought:
             param = f"messages[{i}].reasoning_content"

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator
+from typing import TypeVar
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
-from ..types import Constraint, InvalidRequestError, Request
+from ..text.chat_template import plain_json
+from ..types import Constraint, FunctionSpec, InvalidRequestError, Request, ToolSpec
 from .errors import APIError, error_event_to_api
 from .fields import unsupported as _refuse
 from .handler import CLIENT_GONE, RouteContext, answer, sse_named
@@ -37,6 +39,8 @@ from .protocol import (
 from .response_store import ResponseStore
 from .responses_stream import ResponseBuilder
 from .streams import JSONBody
+
+T = TypeVar("T")
 
 BUILT_IN_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview",
                   "computer", "code_interpreter", "image_generation", "mcp", "local_shell",
@@ -109,9 +113,9 @@ class ResponsesRequest(_Body):
 
     # ------------------------------------------------------------------ conversion
 
-    def chat_tools(self) -> list[JSONBody] | None:
+    def chat_tools(self) -> list[ToolSpec] | None:
         """Function tools in chat's shape; a built-in tool is a 400 naming it."""
-        out: list[JSONBody] = []
+        out: list[ToolSpec] = []
         for i, tool in enumerate(self.tools or []):
             kind = tool.get("type")
             if kind != "function":
@@ -126,15 +130,24 @@ class ResponsesRequest(_Body):
             if extra:
                 raise InvalidRequestError(f"tools[{i}] has unknown fields: "
                                           f"{', '.join(sorted(extra))}", param=f"tools[{i}]")
-            fn: JSONBody = {k: tool[k] for k in ("name", "description", "parameters",
-                                                        "strict") if tool.get(k) is not None}
+            fn: FunctionSpec = {"name": name}
+            description, parameters, strict = (tool.get(k) for k in ("description",
+                                                                     "parameters", "strict"))
+            if description is not None:
+                fn["description"] = _typed(description, str, f"tools[{i}].description",
+                                           "a string")
+            if parameters is not None:
+                schema = _typed(parameters, dict, f"tools[{i}].parameters", "a JSON schema object")
+                fn["parameters"] = {str(k): plain_json(v) for k, v in schema.items()}
+            if strict is not None:
+                fn["strict"] = _typed(strict, bool, f"tools[{i}].strict", "true or false")
             out.append({"type": "function", "function": fn})
         names = [str(t["function"]["name"]) for t in out]
         if len(set(names)) != len(names):
             raise InvalidRequestError("tools hold two functions of the same name", "tools")
         return out or None
 
-    def choice(self, tools: list[JSONBody] | None) -> tuple[str, str | None, bool]:
+    def choice(self, tools: list[ToolSpec] | None) -> tuple[str, str | None, bool]:
         """(tool_choice for the Request, the forced function's name, whether tools are used)."""
         c = self.tool_choice
         names = {t["function"]["name"] for t in tools or []}
@@ -216,6 +229,13 @@ class ResponsesRequest(_Body):
         if self.user:
             req.metadata["user"] = self.user
         return req
+
+
+def _typed(value: object, kind: type[T], param: str, what: str) -> T:
+    """`value` if it is a `kind`; else a 400 saying `param` must be `what`."""
+    if not isinstance(value, kind):
+        raise InvalidRequestError(f"{param} must be {what}, got {value!r}", param=param)
+    return value
 
 
 def _str(item: JSONBody, key: str, where: str) -> str:

@@ -65,7 +65,7 @@ def router(ctx: RouteContext) -> APIRouter:
             ids = tok.encode(text, add_special_tokens=True if specials is None else specials)
         else:
             req = GenRequest(messages=template_messages(body.messages or [], limits),
-                             tools=[t.model_dump(exclude_none=True) for t in body.tools]
+                             tools=[t.spec() for t in body.tools]
                              if body.tools else None,
                              add_generation_prompt=body.add_generation_prompt is not False,
                              template_kwargs=thinking_switch(None, body.chat_template_kwargs))

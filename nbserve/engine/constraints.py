@@ -17,7 +17,8 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ from ..text.json_bounds import bounded_numbers
 from ..text.reasoning import ThoughtRule
 from ..text.tokenizer import TokenizerProtocol
 from ..text.tool_calls import HERMES, JSON_STYLE, ToolFormat, closed_schema, function_of
-from ..types import Constraint, InvalidRequestError, Request
+from ..types import Constraint, InvalidRequestError, JSONObject, JSONValue, Request
 from .thoughts import after_thought
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ log = logging.getLogger("nbserve.engine")
 _CACHED_GRAMMARS = 64
 
 
-def _llg() -> Any:
+def _llg() -> ModuleType:
     try:
         import llguidance
     except ImportError as exc:  # a dependency; only a broken install lacks it
@@ -47,12 +48,31 @@ def _llg() -> Any:
     return llguidance
 
 
-def _with_style(schema: dict[str, Any], strict: bool) -> dict[str, Any]:
+def _with_style(schema: JSONValue, strict: bool) -> JSONObject:
     """The schema as nbserve's grammars enforce it: the JSON style, closed objects, bounded
     numbers (json_bounds.py)."""
-    schema = bounded_numbers(closed_schema(schema))
-    return {**schema, "x-guidance": {**JSON_STYLE, **schema.get("x-guidance", {}),
-                                     "lenient": not strict}}
+    styled = bounded_numbers(closed_schema(schema))
+    if not isinstance(styled, dict):  # Constraint.check lets only an object through
+        raise InvalidRequestError("a JSON schema must be an object", "response_format")
+    own = styled.get("x-guidance", {})
+    if not isinstance(own, dict):
+        raise InvalidRequestError(f"x-guidance must be an object, got {own!r}",
+                                  "response_format")
+    return {**styled, "x-guidance": {**JSON_STYLE, **own, "lenient": not strict}}
+
+
+def _text_of(c: Constraint) -> str:
+    """A regex or grammar constraint's text (Constraint.check lets only a string through)."""
+    if not isinstance(c.value, str):
+        raise InvalidRequestError(f"{c.param}: a {c.kind} constraint takes a string", c.param)
+    return c.value
+
+
+def _choices_of(c: Constraint) -> list[JSONValue]:
+    """A choice constraint's strings (Constraint.check lets only a list of them through)."""
+    if not isinstance(c.value, list):
+        raise InvalidRequestError(f"{c.param}: a choice constraint takes a list", c.param)
+    return c.value
 
 
 def lark_expression(c: Constraint) -> str:
@@ -62,9 +82,9 @@ def lark_expression(c: Constraint) -> str:
     if c.kind == "json_object":
         return "%json " + json.dumps(_with_style({"type": "object"}, True))
     if c.kind == "regex":
-        return "/" + c.value.replace("/", "\\/") + "/"
+        return "/" + _text_of(c).replace("/", "\\/") + "/"
     if c.kind == "choice":
-        return "(" + " | ".join(json.dumps(x, ensure_ascii=False) for x in c.value) + ")"
+        return "(" + " | ".join(json.dumps(x, ensure_ascii=False) for x in _choices_of(c)) + ")"
     raise InvalidRequestError(f"{c.param}: a {c.kind} constraint cannot be combined with tools; "
                               "use a JSON schema, a regex or a choice", c.param)
 
@@ -77,9 +97,9 @@ def grammar_text(c: Constraint) -> str:
     if c.kind == "json_object":
         return llg.LLMatcher.grammar_from_json_schema(_with_style({"type": "object"}, True))
     if c.kind == "regex":
-        return llg.LLMatcher.grammar_from_regex(c.value)
+        return llg.LLMatcher.grammar_from_regex(_text_of(c))
     if c.kind == "grammar":
-        return llg.LLMatcher.grammar_from_lark(c.value)
+        return llg.LLMatcher.grammar_from_lark(_text_of(c))
     return llg.LLMatcher.grammar_from_lark(f"start: {lark_expression(c)}\n")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from ..types import Delta, ErrorEvent, Event, Request, SamplingParams
+from ..types import ChatMessage, Delta, ErrorEvent, Event, Request, SamplingParams
 
 
 class SyncHelpers:
@@ -18,7 +18,7 @@ class SyncHelpers:
         """Generate a completion of raw text `prompt` and return its text (choice 0)."""
         return self._collect(Request(prompt=prompt, params=SamplingParams(**params)))
 
-    def chat(self, messages: list[dict[str, Any]] | str, **params: Any) -> str:
+    def chat(self, messages: list[ChatMessage] | str, **params: Any) -> str:
         """Answer a conversation (or one user message) and return the reply text."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]

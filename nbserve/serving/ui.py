@@ -22,9 +22,9 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -40,17 +40,25 @@ from ..text.reasoning import ReasoningSplitter
 from ..text.tool_calls import FORMATS, HERMES, Piece, ToolCallParser
 from ..types import (
     Backend,
+    ChatMessage,
     Constraint,
     Delta,
     ErrorEvent,
+    Event,
     Finished,
+    FunctionSpec,
     InvalidRequestError,
+    JSONValue,
     NbserveError,
     Request,
     SamplingParams,
     Started,
+    ToolSpec,
 )
 from .ui_context import NOTE_START, Message, fit_conversation
+
+if TYPE_CHECKING:
+    from gradio.routes import App
 
 log = logging.getLogger("nbserve.ui")
 
@@ -67,7 +75,19 @@ THOUGHT_TITLE = "💭 Thought"  # a thinking model's thought, shown collapsed ab
 # ----------------------------------------------------------------------------- messages
 
 
-def _text(content: Any) -> str:
+class _Shown(TypedDict):
+    role: str
+    content: str
+
+
+class ShownMessage(_Shown, total=False):
+    """A message as the chat shows it; `metadata` ("title", "status") makes it a collapsible
+    block with that title."""
+
+    metadata: dict[str, str]
+
+
+def _text(content: object) -> str:
     """The text of a Gradio message content (a string, a text part, or a list of parts)."""
     if content is None:
         return ""
@@ -79,6 +99,7 @@ def _text(content: Any) -> str:
         return ""  # a file or a component: nothing the model can read
     if isinstance(content, (list, tuple)):
         return "".join(_text(part) for part in content)
+    # a gradio message object (not a dict) carries its text as an attribute
     return str(getattr(content, "text", "") or "")
 
 
@@ -98,9 +119,10 @@ def _strip_error(text: str) -> str:
     return text if cut < 0 else text[:cut]
 
 
-def _title(turn: dict[str, Any]) -> str:
+def _title(turn: Mapping[str, object]) -> str:
     """The title of a Gradio message's metadata ("" when it has none)."""
     metadata = turn.get("metadata")
+    # gradio's metadata is a dict, or an object with the same fields as attributes
     title = metadata.get("title") if isinstance(metadata, dict) else getattr(metadata, "title",
                                                                              None)
     return title if isinstance(title, str) else ""
@@ -125,8 +147,8 @@ def _called_text(name: str, arguments: str) -> str:
     return f"(called {name} with {arguments})"
 
 
-def to_messages(message: Any, history: Sequence[dict[str, Any]],
-                system_prompt: str | None = None) -> list[dict[str, str]]:
+def to_messages(message: object, history: Sequence[Mapping[str, object]],
+                system_prompt: str | None = None) -> list[Message]:
     """OpenAI-style messages for the model: system prompt, past turns, then the new message.
 
     A tool-call message of the chat (titled `TOOL_CALL_TITLE` and the name) goes back as the
@@ -135,7 +157,7 @@ def to_messages(message: Any, history: Sequence[dict[str, Any]],
     chat templates refuse. An answer's text and its calls (separate chat messages) become one
     assistant message, as the model wrote them.
     """
-    messages: list[dict[str, str]] = []
+    messages: list[Message] = []
     if system_prompt and system_prompt.strip():
         messages.append({"role": "system", "content": system_prompt.strip()})
     for turn in history:
@@ -148,7 +170,7 @@ def to_messages(message: Any, history: Sequence[dict[str, Any]],
             text = _called_text(title[len(TOOL_CALL_TITLE):].strip(), _unfence(text))
         elif role == "assistant":
             text = _strip_error(_strip_note(text))
-        if role not in ("user", "assistant") or not text:
+        if not isinstance(role, str) or role not in ("user", "assistant") or not text:
             continue
         if role == "assistant" and messages and messages[-1]["role"] == "assistant":
             messages[-1]["content"] += "\n\n" + text
@@ -167,7 +189,7 @@ def _error_text(partial: str, message: str) -> str:
 
 
 @contextlib.asynccontextmanager
-async def _closing(stream: AsyncIterator[Any]) -> AsyncIterator[AsyncIterator[Any]]:
+async def _closing(stream: AsyncIterator[Event]) -> AsyncIterator[AsyncIterator[Event]]:
     """Close the backend's iterator however we leave (Stop, error, end): that aborts the request."""
     try:
         yield stream
@@ -202,17 +224,17 @@ def _speed_line(tokens: int, start: float, first: float | None, end: float, reas
     return line
 
 
-def _number(name: str, value: Any) -> float:
+def _number(name: str, value: object) -> float:
     try:
-        number = float(value)
-    except (TypeError, ValueError):
+        number = float(value) if isinstance(value, (int, float, str)) else math.nan
+    except ValueError:
         number = math.nan
     if not math.isfinite(number):
         raise InvalidRequestError(f"{name} must be a number, got {value!r}", param=name)
     return number
 
 
-def chat_params(limits: Limits, temperature: Any, top_p: Any, max_tokens: Any,
+def chat_params(limits: Limits, temperature: object, top_p: object, max_tokens: object,
                 constraint: Constraint | None = None) -> SamplingParams:
     """The sampling settings of one chat turn, checked against the same `limits` as /v1."""
     params = SamplingParams(temperature=_number("temperature", temperature),
@@ -228,7 +250,7 @@ def chat_params(limits: Limits, temperature: Any, top_p: Any, max_tokens: Any,
 # ----------------------------------------------------------------------------- structured answers
 
 
-def _box_json(box: str, text: str, limits: Limits, want: str) -> Any:
+def _box_json(box: str, text: str, limits: Limits, want: str) -> JSONValue:
     """The JSON value a settings box holds; a readable error naming the box when it is none."""
     limits.check_text(box, len(text), limits.max_conversation_chars, f"The {box} box")
     try:
@@ -238,14 +260,14 @@ def _box_json(box: str, text: str, limits: Limits, want: str) -> Any:
                                   f"column {exc.colno}); {want}", param=box) from None
 
 
-def _json_type(value: Any) -> str:
+def _json_type(value: object) -> str:
     """The JSON name of a value's type, for errors."""
     names = {dict: "an object", list: "a list", str: "a string", bool: "true/false",
              int: "a number", float: "a number", type(None): "null"}
     return names.get(type(value), type(value).__name__)
 
 
-def answer_constraint(text: Any, limits: Limits | None = None) -> Constraint | None:
+def answer_constraint(text: object, limits: Limits | None = None) -> Constraint | None:
     """What the "JSON answer" box asks for: empty, free text (None); `json` or `{}`, any JSON
     object; otherwise the JSON schema it holds, which the answer must match."""
     raw = text.strip() if isinstance(text, str) else ""
@@ -266,7 +288,7 @@ def answer_constraint(text: Any, limits: Limits | None = None) -> Constraint | N
 _TOOL_KEYS = ("name", "description", "parameters", "strict")
 
 
-def _tool(i: int, item: Any, names: set[str]) -> dict[str, Any]:
+def _tool(i: int, item: JSONValue, names: set[str]) -> ToolSpec:
     """Tool `i` of the "Tools" box as an OpenAI function tool (a bare function is wrapped)."""
     where = f"{TOOLS_BOX}: tool {i + 1}"
     if not isinstance(item, dict):
@@ -277,7 +299,8 @@ def _tool(i: int, item: Any, names: set[str]) -> dict[str, Any]:
             raise InvalidRequestError(f'{where} must be {{"type": "function", "function": '
                                       '{...}} or a bare function {"name", "description", '
                                       '"parameters"}', TOOLS_BOX)
-        fn = item["function"]
+        inner = item["function"]
+        fn = inner if isinstance(inner, dict) else {}  # (checked just above)
     unknown = sorted(set(fn) - set(_TOOL_KEYS))
     if unknown:
         raise InvalidRequestError(f"{where} has unknown keys ({', '.join(unknown)}); a function "
@@ -288,17 +311,26 @@ def _tool(i: int, item: Any, names: set[str]) -> dict[str, Any]:
     if name in names:
         raise InvalidRequestError(f"{where}: another tool is named {name!r} too", TOOLS_BOX)
     names.add(name)
+    function: FunctionSpec = {"name": name}
     for key, kind, what in (("description", str, "a string"), ("parameters", dict,
                                                                 "a JSON schema object"),
                             ("strict", bool, "true or false")):
-        if fn.get(key) is not None and not isinstance(fn[key], kind):
+        value = fn.get(key)
+        if value is not None and not isinstance(value, kind):
             raise InvalidRequestError(f"{where} ({name}): {key} must be {what}, got "
-                                      f"{_json_type(fn[key])}", TOOLS_BOX)
-    return {"type": "function", "function": {k: fn[k] for k in _TOOL_KEYS
-                                             if fn.get(k) is not None}}
+                                      f"{_json_type(value)}", TOOLS_BOX)
+    description, parameters, strict = fn.get("description"), fn.get("parameters"), fn.get(
+        "strict")
+    if isinstance(description, str):
+        function["description"] = description
+    if isinstance(parameters, dict):
+        function["parameters"] = parameters
+    if isinstance(strict, bool):
+        function["strict"] = strict
+    return {"type": "function", "function": function}
 
 
-def chat_tools(text: Any, limits: Limits | None = None) -> list[dict[str, Any]] | None:
+def chat_tools(text: object, limits: Limits | None = None) -> list[ToolSpec] | None:
     """The tools of the "Tools" box, as OpenAI function tools: None when empty; else a JSON
     list of tools (or one tool), each `{"type": "function", "function": {...}}` or the bare
     function `{"name", "description", "parameters"}`."""
@@ -327,7 +359,7 @@ def _pretty_arguments(arguments: str) -> str:
     return f"```json\n{arguments}\n```"
 
 
-def tool_call_message(name: str, arguments: str) -> dict[str, Any]:
+def tool_call_message(name: str, arguments: str) -> ShownMessage:
     """A tool call as a chat message: a collapsible block titled with the function's name that
     holds its arguments. It has no "pending" status while it streams: a spinner would stay on
     after Stop, which ends the answer without a last update."""
@@ -396,7 +428,7 @@ class _Answer:
                 self.calls[p.index] = (name, args + p.text)
         return bool(pieces)
 
-    def shown(self, error: str | None = None) -> str | list[dict[str, Any]]:
+    def shown(self, error: str | None = None) -> str | list[ShownMessage]:
         """The chat's value for the answer: its text (with `error` after it) while it has no
         calls or thought, as ever; else a list of messages: the thought (collapsed), the text,
         one per call, then the error."""
@@ -404,7 +436,7 @@ class _Answer:
             if error is None:
                 return self.lead + self.text
             return _error_text(self.lead + self.text if self.text else "", error)
-        out: list[dict[str, Any]] = []
+        out: list[ShownMessage] = []
         if self.thought:
             out.append({"role": "assistant", "content": self.thought,
                         "metadata": {"title": THOUGHT_TITLE, "status": "done"}})
@@ -454,9 +486,11 @@ class UILogin:
         return "This chat needs a password: enter any user name and the password."
 
 
-def rate_limit_client(request: Any, login: UILogin | None) -> str:
+def rate_limit_client(request: object, login: UILogin | None) -> str:
     """Whose bucket a chat turn takes from: the key the user logged in with, else the client
     address (what /v1 uses without a key)."""
+    # `request` is gradio's (None when the chat function is called directly): its user name
+    # and client are there only when gradio knows them
     key_id = login.key_of(getattr(request, "username", None)) if login is not None else None
     if key_id is not None:
         return key_id
@@ -465,12 +499,17 @@ def rate_limit_client(request: Any, login: UILogin | None) -> str:
 
 
 def _token_counter(backend: Backend, params: SamplingParams,
-                   tools: list[dict[str, Any]] | None = None
+                   tools: list[ToolSpec] | None = None
                    ) -> Callable[[list[Message]], int | None]:
     """Counts a conversation's prompt tokens through the backend (with the tools, which the
     prompt describes); None where the backend cannot."""
     return lambda messages: backend.count_prompt_tokens(
-        Request(messages=messages, params=params, tools=tools))
+        Request(messages=_chat_messages(messages), params=params, tools=tools))
+
+
+def _chat_messages(messages: Sequence[Message]) -> list[ChatMessage]:
+    """The chat's text messages as the backend takes them."""
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def _max_context(backend: Backend) -> int | None:
@@ -502,11 +541,11 @@ def make_chat_fn(backend: Backend, *, limits: Limits | None = None,
     """
     limits = limits or Limits()
 
-    async def chat(message: Any, history: list[dict[str, Any]], system_prompt: str = "",
+    async def chat(message: object, history: list[dict[str, object]], system_prompt: str = "",
                    temperature: float = 0.7, top_p: float = 0.95,
                    max_tokens: float = DEFAULT_MAX_TOKENS, json_answer: str = "",
                    tools_json: str = "", request: gr.Request | None = None
-                   ) -> AsyncIterator[tuple[str | list[dict[str, Any]], Any]]:
+                   ) -> AsyncIterator[tuple[str | list[ShownMessage], str | dict[str, object]]]:
         answer = _Answer()
         tokens, first, reason = 0, None, ""
         start = time.perf_counter()
@@ -523,7 +562,8 @@ def make_chat_fn(backend: Backend, *, limits: Limits | None = None,
                                       max_context=_max_context(backend))
             answer.lead = fitted.note + "\n\n" if fitted.note else ""
             answer.tools = {t["function"]["name"] for t in tools} if tools else None
-            generation = Request(messages=fitted.messages, params=params, tools=tools,
+            generation = Request(messages=_chat_messages(fitted.messages), params=params,
+                                 tools=tools,
                                  tool_choice=tool_choice if tools else "auto",
                                  metadata={"source": "ui"})
             async with _closing(backend.generate(generation)) as stream:
@@ -637,6 +677,7 @@ def mount_ui(app: FastAPI, backend: Backend, path: str = "/",
     if password is not None and (not isinstance(password, str) or not password.strip()):
         raise ValueError("mount_ui(password=...) must be a non-empty string (or None)")
     keys = [k for k in (auth_keys or []) if k]
+    # create_app's state (an app of the caller's own has none of it)
     key_auth = KeyAuth(keys) if keys else getattr(app.state, "key_auth", None)
     login = UILogin(key_auth, password)
     demo = build_chat_ui(backend, title=title, limits=getattr(app.state, "limits", None),
@@ -673,7 +714,7 @@ def calm_queue(demo: gr.Blocks) -> None:
 # ----------------------------------------------------------------------------- shutdown
 
 
-def _gradio_apps(app: FastAPI) -> list[Any]:
+def _gradio_apps(app: FastAPI) -> list[App]:
     from gradio.routes import App
 
     return [r.app for r in app.routes if isinstance(r, Mount) and isinstance(r.app, App)]

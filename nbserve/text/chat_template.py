@@ -6,18 +6,20 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import jinja2
 from jinja2 import nodes
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.ext import Extension
+from jinja2.parser import Parser
+from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..types import InvalidRequestError
+from ..types import FunctionSpec, InvalidRequestError, JSONObject, JSONValue, ToolSpec
 from .files import token_str
 from .tool_calls import HERMES, ToolFormat, detect_tool_format
 from .tool_prompt import tools_in_prompt
@@ -35,7 +37,7 @@ class _GenerationTag(Extension):
 
     tags = {"generation"}
 
-    def parse(self, parser: Any) -> nodes.Node:
+    def parse(self, parser: Parser) -> nodes.Node:
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return nodes.Scope(body, lineno=lineno)
@@ -47,12 +49,13 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
     intercepted_binops = frozenset({"*", "**"})
 
-    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
+    def unsafe_undefined(self, obj: object, attribute: str) -> NoReturn:
         # jinja2 returns an Undefined that prints as "" here; fail loudly instead.
         raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__} "
                             "is not allowed")
 
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+    def call_binop(self, context: Context, operator: str, left: object, right: object
+                   ) -> object:
         if operator == "*":
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and \
@@ -72,12 +75,12 @@ class _Namespace(jinja2.utils.Namespace):
             _Namespace._check(name)
         jinja2.utils.Namespace.__init__(self, *rest, **kwargs)
 
-    def __setitem__(self, name: str, value: Any) -> None:
+    def __setitem__(self, name: str, value: object) -> None:
         _Namespace._check(name)
         jinja2.utils.Namespace.__setitem__(self, name, value)
 
     @staticmethod
-    def _check(name: Any) -> None:
+    def _check(name: object) -> None:
         if isinstance(name, str) and name.startswith("_"):
             raise SecurityError(f"chat templates may not set the attribute {name!r}")
 
@@ -86,7 +89,7 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     # Like transformers: no HTML escaping (unlike jinja's own filter), non-ASCII kept as is.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
@@ -139,20 +142,21 @@ def _iterates_content(ast: nodes.Template) -> bool:
     return False
 
 
-def _plain(value: Any) -> Any:
+def plain_json(value: object) -> JSONValue:
     """Rebuild `value` from plain JSON types, so a template only ever sees str/int/dict/list."""
-    if value is None or type(value) in (str, int, float, bool):
+    if value is None or isinstance(value, (str, int, float, bool)) and \
+            type(value) in (str, int, float, bool):
         return value
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain_json(v) for v in value]
     for base in (bool, int, float, str):
         if isinstance(value, base):  # enums, numpy scalars, str subclasses
             return base(value)
     pydantic = sys.modules.get("pydantic")  # a pydantic model means pydantic is imported
     if pydantic is not None and isinstance(value, pydantic.BaseModel):  # OpenAI SDK messages
-        return _plain(value.model_dump(exclude_none=True))
+        return plain_json(value.model_dump(exclude_none=True))
     raise InvalidRequestError(f"chat messages must be JSON data, got a {type(value).__name__}",
                               param="messages")
 
@@ -186,7 +190,8 @@ class ChatTemplate:
     """A Hugging Face chat template compiled once in a sandbox; renders like transformers'
     `apply_chat_template(..., tokenize=False)`.
 
-    `extra` are variables every render sees (e.g. `unk_token`, or `enable_thinking=False`).
+    `variables` and `extra` are variables every render sees (e.g. `unk_token`, or
+    `enable_thinking=False`).
     `tool_source` is an optional second template used when tools are given (the "tool_use"
     template some models ship). A template that ignores `tools` (a probe conversation renders
     the same with and without a tool) gets them in the system prompt instead, in the
@@ -194,11 +199,13 @@ class ChatTemplate:
     """
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "", *,
-                 tool_source: str | None = None, is_default: bool = False, **extra: Any):
+                 tool_source: str | None = None, is_default: bool = False,
+                 variables: Mapping[str, JSONValue] | None = None, **extra: JSONValue):
         self.source = source
         self.tool_source = tool_source
         self.is_default = is_default
-        self.variables: dict[str, Any] = {"bos_token": bos_token, "eos_token": eos_token, **extra}
+        self.variables: JSONObject = {"bos_token": bos_token, "eos_token": eos_token,
+                                      **(variables or {}), **extra}
         env = _make_env()
         self._template, self._lists = self._compile(env, source)
         self._tool_template, self._tool_lists = (self._compile(env, tool_source) if tool_source
@@ -226,39 +233,44 @@ class ChatTemplate:
         return cls(_DEFAULT_TEMPLATE, bos_token, eos_token, is_default=True)
 
     @classmethod
-    def from_transformers(cls, tokenizer: Any) -> ChatTemplate | None:
+    def from_transformers(cls, tokenizer: object) -> ChatTemplate | None:
         """The chat template of a transformers tokenizer (None if it has none), with the special
         tokens transformers would pass to it."""
-        source: Any = getattr(tokenizer, "chat_template", None)
-        tool_source: str | None = None
-        if isinstance(source, dict):  # {"default": ..., "tool_use": ...}
-            source, tool_source = source.get("default"), source.get("tool_use")
-        if not source:
+        # transformers' tokenizers have both attributes (None when unset); other objects none
+        found = getattr(tokenizer, "chat_template", None)
+        named = found if isinstance(found, dict) else {"default": found}  # and "tool_use"
+        source, tool_source = named.get("default"), named.get("tool_use")
+        if not source or not isinstance(source, str):
             return None
-        tokens: dict[str, Any] = {
-            k: v for k, v in (getattr(tokenizer, "special_tokens_map", None) or {}).items()
+        specials = getattr(tokenizer, "special_tokens_map", None)
+        tokens: dict[str, JSONValue] = {
+            k: v for k, v in (specials if isinstance(specials, dict) else {}).items()
             if isinstance(v, str)}
-        return cls(source, tool_source=tool_source, **tokens)
+        return cls(source, tool_source=tool_source if isinstance(tool_source, str) else None,
+                   variables=tokens)
 
-    def render(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-               add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The prompt text for `messages` (OpenAI-style dicts). Raises `InvalidRequestError` when
-        the template rejects the messages or attempts something the sandbox forbids."""
+    def render(self, messages: Sequence[Mapping[str, object]],
+               tools: Sequence[ToolSpec | FunctionSpec] | None = None,
+               add_generation_prompt: bool = True, **kwargs: object) -> str:
+        """The prompt text for `messages` (OpenAI-style dicts, `nbserve.types.ChatMessage`;
+        checked here, as any JSON data). Raises `InvalidRequestError` when the template rejects
+        the messages or attempts something the sandbox forbids."""
         if not messages:
             raise InvalidRequestError("messages must contain at least one message",
                                       param="messages")
-        context = {**self.variables, **_plain(kwargs)}
+        context = {**self.variables, **{k: plain_json(v) for k, v in kwargs.items()}}
         context.setdefault("documents", None)
-        if tools and self.ignores_tools:
+        plain_tools = None if tools is None else [plain_json(t) for t in tools]
+        if plain_tools and self.ignores_tools:
             plain = [_prepare_message(m, i, keep_lists=self._lists)
                      for i, m in enumerate(messages)]
-            prompted = self._fit_roles(tools_in_prompt(plain, _plain(tools)),
+            prompted = self._fit_roles(tools_in_prompt(plain, plain_tools),
                                        own_system=plain[0].get("role") == "system")
             return self._render(self._template, prompted, None, add_generation_prompt, context)
         template, lists = (self._tool_template, self._tool_lists) if tools else (
             self._template, self._lists)
         prepared = [_prepare_message(m, i, keep_lists=lists) for i, m in enumerate(messages)]
-        return self._render(template, prepared, _plain(tools), add_generation_prompt, context)
+        return self._render(template, prepared, plain_tools, add_generation_prompt, context)
 
     @property
     def ignores_tools(self) -> bool:
@@ -287,7 +299,7 @@ class ChatTemplate:
         OLMo 2's templates drop tool results). Probed once per role."""
         if role not in self._renders:
             marker = "nbserve role probe 7d1e"
-            probe: list[dict[str, Any]] = (
+            probe: list[JSONObject] = (
                 [{"role": "system", "content": marker}, {"role": "user", "content": "Hi"}]
                 if role == "system" else
                 [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
@@ -302,8 +314,8 @@ class ChatTemplate:
                 self._renders[role] = marker in text
         return self._renders[role]
 
-    def _fit_roles(self, messages: list[dict[str, Any]], own_system: bool
-                   ) -> list[dict[str, Any]]:
+    def _fit_roles(self, messages: list[JSONObject], own_system: bool
+                   ) -> list[JSONObject]:
         """nbserve's tool prompt (`tools_in_prompt`) moved to turns the template takes: its
         tool list to the start of the first user turn when the template takes no system
         message and the request sent none, and the tool results into user turns when the
@@ -323,9 +335,9 @@ class ChatTemplate:
             return HERMES
         return detect_tool_format(self.tool_source or self.source)
 
-    def _render(self, template: jinja2.Template, messages: list[dict[str, Any]],
-                tools: list[dict[str, Any]] | None, add_generation_prompt: bool,
-                context: dict[str, Any]) -> str:
+    def _render(self, template: jinja2.Template, messages: list[JSONObject],
+                tools: list[JSONValue] | None, add_generation_prompt: bool,
+                context: JSONObject) -> str:
         try:
             return template.render(messages=messages, tools=tools,
                                    add_generation_prompt=add_generation_prompt, **context)
@@ -340,7 +352,7 @@ class ChatTemplate:
             raise InvalidRequestError(f"the chat template failed on these messages "
                                       f"({type(e).__name__}: {e})", param="messages") from e
 
-    def _hint(self, messages: list[dict[str, Any]]) -> str:
+    def _hint(self, messages: list[JSONObject]) -> str:
         """What to do when the template refuses a system or tool message it was given."""
         for role in ("system", "tool"):
             if any(m.get("role") == role for m in messages) and not self.renders_role(role):
@@ -351,19 +363,23 @@ class ChatTemplate:
         return ""
 
 
-def _joined(first: Any, second: Any, sep: str) -> Any:
+def _joined(first: JSONValue, second: JSONValue, sep: str) -> JSONValue:
     """Two message contents (strings or text-part lists) as one, `sep` between them."""
     if isinstance(first, list) or isinstance(second, list):
         a = first if isinstance(first, list) else [{"type": "text", "text": first or ""}]
         b = second if isinstance(second, list) else [{"type": "text", "text": second or ""}]
-        if a and b and a[-1].get("type") == "text" and b[0].get("type") == "text":
-            return [*a[:-1], {"type": "text", "text": a[-1]["text"] + sep + b[0]["text"]},
-                    *b[1:]]
+        last, head = (a[-1], b[0]) if a and b else (None, None)
+        if isinstance(last, dict) and isinstance(head, dict) and last.get("type") == "text" \
+                and head.get("type") == "text":
+            text = last["text"]
+            more = head["text"]
+            if isinstance(text, str) and isinstance(more, str):  # text parts hold strings
+                return [*a[:-1], {"type": "text", "text": text + sep + more}, *b[1:]]
         return [*a, *b]
     return f"{first or ''}{sep}{second or ''}"
 
 
-def _system_into_first_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _system_into_first_user(messages: list[JSONObject]) -> list[JSONObject]:
     """The leading system message folded into the first user message (as Gemma 3's own
     template folds one): its text, a blank line, then the user's."""
     if not messages or messages[0].get("role") != "system":
@@ -376,10 +392,10 @@ def _system_into_first_user(messages: list[dict[str, Any]]) -> list[dict[str, An
     return messages
 
 
-def _tool_results_as_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _tool_results_as_user(messages: list[JSONObject]) -> list[JSONObject]:
     """Tool messages as user messages, each run of them joined with the user message next to
     it, so user and assistant turns still alternate."""
-    out: list[dict[str, Any]] = []
+    out: list[JSONObject] = []
     holds_result = False  # whether out[-1] holds a tool result
     for m in messages:
         is_tool = m.get("role") == "tool"
@@ -395,14 +411,14 @@ def _tool_results_as_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]
     return out
 
 
-def _prepare_message(message: Any, index: int, keep_lists: bool) -> dict[str, Any]:
+def _prepare_message(given: object, index: int, keep_lists: bool) -> JSONObject:
     """Normalize one message the way servers expect: drop None values, alias reasoning fields,
     flatten text-part lists (unless the template loops over them), parse JSON tool arguments."""
-    message = _plain(message)
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+    plain = plain_json(given)
+    if not isinstance(plain, dict) or not isinstance(plain.get("role"), str):
         raise InvalidRequestError(f"messages[{index}] must be an object with a string 'role'",
                                   param="messages")
-    message = {k: v for k, v in message.items() if v is not None}
+    message: JSONObject = {k: v for k, v in plain.items() if v is not None}
     reasoning = next((message[k] for k in ("reasoning_content", "thinking", "reasoning")
                       if k in message), None)
     if reasoning is not None:
@@ -411,21 +427,24 @@ def _prepare_message(message: Any, index: int, keep_lists: bool) -> dict[str, An
     if isinstance(content, list):
         texts = []
         for part in content:
+            text = part.get("text") if isinstance(part, dict) else None
             if not isinstance(part, dict) or part.get("type") != "text" or \
-                    not isinstance(part.get("text"), str):
+                    not isinstance(text, str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise InvalidRequestError(
                     f"messages[{index}].content has a part of type {kind!r}; this model takes "
                     "text only: use {'type': 'text', 'text': ...} parts or a string.",
                     param="messages")
-            texts.append(part["text"])
+            texts.append(text)
         if not keep_lists:
             message["content"] = "\n".join(texts)
-    for call in message.get("tool_calls") or []:
+    calls = message.get("tool_calls")
+    for call in calls if isinstance(calls, list) else []:
         fn = call.get("function") if isinstance(call, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        arguments = fn.get("arguments") if isinstance(fn, dict) else None
+        if isinstance(fn, dict) and isinstance(arguments, str):
             try:  # OpenAI sends arguments as a JSON string; HF templates expect a dict
-                parsed = json.loads(fn["arguments"])
+                parsed = json.loads(arguments)
             except ValueError:
                 continue
             if isinstance(parsed, dict):
@@ -433,7 +452,7 @@ def _prepare_message(message: Any, index: int, keep_lists: bool) -> dict[str, An
     return message
 
 
-def token_variables(tokenizer_config: dict[str, Any]) -> dict[str, str]:
+def token_variables(tokenizer_config: Mapping[str, object]) -> dict[str, str]:
     """The special-token strings transformers hands a chat template: every `*_token` entry of
     tokenizer_config.json (bos, eos, unk, sep, pad, cls, mask and model-specific names such as
     Gemma 3's boi_token), and the named `extra_special_tokens` / `model_specific_special_tokens`.
@@ -451,7 +470,8 @@ def token_variables(tokenizer_config: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def load_chat_template(root: Path, tokenizer_config: dict[str, Any]) -> ChatTemplate | None:
+def load_chat_template(root: Path, tokenizer_config: Mapping[str, object]
+                       ) -> ChatTemplate | None:
     """The model's chat template (chat_template.jinja wins over tokenizer_config.json), with its
     special-token strings; None when the model ships none."""
     root = Path(root)
@@ -471,9 +491,9 @@ def load_chat_template(root: Path, tokenizer_config: dict[str, Any]) -> ChatTemp
         tool_source = tool_file.read_text(encoding="utf-8")
     if not source:
         return None
-    tokens: dict[str, Any] = dict(token_variables(tokenizer_config))
+    tokens = dict(token_variables(tokenizer_config))
     bos, eos = tokens.pop("bos_token", ""), tokens.pop("eos_token", "")
     try:
-        return ChatTemplate(source, bos, eos, tool_source=tool_source, **tokens)
+        return ChatTemplate(source, bos, eos, tool_source=tool_source, variables=tokens)
     except ValueError as e:
         raise ValueError(f"{root.name}: {e}") from e

@@ -12,7 +12,7 @@ tighter or looser. Every answer under the bounded schema validates against the o
 
 from __future__ import annotations
 
-from typing import Any
+from ..types import JSONObject, JSONValue
 
 SAFE_INTEGER = 2**53 - 1  # 9007199254740991
 DECIMALS = 10  # the most that llguidance's multipleOf takes (1e-11 has too many digits)
@@ -20,7 +20,7 @@ _STEP = float(f"1e-{DECIMALS}")
 _NOT_SCHEMAS = ("const", "enum", "default", "examples")  # values, not subschemas
 
 
-def bounded_numbers(schema: Any) -> Any:
+def bounded_numbers(schema: JSONValue) -> JSONValue:
     """`schema` with the bounds above on every integer and number subschema (a copy; `schema`
     is not modified)."""
     if isinstance(schema, list):
@@ -44,9 +44,11 @@ def bounded_numbers(schema: Any) -> Any:
     return out
 
 
-def _bound(schema: dict[str, Any], *keys: str) -> float | None:
+def _bound(schema: JSONObject, *keys: str) -> float | None:
     """The schema's own bound on one side (None: it sets none). A draft-4 boolean
     `exclusiveMinimum: true` goes with its `minimum`."""
-    values = [schema[k] for k in keys if isinstance(schema.get(k), (int, float))
-              and not isinstance(schema.get(k), bool)]
-    return values[0] if values else None
+    for key in keys:
+        value = schema.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value
+    return None

@@ -14,17 +14,18 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from ..types import FunctionSpec, JSONObject, JSONValue, ToolCall, ToolSpec
 from .json_bounds import bounded_numbers
 
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
-              "coerce_one_of": True}  # how grammars make models write JSON (no runaway spaces)
+# how grammars make models write JSON (no runaway spaces)
+JSON_STYLE: JSONObject = {"whitespace_flexible": False, "item_separator": ", ",
+                          "key_separator": ": ", "coerce_one_of": True}
 
 
-def closed_schema(schema: Any) -> Any:
+def closed_schema(schema: JSONValue) -> JSONValue:
     """`schema` with `additionalProperties: false` on every object schema that lists its
     properties and says nothing of others: a grammar then writes the properties a schema names,
     not ones a small model invents (JSON Schema would allow them; a function would not take
@@ -35,8 +36,9 @@ def closed_schema(schema: Any) -> Any:
         return schema
     out = {k: (closed_schema(v) if k not in ("const", "enum", "default", "examples") else v)
            for k, v in schema.items()}
-    if "properties" in out and isinstance(out["properties"], dict):
-        out["properties"] = {k: closed_schema(v) for k, v in schema["properties"].items()}
+    properties = schema.get("properties")
+    if "properties" in out and isinstance(properties, dict):
+        out["properties"] = {k: closed_schema(v) for k, v in properties.items()}
         if "additionalProperties" not in out and "patternProperties" not in out:
             out["additionalProperties"] = False
     return out
@@ -61,7 +63,7 @@ class ToolFormat:
     separator: str = "\n"
     bare: bool = False
 
-    def grammar(self, tools: list[dict[str, Any]], *, required: bool = False,
+    def grammar(self, tools: Sequence[ToolSpec | FunctionSpec], *, required: bool = False,
                 name: str | None = None, parallel: bool = True, answer: str | None = None,
                 special: Callable[[str], int | None] = lambda s: None) -> str:
         """A Lark grammar: the text answer (`answer`, a Lark expression; free text when None,
@@ -112,7 +114,7 @@ class ToolFormat:
             return f"lead: LEAD_TEXT <[{tid}]>\nLEAD_TEXT: /(.|\\n)*/{bare}"
         return f"lead[lazy]: LEAD\nLEAD: /(.|\\n)*{_regex_escape(re.escape(self.open))}/{bare}"
 
-    def _call_schema(self, tool: dict[str, Any]) -> dict[str, Any]:
+    def _call_schema(self, tool: ToolSpec | FunctionSpec) -> JSONObject:
         fn = function_of(tool)
         params = bounded_numbers(closed_schema(fn.get("parameters") or {"type": "object"}))
         return {"type": "object", "additionalProperties": False,
@@ -132,7 +134,7 @@ class ToolFormat:
         return ToolCallParser(self, tool_names or set(), parallel)
 
     def parse(self, text: str, tool_names: set[str] | None = None, parallel: bool = True
-              ) -> tuple[str | None, list[dict[str, Any]]]:
+              ) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole answer; content None when the answer is only calls."""
         p = self.parser(tool_names, parallel)
         pieces = p.feed(text) + p.finish()
@@ -142,9 +144,11 @@ class ToolFormat:
         return content, p.calls
 
 
-def function_of(tool: dict[str, Any]) -> dict[str, Any]:
+def function_of(tool: ToolSpec | FunctionSpec) -> FunctionSpec:
     """The function of an OpenAI tool (or the tool itself when it is a bare function)."""
-    return tool.get("function", tool)
+    if "function" in tool:
+        return tool["function"]
+    return tool
 
 
 def _lark_str(s: str) -> str:
@@ -258,7 +262,7 @@ class ToolCallParser:
     fmt: ToolFormat
     tool_names: set[str]
     parallel: bool = True
-    calls: list[dict[str, Any]] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)
     _buf: str = ""
     _state: str = "text"  # text | region | head | args | tail
     _seen_text: bool = False  # non-space content sent
@@ -376,8 +380,8 @@ class ToolCallParser:
                 self._can_call() and \
                 (not self.tool_names or _unescape(m.group(1)) in self.tool_names):
             name = _unescape(m.group(1))
-            call: dict[str, Any] = {"id": new_call_id(), "type": "function",
-                                    "function": {"name": name, "arguments": ""}}
+            call: ToolCall = {"id": new_call_id(), "type": "function",
+                              "function": {"name": name, "arguments": ""}}
             self.calls.append(call)
             self._streamed = True
             out.append(Piece("start", index=len(self.calls) - 1, call_id=call["id"], name=name))
@@ -466,15 +470,16 @@ def _unescape(s: str) -> str:
         return s
 
 
-def _as_call(obj_text: str, tool_names: set[str]) -> dict[str, Any] | None:
+def _as_call(obj_text: str, tool_names: set[str]) -> ToolCall | None:
     """A whole call object -> an OpenAI tool call, or None when it is not one."""
     try:
         obj = json.loads(obj_text)
     except ValueError:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+    name = obj.get("name") if isinstance(obj, dict) else None
+    if not isinstance(obj, dict) or not isinstance(name, str) or not name:
         return None
-    if tool_names and obj["name"] not in tool_names:
+    if tool_names and name not in tool_names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
@@ -488,7 +493,7 @@ def _as_call(obj_text: str, tool_names: set[str]) -> dict[str, Any] | None:
     else:
         return None
     return {"id": new_call_id(), "type": "function",
-            "function": {"name": obj["name"], "arguments": arguments}}
+            "function": {"name": name, "arguments": arguments}}
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -8,7 +8,9 @@ models were tuned on.
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Sequence
+
+from ..types import InvalidRequestError, JSONObject, JSONValue
 
 _TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
                "You are provided with function signatures within <tools></tools> XML tags:\n"
@@ -18,42 +20,47 @@ _TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with 
                '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
-def tools_section(tools: list[dict[str, Any]]) -> str:
+def tools_section(tools: Sequence[JSONValue]) -> str:
     """The system-prompt section that lists `tools` (one JSON object a line) and says how to
     call them."""
     listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     return _TOOLS_HEAD + listed + _TOOLS_TAIL
 
 
-def _text(content: Any) -> str:
+def _text(content: JSONValue) -> str:
     if isinstance(content, list):  # text parts (kept as a list for templates that loop)
         return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
     return "" if content is None else str(content)
 
 
-def _with_text(content: Any, text: str, sep: str) -> Any:
+def _with_text(content: JSONValue, text: str, sep: str) -> JSONValue:
     """`content` (a string or text parts) with `text` appended after `sep`."""
     if isinstance(content, list):
         return [*content, {"type": "text", "text": sep + text if content else text}]
     return f"{content}{sep}{text}" if content else text
 
 
-def _call_block(call: dict[str, Any]) -> str:
-    fn = call.get("function", call)
+def _call_block(call: JSONValue) -> str:
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(fn, dict):
+        raise InvalidRequestError("an assistant message's tool_calls must be a list of "
+                                  "objects", param="messages")
     body = {"name": fn.get("name"), "arguments": fn.get("arguments", {})}
     return "<tool_call>\n" + json.dumps(body, ensure_ascii=False) + "\n</tool_call>"
 
 
-def tools_in_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
-                    ) -> list[dict[str, Any]]:
+def tools_in_prompt(messages: list[JSONObject], tools: Sequence[JSONValue]
+                    ) -> list[JSONObject]:
     """A copy of `messages` (plain dicts, as the template gets them) with the tools section
     appended to the first system message (or in a new one), each assistant `tool_calls` written
     into its content, and each tool result wrapped in `<tool_response>`."""
-    out: list[dict[str, Any]] = []
+    out: list[JSONObject] = []
     for m in messages:
         m = dict(m)
         if m.get("role") == "assistant" and m.get("tool_calls"):
-            calls = "\n".join(_call_block(c) for c in m.pop("tool_calls"))
+            listed = m.pop("tool_calls")
+            calls = "\n".join(_call_block(c) for c in (listed if isinstance(listed, list)
+                                                       else [listed]))
             m["content"] = _with_text(m.get("content"), calls, "\n")
         elif m.get("role") == "tool":
             wrapped = f"<tool_response>\n{_text(m.get('content'))}\n</tool_response>"
