@@ -14,6 +14,7 @@ import torch
 from ..cpu.threads import torch_threads
 from ..models.base import LoadedModel
 from ..models.dtypes import MIXED16, QUANTIZED, QUANTIZED_FORMATS, WEIGHT_FORMATS, resolve_dtype
+from .memory_check import check_source, load_form
 
 if TYPE_CHECKING:
     from ..execution.weights import WeightFormats
@@ -151,6 +152,8 @@ def load(source: Any, *, device: str | None = None, dtype: Any = None,
     bare = _blocks_will_serve(source, copies, dtype, device)
     with torch_threads(1):  # loading is I/O-bound; no OpenMP pool in the caller's thread
         try:
+            # refused before any tensor is read when the weights cannot fit
+            check_source(str(source), torch.device(device), load_form(torch_dtype, copies, bare))
             loaded = _load_path(str(source), device, torch_dtype,
                                 {"pack": False, "transposed_head": False} if bare else {},
                                 dict(tokenizer=tokenizer, chat_template=chat_template,
