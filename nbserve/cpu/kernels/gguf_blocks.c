@@ -18,6 +18,9 @@
  */
 #include "matmul_common.h"
 #include "nbserve_kernels.h"
+#if defined(__SSSE3__)
+#include <tmmintrin.h>
+#endif
 
 #define TILE 4       /* input rows a row kernel multiplies per decoded block */
 #define MAX_QK 256   /* the largest block (the K-quants', IQ4_XS's) */
@@ -75,30 +78,66 @@ INLINE void q4_1_block(const uint8_t *b, float *out) {
     }
 }
 
+/* 16 values of IQ4_NL's table at the nibbles of 16 bytes (low ones, or high with shift 4) */
+INLINE void iq4_lookup(const uint8_t *qs, int shift, int8_t *v) {
+#if defined(__SSSE3__)
+    __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    q = _mm_and_si128(shift ? _mm_srli_epi16(q, 4) : q, _mm_set1_epi8(15));
+    __m128i table = _mm_loadu_si128((const __m128i *)IQ4_VALUES);
+    _mm_storeu_si128((__m128i *)v, _mm_shuffle_epi8(table, q));  /* 16 lookups at once */
+#else
+    for (int j = 0; j < 16; j++) v[j] = IQ4_VALUES[(qs[j] >> shift) & 15];
+#endif
+}
+
+/* The 32 five-bit codes of Q5_0 and Q5_1: nibbles as Q4_0, bit j of qh on top of code j;
+ * then out[j] = d * (q[j] - bias) (+ m where has_m), the float32 operations of gguf's. */
+#if defined(__AVX2__)
+/* 16 codes (bytes) to floats, as above */
+INLINE void q5_floats(__m128i c, int bias, float d, float m, int has_m, float *out) {
+    for (int half = 0; half < 2; half++) {
+        __m256i v = _mm256_cvtepu8_epi32(half ? _mm_srli_si128(c, 8) : c);
+        __m256 f = _mm256_mul_ps(_mm256_set1_ps(d),
+                                 _mm256_cvtepi32_ps(_mm256_sub_epi32(v, _mm256_set1_epi32(bias))));
+        _mm256_storeu_ps(out + 8 * half, has_m ? _mm256_add_ps(f, _mm256_set1_ps(m)) : f);
+    }
+}
+
+INLINE void q5_block(const uint8_t *qs, uint32_t qh, int bias, float d, float m, int has_m,
+                     float *out) {
+    /* each qh byte spread over 8 lanes, its bit j kept in lane j, as the fifth bit (16) */
+    const __m128i bits = _mm_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m128i low4 = _mm_set1_epi8(15), fifth = _mm_set1_epi8(16);
+    __m128i h = _mm_cvtsi32_si128((int)qh);
+    __m128i h0 = _mm_shuffle_epi8(h, _mm_set_epi64x(0x0101010101010101LL, 0));
+    __m128i h1 = _mm_shuffle_epi8(h, _mm_set_epi64x(0x0303030303030303LL,
+                                                    0x0202020202020202LL));
+    h0 = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h0, bits), bits), fifth);
+    h1 = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h1, bits), bits), fifth);
+    __m128i n = _mm_loadu_si128((const __m128i *)qs);
+    q5_floats(_mm_or_si128(_mm_and_si128(n, low4), h0), bias, d, m, has_m, out);
+    q5_floats(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(n, 4), low4), h1), bias, d, m, has_m,
+              out + 16);
+}
+#else
+INLINE void q5_block(const uint8_t *qs, uint32_t qh, int bias, float d, float m, int has_m,
+                     float *out) {
+    for (int j = 0; j < 32; j++) {
+        int q = ((qs[j % 16] >> (4 * (j / 16))) & 15) | (int)(((qh >> j) & 1u) << 4);
+        float f = d * (float)(q - bias);
+        out[j] = has_m ? f + m : f;
+    }
+}
+#endif
+
 /* Q5_0 (22 bytes): d, 32 fifth bits (uint32: bit j for weight j), nibbles as Q4_0; d (q - 16) */
 INLINE void q5_0_block(const uint8_t *b, float *out) {
-    float d = half_at(b);
-    uint32_t qh = u32_at(b + 2);
-    const uint8_t *qs = b + 6;
-    for (int j = 0; j < 16; j++) {
-        int lo = (qs[j] & 15) | (int)(((qh >> j) & 1u) << 4);
-        int hi = (qs[j] >> 4) | (int)(((qh >> (j + 16)) & 1u) << 4);
-        out[j] = d * (float)(lo - 16);
-        out[j + 16] = d * (float)(hi - 16);
-    }
+    q5_block(b + 6, u32_at(b + 2), 16, half_at(b), 0.f, 0, out);
 }
 
 /* Q5_1 (24 bytes): d, m, fifth bits, nibbles; d q + m */
 INLINE void q5_1_block(const uint8_t *b, float *out) {
-    float d = half_at(b), m = half_at(b + 2);
-    uint32_t qh = u32_at(b + 4);
-    const uint8_t *qs = b + 8;
-    for (int j = 0; j < 16; j++) {
-        int lo = (qs[j] & 15) | (int)(((qh >> j) & 1u) << 4);
-        int hi = (qs[j] >> 4) | (int)(((qh >> (j + 16)) & 1u) << 4);
-        out[j] = d * (float)lo + m;
-        out[j + 16] = d * (float)hi + m;
-    }
+    q5_block(b + 8, u32_at(b + 4), 0, half_at(b), half_at(b + 2), 1, out);
 }
 
 /* Q8_0 (34 bytes): d, 32 signed bytes; q d */
@@ -111,28 +150,26 @@ INLINE void q8_0_block(const uint8_t *b, float *out) {
 /* IQ4_NL (18 bytes): d, nibbles as Q4_0 indexing a fixed table of 16 values; d value */
 INLINE void iq4_nl_block(const uint8_t *b, float *out) {
     float d = half_at(b);
-    const uint8_t *qs = b + 2;
-    for (int j = 0; j < 16; j++) {
-        out[j] = d * (float)IQ4_VALUES[qs[j] & 15];
-        out[j + 16] = d * (float)IQ4_VALUES[qs[j] >> 4];
-    }
+    int8_t v[32];
+    iq4_lookup(b + 2, 0, v);
+    iq4_lookup(b + 2, 4, v + 16);
+    for (int j = 0; j < 32; j++) out[j] = d * (float)v[j];
 }
 
 /* Q2_K (84 bytes): 16 bytes of 4-bit scales (low) and mins (high) per 16 weights, 64 bytes of
  * 2-bit codes (byte l of half h: weights h 128 + s 32 + l at bits 2 s), d, dmin;
- * (d sc) q - (dmin m) */
+ * (d sc) q - (dmin m). The loops below go 16 weights (one scale) at a time. */
 INLINE void q2_k_block(const uint8_t *b, float *out) {
-    const uint8_t *sc = b, *qs = b + 16;
-    float d = half_at(b + 80), dmin = half_at(b + 82), dl[16], ml[16];
-    for (int i = 0; i < 16; i++) {
-        dl[i] = d * (float)(sc[i] & 15);
-        ml[i] = dmin * (float)(sc[i] >> 4);
-    }
+    const uint8_t *sc = b;
+    float d = half_at(b + 80), dmin = half_at(b + 82);
     for (int h = 0; h < 2; h++)
         for (int s = 0; s < 4; s++)
-            for (int l = 0; l < 32; l++) {
-                int idx = h * 128 + s * 32 + l;
-                out[idx] = dl[idx / 16] * (float)((qs[h * 32 + l] >> (2 * s)) & 3) - ml[idx / 16];
+            for (int g = 0; g < 2; g++) {
+                int sb = h * 8 + s * 2 + g;
+                float dl = d * (float)(sc[sb] & 15), ml = dmin * (float)(sc[sb] >> 4);
+                const uint8_t *p = b + 16 + h * 32 + g * 16;
+                float *o = out + sb * 16;
+                for (int l = 0; l < 16; l++) o[l] = dl * (float)((p[l] >> (2 * s)) & 3) - ml;
             }
 }
 
@@ -140,19 +177,19 @@ INLINE void q2_k_block(const uint8_t *b, float *out) {
  * 64 bytes of 2-bit codes as Q2_K, 12 bytes of sixteen 6-bit scales (low nibbles in bytes
  * 0-7, two high bits in bytes 8-11), d; (d (sc - 32)) (q - 4 (1 - hbit)) */
 INLINE void q3_k_block(const uint8_t *b, float *out) {
-    const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
-    float d = half_at(b + 108), dl[16];
-    for (int i = 0; i < 16; i++) {
-        int lo = i < 8 ? sc[i] & 15 : sc[i - 8] >> 4;
-        int hi = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
-        dl[i] = d * (float)((int8_t)(lo | (hi << 4)) - 32);
-    }
+    const uint8_t *hm = b, *sc = b + 96;
+    float d = half_at(b + 108);
     for (int h = 0; h < 2; h++)
         for (int s = 0; s < 4; s++)
-            for (int l = 0; l < 32; l++) {
-                int idx = h * 128 + s * 32 + l, g = h * 4 + s;
-                int q = ((qs[h * 32 + l] >> (2 * s)) & 3) - (((hm[l] >> g) & 1) ? 0 : 4);
-                out[idx] = dl[idx / 16] * (float)q;
+            for (int g = 0; g < 2; g++) {
+                int sb = h * 8 + s * 2 + g, bit = h * 4 + s;
+                int lo = sb < 8 ? sc[sb] & 15 : sc[sb - 8] >> 4;
+                int hi = (sc[8 + sb % 4] >> (2 * (sb / 4))) & 3;
+                float dl = d * (float)((int8_t)(lo | (hi << 4)) - 32);
+                const uint8_t *p = b + 32 + h * 32 + g * 16, *m = hm + g * 16;
+                float *o = out + sb * 16;
+                for (int l = 0; l < 16; l++)
+                    o[l] = dl * (float)(((p[l] >> (2 * s)) & 3) - 4 + 4 * ((m[l] >> bit) & 1));
             }
 }
 
@@ -206,19 +243,23 @@ INLINE void q5_k_block(const uint8_t *b, float *out) {
 
 /* Q6_K (210 bytes): 128 bytes of low nibbles (byte l of half h: weights h 128 + l and
  * h 128 + 64 + l), 64 bytes of high 2 bits (byte l of half h: weights h 128 + s 32 + l at bits
- * 2 s), 16 signed scales per 16 weights, d; (d sc) (q - 32) */
+ * 2 s), 16 signed scales per 16 weights, d; (d sc) (q - 32), 16 weights (one scale) a loop */
 INLINE void q6_k_block(const uint8_t *b, float *out) {
-    const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
-    float d = half_at(b + 208), ds[16];
-    for (int i = 0; i < 16; i++) ds[i] = d * (float)sc[i];
+    float d = half_at(b + 208);
     for (int h = 0; h < 2; h++)
-        for (int t = 0; t < 128; t++) {
-            int lo = (ql[h * 64 + t % 64] >> (4 * (t / 64))) & 15;
-            int hi = (qh[h * 32 + t % 32] >> (2 * (t / 32))) & 3;
-            int idx = h * 128 + t;
-            out[idx] = ds[idx / 16] * (float)((lo | (hi << 4)) - 32);
-        }
+        for (int s = 0; s < 4; s++)
+            for (int g = 0; g < 2; g++) {
+                int sb = h * 8 + s * 2 + g, shift_l = 4 * (s >> 1), shift_h = 2 * s;
+                float ds = d * (float)sc[sb];
+                const uint8_t *ql = b + h * 64 + (s & 1) * 32 + g * 16;
+                const uint8_t *qh = b + 128 + h * 32 + g * 16;
+                float *o = out + sb * 16;
+                for (int l = 0; l < 16; l++) {
+                    int q = ((ql[l] >> shift_l) & 15) | (((qh[l] >> shift_h) & 3) << 4);
+                    o[l] = ds * (float)(q - 32);
+                }
+            }
 }
 
 /* IQ4_XS (136 bytes): d, 16 bits of scales' high 2 bits, 4 bytes of their low nibbles, 128
@@ -231,10 +272,10 @@ INLINE void iq4_xs_block(const uint8_t *b, float *out) {
     for (int ib = 0; ib < 8; ib++) {
         int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4);
         float dl = d * (float)(ls - 32);
-        for (int j = 0; j < 16; j++) {
-            out[ib * 32 + j] = dl * (float)IQ4_VALUES[qs[ib * 16 + j] & 15];
-            out[ib * 32 + 16 + j] = dl * (float)IQ4_VALUES[qs[ib * 16 + j] >> 4];
-        }
+        int8_t v[32];
+        iq4_lookup(qs + ib * 16, 0, v);
+        iq4_lookup(qs + ib * 16, 4, v + 16);
+        for (int j = 0; j < 32; j++) out[ib * 32 + j] = dl * (float)v[j];
     }
 }
 
