@@ -16,19 +16,32 @@ the kernel's ROW_PATH_MAX (row kernels, then panels) come from (float32 weights 
 random Q4_1-style and Q8_0 blocks), and the blocks again with 16-bit inputs (`round16`, where
 ROUND16_MAX_ROWS comes from; the same as without on a build that has no such kernels).
 
+With `--blocks`: the C kernels over GGUF's own blocks (`cpu/kernels/gguf_blocks.c`, exact
+mode), one input row against a weight of every block type larger than the caches (256 MB of
+random blocks, rows of 4096), at 1 and 2 threads: GB/s of blocks read, beside the machine's
+read bandwidth measured by a C loop over a buffer of the same size with the same threads (the
+bound a decode step's matmuls can reach). `NBSERVE_KERNEL_ISA=avx2` (or `plain`) times that
+path's build.
+
     python benchmarks/cpu_kernels.py               # ~1 minute on 2 cores
     python benchmarks/cpu_kernels.py --crossover   # ~1 minute; needs a C compiler
+    python benchmarks/cpu_kernels.py --blocks      # ~2 minutes; needs a C compiler
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -121,6 +134,78 @@ def crossover(rows_list: list[int], n: int) -> None:
     t.join()
 
 
+READ_LOOP = r"""
+#include <stdint.h>
+uint64_t read_all(const uint64_t *p, long n, int threads);
+uint64_t read_all(const uint64_t *p, long n, int threads) {  /* every word read, once */
+    uint64_t acc = 0;
+    #pragma omp parallel for num_threads(threads) reduction(^:acc) schedule(static)
+    for (long i = 0; i < n; i++) acc ^= p[i];
+    return acc;
+}
+"""
+
+
+def read_loop() -> ctypes.CDLL:
+    """The C read loop, compiled with the kernels' flags for this CPU (or NBSERVE_KERNEL_ISA's)."""
+    from nbserve.cpu.kernels import build
+
+    folder = Path(tempfile.mkdtemp())
+    (folder / "read.c").write_text(READ_LOOP)
+    subprocess.run([build.compiler(), *build.FLAGS, *build._isa_arch()[0], "-o",
+                    str(folder / "read.so"), str(folder / "read.c")], check=True)
+    lib = ctypes.CDLL(str(folder / "read.so"))
+    lib.read_all.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+    lib.read_all.restype = ctypes.c_uint64
+    return lib
+
+
+def block_throughput(n: int, size_mb: int = 256, k: int = 4096) -> None:
+    """GB/s of blocks a one-row product reads, per GGUF block type, at 1 and 2 threads, beside
+    the read bandwidth of a C loop over as many bytes."""
+    from nbserve.cpu.kernels import build
+    from nbserve.cpu.kernels.blocks import BlockType, row_bytes
+
+    lib, reader = build.quant_kernels(), read_loop()
+    rng = np.random.default_rng(0)
+    print(f"blocks: simd width {lib.nbq_simd_width()}, NBSERVE_KERNEL_ISA="
+          f"{os.environ.get('NBSERVE_KERNEL_ISA', 'native')}, {size_mb} MB a weight, k={k}")
+
+    def body() -> None:
+        buf = np.ones(size_mb << 20, dtype=np.uint8)
+        bound = {}
+        for threads in (1, 2):
+            def read(t: int = threads, b: np.ndarray = buf) -> None:
+                reader.read_all(b.ctypes.data, b.nbytes // 8, t)
+
+            s = median_ms(read, n) / 1e3
+            bound[threads] = buf.nbytes / s / 1e9
+            print(f"blocks: C read loop, {threads} thread(s): {bound[threads]:6.1f} GB/s",
+                  flush=True)
+        del buf
+        x, y = torch.randn(1, k), torch.empty(1, (size_mb << 20) // 64)
+        for block_type in BlockType:
+            rows = (size_mb << 20) // row_bytes(block_type, k)
+            raw = rng.integers(0, 256, rows * row_bytes(block_type, k), dtype=np.uint8)
+            cells = []
+            for threads in (1, 2):
+                def product(t: int = threads, kind: int = int(block_type),
+                            w: np.ndarray = raw, n_out: int = rows) -> None:
+                    lib.nbq_blocks_matmul(x.data_ptr(), 1, k, kind, w.ctypes.data, n_out,
+                                          y.data_ptr(), t, None, 0.0, 0)
+
+                s = median_ms(product, n) / 1e3
+                rate = raw.nbytes / s / 1e9
+                cells.append(f"{threads} thread(s) {rate:6.2f} GB/s "
+                             f"({100 * rate / bound[threads]:3.0f}% of the read loop)")
+            print(f"blocks: {block_type.name:<7} 1 row: " + " | ".join(cells), flush=True)
+
+    release_openmp_pool()
+    t = threading.Thread(target=body)  # a fresh thread, as the engine's
+    t.start()
+    t.join()
+
+
 def run(where: str, threads: int, rows_list: list[int], n: int) -> None:
     torch.set_num_threads(threads)
     for rows in rows_list:
@@ -164,7 +249,12 @@ def main() -> None:
     ap.add_argument("--trap-only", action="store_true", help="only the OpenMP trap figures")
     ap.add_argument("--crossover", action="store_true",
                     help="only the C kernels against oneDNN, 1 to 128 rows")
+    ap.add_argument("--blocks", action="store_true",
+                    help="only the GGUF block kernels' throughput against the read bandwidth")
     args = ap.parse_args()
+    if args.blocks:
+        block_throughput(args.n)
+        return
     if args.crossover:
         crossover([1, 2, 4, 8, 9, 12, 16, 32, 64, 128], args.n)
         return
