@@ -229,6 +229,7 @@ print("GROWTH", peak - before)
 """
 
 
+@pytest.mark.slow  # a child process each, importing nbserve (and the server)
 @pytest.mark.parametrize("how", ["load", "launch"])
 @pytest.mark.parametrize("which", ["gguf", "hf_dir"])
 def test_a_model_too_large_is_refused_before_its_memory_grows(how, which, request):
@@ -248,6 +249,7 @@ def test_a_model_too_large_is_refused_before_its_memory_grows(how, which, reques
     assert growth < 512 * 2**20, f"resident memory grew by {growth / 2**20:.0f} MiB: {line}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cli", ["nbserve serve", "app.py --model"])
 def test_the_cli_refuses_a_model_too_large_with_the_message(cli, big_gguf):
     """`nbserve serve FILE` and `python app.py --model FILE` exit with the message and a
@@ -262,15 +264,18 @@ def test_the_cli_refuses_a_model_too_large_with_the_message(cli, big_gguf):
 
 def test_the_estimate_is_what_the_loader_builds(tiny_llama_dir, tmp_path):
     """weight_bytes follows the loader: a tiny GGUF's dense float32 weights are its
-    parameters at 4 bytes, and dtype="quantized" adds exactly the Q8_0 blocks it makes."""
+    parameters at 4 bytes, plus the copies for speed that a float32 load adds, and
+    dtype="quantized" adds exactly the Q8_0 blocks it makes."""
     from gguf_util import hf_dir_to_gguf
 
     path = hf_dir_to_gguf(tiny_llama_dir, tmp_path / "tiny.gguf", "F32")
     tensors = gguf_tensors(path)
     largest = max(t.numel for t in tensors) * 4
     dense = weight_bytes(tensors, WeightForm(torch.float32)) - largest
-    loaded = load(str(path), device="cpu", dtype="float32", verbose=False)
-    assert dense == 4 * sum(p.numel() for p in loaded.model.parameters())
+    loaded = load(str(path), device="cpu", dtype="float32", verbose=False).model
+    assert dense == 4 * sum(p.numel() for p in loaded.parameters())
+    speed = weight_bytes(tensors, WeightForm(torch.float32, "none", True)) - largest - dense
+    assert speed > 0 and speed == loaded.derived_bytes()  # packed copies (or a head's)
     quantized = load(str(path), device="cpu", dtype="quantized-exact", verbose=False).model
     blocks = weight_bytes(tensors, WeightForm(torch.float32, "blocks")) - largest - dense
     assert blocks == quantized.derived_bytes()

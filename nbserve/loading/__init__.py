@@ -153,7 +153,8 @@ def load(source: Any, *, device: str | None = None, dtype: Any = None,
     with torch_threads(1):  # loading is I/O-bound; no OpenMP pool in the caller's thread
         try:
             # refused before any tensor is read when the weights cannot fit
-            check_source(str(source), torch.device(device), load_form(torch_dtype, copies, bare))
+            check_source(str(source), torch.device(device),
+                         load_form(torch_dtype, copies, bare, torch.device(device)))
             loaded = _load_path(str(source), device, torch_dtype,
                                 {"pack": False, "transposed_head": False} if bare else {},
                                 dict(tokenizer=tokenizer, chat_template=chat_template,

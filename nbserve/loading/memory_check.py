@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..cpu.memory import available_bytes
+from ..execution.linear import packing_affordable, packing_available
 from ..models.dtypes import MIXED16, QUANTIZED_FORMATS
 
 GiB = 2**30
@@ -64,52 +65,66 @@ class WeightForm:
     """What a load builds of each tensor: dense weights in `dtype`, plus `copies` of the
     matmul weights: "none"; "file" (a GGUF's own Q4_0/Q4_1/Q8_0 blocks, the CPU default for
     a file whose matmul weights are all of those types); "blocks" (dtype="quantized": those
-    blocks, or Q8_0 made at load for the other weights); "float16" (dtype="mixed16")."""
+    blocks, or Q8_0 made at load for the other weights); "float16" (dtype="mixed16").
+    `float_copies`: a CPU float32 model's copies for speed (oneDNN-packed weights where they
+    fit a share of the RAM, else a transposed LM head), made unless blocks serve every step."""
 
     dtype: torch.dtype
     copies: str = "none"
+    float_copies: bool = False
 
     def describe(self) -> str:
         dense = f"{str(self.dtype).replace('torch.', '')} weights"
         return {"none": dense, "file": f"{dense} plus the file's own 4/8-bit blocks",
                 "blocks": f"{dense} plus 4/8-bit blocks (dtype='quantized')",
-                "float16": f"{dense} plus float16 copies (dtype='mixed16')"}[self.copies]
+                "float16": f"{dense} plus float16 copies (dtype='mixed16')"}[self.copies] + \
+            (" and copies for speed" if self.float_copies else "")
 
 
-def load_form(dtype: torch.dtype, weight_format: str | None, file_blocks: bool) -> WeightForm:
+def load_form(dtype: torch.dtype, weight_format: str | None, file_blocks: bool,
+              device: torch.device) -> WeightForm:
     """The form `loading.load` builds: `dtype` the dense weights' dtype, `weight_format` a
     weight format asked for ("quantized", "mixed16"...), `file_blocks` whether a GGUF's own
-    blocks are kept by default (where they serve every matmul)."""
+    blocks are kept by default (where they serve every matmul), on `device`."""
     if weight_format in QUANTIZED_FORMATS:
         return WeightForm(dtype, "blocks")
+    float_copies = device.type == "cpu" and dtype == torch.float32
     if weight_format == MIXED16:
-        return WeightForm(dtype, "float16")
-    return WeightForm(dtype, "file" if file_blocks else "none")
+        return WeightForm(dtype, "float16", float_copies)
+    return WeightForm(dtype, "file" if file_blocks else "none", float_copies)
 
 
 def weight_bytes(tensors: Iterable[StoredTensor], form: WeightForm) -> int:
     """The bytes the weights hold at the load's peak, at least: every tensor dense in
     `form.dtype` (a GGUF's blocks are dequantized at load), the copies `form` adds, and the
     largest tensor once more in float32 (the load's temporary: one tensor dequantized, then
-    converted or fused). Copies made only where they fit (oneDNN-packed weights, a
-    transposed head) are not counted. The dense weights a quantized model drops once its
-    blocks serve every step are counted: they exist until the load ends."""
+    converted or fused). The dense weights a quantized model drops once its blocks serve
+    every step are counted: they exist until the load ends."""
     tensors = list(tensors)
     size = torch.tensor([], dtype=form.dtype).element_size()
     dense = sum(t.numel * size for t in tensors)
     largest = max((t.numel * 4 for t in tensors), default=0)
     tied = not any(_named(t, HEADS) for t in tensors)
-    copies = 0
+    copies = matmul_bytes = head_bytes = 0
+    lossless = True  # every matmul weight stored as blocks the loader keeps
     for t in tensors:
         if len(t.shape) < 2:
             continue
         matmul = not _named(t, POSITION_EMBEDDINGS) and (tied or not _named(t, TOKEN_EMBEDDINGS))
+        if matmul:
+            matmul_bytes += t.numel * size
+            lossless = lossless and t.stored in FILE_BLOCK_TYPES
+            if _named(t, HEADS) or tied and _named(t, TOKEN_EMBEDDINGS):
+                head_bytes = t.numel * size
         if form.copies in ("file", "blocks") and t.stored in FILE_BLOCK_TYPES:
             copies += t.nbytes  # kept as stored, the embedding's too (lookups read them)
         elif form.copies == "blocks" and matmul and t.shape[-1] % BLOCK == 0:
             copies += t.numel // BLOCK * Q8_0_BYTES  # Q8_0 made from the dense weight
         elif form.copies == "float16" and matmul:
             copies += t.numel * 2
+    if form.float_copies and not (form.copies == "file" and lossless):
+        packs = packing_available(torch.empty(0, 0)) and packing_affordable(matmul_bytes)
+        copies += matmul_bytes if packs else head_bytes
     return dense + copies + largest
 
 
