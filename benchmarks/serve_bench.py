@@ -17,8 +17,11 @@ streams, `-np 64 -c 65536` past that), `llama_cpp.server` and `transformers serv
 missing or fails is reported as "skipped: <reason>". For each server started as a subprocess it
 also prints the resident memory (VmRSS) once warmed up and idle, and its peak in each level.
 It ends with a table of nbserve / peer ratios (`python app.py` against each peer when it ran,
-else the in-process HTTP server) and a PNG plot (throughput and TTFT p50 vs concurrency; needs
-matplotlib).
+else the in-process HTTP server), each subprocess server's start-to-ready time and resident
+memory idle and at its peak, for a GGUF model the memory-bandwidth bound of one stream (the
+weight bytes a decode step reads over the read bandwidth that bandwidth.py measures, with the
+servers' thread count) and each server's fraction of it, and a PNG plot (throughput and TTFT
+p50 vs concurrency; needs matplotlib).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 DEFAULT_PLOT = Path(__file__).resolve().with_name("serve_bench.png")
+# server -> (start-to-ready seconds, resident MiB once warmed up and idle), one per start
+STARTUPS: dict[str, list[tuple[float, float | None]]] = {}
 NBSERVE_ENGINE, NBSERVE_HTTP = "nbserve engine", "nbserve http"
 NBSERVE_APP = "nbserve_app"
 LABELS = {NBSERVE_ENGINE: "nbserve engine (in-process)", NBSERVE_HTTP: "nbserve HTTP",
@@ -397,6 +402,7 @@ async def warm_up_peer(client: Any, peer: Any, stop_ids: list[int]
     bias = await warm_up(client, model, {str(t): -100.0 for t in stop_ids})
     await asyncio.sleep(1.0)  # idle: what the first answers left resident
     idle = rss_mib(peer.proc.pid)
+    STARTUPS.setdefault(peer.name, []).append((peer.ready_s, idle))
     print(f"peer {peer.name}: ready in {peer.ready_s:.1f} s at {peer.base}, model {model!r}; "
           f"resident once warmed up, idle: {'?' if idle is None else f'{idle:.0f}'} MiB",
           flush=True)
@@ -640,10 +646,69 @@ def summarize(results: Results, args: argparse.Namespace) -> None:
               f"ratio = {ref} tok/s / peer tok/s; RSS: peak resident memory in the level",
               flush=True)
         print(format_ratios(ratio_rows(results)), flush=True)
+    if STARTUPS:
+        print(format_startups(results), flush=True)
+    if args.bandwidth:
+        print(format_bound(results, args), flush=True)
     if args.plot is not None and results:
         title = f"{args.model if not args.url else args.url}, {args.max_tokens} new tokens"
         if write_plot(results, args.plot, title):
             print(f"plot: {args.plot}", flush=True)
+
+
+def format_startups(results: Results) -> str:
+    """Each subprocess server's start to ready, resident memory once warmed up and idle, and
+    its peak over the levels."""
+    lines = ["\nstart to ready and resident memory (subprocess servers):"]
+    for name, starts in STARTUPS.items():
+        peaks = [r.rss_mib for r in results.get(name, {}).values() if r.rss_mib is not None]
+        peak = f"{max(peaks):.0f} MiB" if peaks else "?"
+        for ready_s, idle in starts:
+            lines.append(f"  {LABELS.get(name, name):<26} ready in {ready_s:5.1f} s, idle "
+                         f"{'?' if idle is None else f'{idle:.0f}'} MiB, peak {peak}")
+    return "\n".join(lines)
+
+
+def weights_read_per_token(model: str) -> tuple[int, Path] | None:
+    """(bytes, file) of the weights one decode step reads from a GGUF model ("smollm2" is the
+    default model's file): every tensor as the file stores it, but the token embedding when a
+    separate LM head leaves it to lookups. None for other sources."""
+    if model.lower() in ("smollm2", "default"):
+        from nbserve.loading.default import default_model_path
+
+        path = default_model_path()
+    elif model.lower().endswith(".gguf") and Path(model).expanduser().is_file():
+        path = Path(model).expanduser()
+    else:
+        return None
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(path).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    read = sum(int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight")
+    return read, path
+
+
+def format_bound(results: Results, args: argparse.Namespace) -> str:
+    """The memory-bandwidth bound of one stream and each server's fraction of it."""
+    found = weights_read_per_token(args.model) if not args.url else None
+    if found is None:
+        return "\nbandwidth bound: only for a GGUF model (--model FILE.gguf or smollm2)"
+    from bandwidth import read_bandwidth
+
+    read, path = found
+    threads = args.bandwidth_threads or os.cpu_count() or 1
+    gbs = read_bandwidth(threads)
+    bound = gbs * 1e9 / read
+    lines = [f"\nbandwidth bound of one stream: {read / 1e6:.0f} MB of {path.name} read per "
+             f"token, {gbs:.1f} GB/s read ({threads} threads, bandwidth.py) -> "
+             f"{bound:.1f} tok/s"]
+    for name, levels in results.items():
+        if 1 in levels:
+            tok_s = levels[1].tok_s
+            lines.append(f"  {LABELS.get(name, name):<26} {tok_s:6.1f} tok/s at 1 stream = "
+                         f"{tok_s / bound:.0%} of the bound")
+    return "\n".join(lines)
 
 
 def cpu_line() -> str:
@@ -731,6 +796,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "without AMX, where the native build's AMX path fails)")
     p.add_argument("--peer-timeout", type=float, default=600.0,
                    help="seconds a peer may take to get ready (model export and load)")
+    p.add_argument("--bandwidth", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the read bandwidth at the end and print the one-stream "
+                   "bound of a GGUF model (default; --no-bandwidth skips it)")
+    p.add_argument("--bandwidth-threads", type=int, default=None,
+                   help="threads of the bandwidth measure (default: every core, as the "
+                   "servers use them)")
     p.add_argument("--plot", type=Path, default=DEFAULT_PLOT,
                    help="PNG plot path (default: benchmarks/serve_bench.png)")
     p.add_argument("--no-plot", dest="plot", action="store_const", const=None,

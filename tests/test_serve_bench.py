@@ -320,3 +320,37 @@ def test_peers_side_by_side_alternate_their_rounds(tmp_path: Path, capsys) -> No
     assert load == ["a", "a", "b", "b", "a", "a", "b", "b", "a", "a", "a", "a"]
     out = capsys.readouterr().out
     assert out.count("peer a: starting") == 1 and out.count("peer b: starting") == 1
+
+
+def test_the_bandwidth_bound_counts_the_weights_a_step_reads(tiny_llama_dir, tiny_qwen2_dir,
+                                                            tmp_path, monkeypatch) -> None:
+    """One stream's bound reads every tensor of a tied model (its head is the embedding) and
+    all but the token embedding of an untied one; each server's fraction is its 1-stream
+    tok/s over the bound, and subprocess servers get their start and memory lines."""
+    from gguf_util import hf_dir_to_gguf
+
+    tied = hf_dir_to_gguf(tiny_llama_dir, tmp_path / "tied.gguf", "Q8_0")
+    untied = hf_dir_to_gguf(tiny_qwen2_dir, tmp_path / "untied.gguf", "Q8_0")
+    from gguf import GGUFReader
+
+    for path, tied_head in ((tied, True), (untied, False)):
+        tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+        assert ("output.weight" not in tensors) == tied_head
+        read, found = sb.weights_read_per_token(str(path))
+        assert found == path
+        assert read == sum(tensors.values()) - (0 if tied_head else tensors["token_embd.weight"])
+    assert sb.weights_read_per_token(str(tiny_llama_dir)) is None  # GGUF only
+
+    import bandwidth
+
+    monkeypatch.setattr(bandwidth, "read_bandwidth", lambda threads: 1.0)  # 1 GB/s
+    args = sb.parse_args(["--model", str(tied), "--bandwidth-threads", "2"])
+    results = synthetic()
+    text = sb.format_bound(results, args)
+    bound = 1e9 / sb.weights_read_per_token(str(tied))[0]
+    assert f"-> {bound:.1f} tok/s" in text and "2 threads" in text
+    http = results[sb.NBSERVE_HTTP][1].tok_s
+    assert f"{http:6.1f} tok/s at 1 stream = {http / bound:.0%} of the bound" in text
+    monkeypatch.setitem(sb.STARTUPS, "llama_cpp", [(2.5, 700.0)])
+    results["llama_cpp"][4].rss_mib = 900.0
+    assert "ready in   2.5 s, idle 700 MiB, peak 900 MiB" in sb.format_startups(results)
