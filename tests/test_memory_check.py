@@ -219,6 +219,10 @@ before = rss()
 try:
     if sys.argv[1] == "launch":
         nbserve.launch(sys.argv[2], port=None, ui=False)
+    elif sys.argv[1] == "hub":  # a hub id whose download is the directory (no network here)
+        import huggingface_hub
+        huggingface_hub.snapshot_download = lambda repo_id, **kw: sys.argv[2]
+        nbserve.loading.load("org/llama-8b", device="cpu", verbose=False)
     else:
         nbserve.loading.load(sys.argv[2], device="cpu", verbose=False)
     print("LOADED")
@@ -247,6 +251,14 @@ def test_a_model_too_large_is_refused_before_its_memory_grows(how, which, reques
     assert "dtype='bfloat16'" in line and "more memory" in line, line
     growth = int(out.split("GROWTH")[1].split()[0])
     assert growth < 512 * 2**20, f"resident memory grew by {growth / 2**20:.0f} MiB: {line}"
+
+
+@pytest.mark.slow
+def test_a_hub_model_too_large_is_refused_once_downloaded(big_hf_dir):
+    """A hub id: refused after the download (the files are there), before a tensor is read."""
+    code, out, _ = run_watched([sys.executable, "-c", CHILD, "hub", str(big_hf_dir)])
+    assert code == 0 and "ModelTooLargeError" in out and REFUSED in out, out[-3000:]
+    assert int(out.split("GROWTH")[1].split()[0]) < 512 * 2**20
 
 
 @pytest.mark.slow

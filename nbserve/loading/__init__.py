@@ -257,6 +257,8 @@ def _load_from_hub(repo_id: str, device: str, dtype: torch.dtype) -> LoadedModel
     except Exception as exc:  # offline, unknown repo, auth...
         raise RuntimeError(f"could not fetch {repo_id!r} from the hub ({exc}); pass a local "
                            "checkpoint directory or .gguf file instead") from exc
+    # downloaded now: refused before its tensors are read when they cannot fit
+    check_source(local, torch.device(device), load_form(dtype, None, False, torch.device(device)))
     return load_hf_dir(Path(local), device=device, dtype=dtype)
 
 
