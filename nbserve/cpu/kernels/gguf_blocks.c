@@ -9,12 +9,13 @@
  * DEFINE_TYPE line.
  *
  * Exact mode (the only one so far): a row kernel decodes a block of weights into float32, in L1,
- * exactly as gguf.quants.dequantize does, and multiplies it with up to TILE input rows; more
+ * exactly as gguf.quants.dequantize does, and multiplies it with up to TILE input rows (Q4_K,
+ * Q5_K and Q6_K on AVX2 and AVX-512: the same weights built in registers, "direct dots"); more
  * than ROW_PATH_MAX input rows take the panels (matmul_common.h) over weight rows dequantized
  * the same way. A product differs from "dequantize, then a float32 matmul" only in the order of
  * its sums. The same source is the AVX-512 (16 lanes), AVX2 (8) and plain C build: the block
- * decoders are plain loops the compiler vectorizes for the build's ISA, the products GCC vector
- * types (matmul_common.h).
+ * decoders are plain loops the compiler vectorizes for the build's ISA (with a shuffle or two
+ * where the build has SSSE3), the products GCC vector types (matmul_common.h) or intrinsics.
  */
 #include "matmul_common.h"
 #include "nbserve_kernels.h"
@@ -301,12 +302,15 @@ INLINE float lanes_sum(v8f v) {
     return s;
 }
 
-/* A type's functions: T_to_float over blocks, T_dot_n for a constant row count and T_dot
- * choosing it (so that the accumulators stay in registers). QK is a multiple of 2 LANES. */
-#define DEFINE_TYPE(T, QK, BYTES)                                                               \
+/* A type's functions: T_to_float over blocks; T_dot_n for a constant row count, through
+ * decoded float32 blocks (DOT_THROUGH_FLOATS) or written for the type (direct dots below); and
+ * T_dot choosing the row count (so that the accumulators stay in registers). QK is a multiple
+ * of 2 LANES. */
+#define TO_FLOAT(T, QK, BYTES)                                                                  \
     static void T##_to_float(const uint8_t *blocks, int nblocks, float *out) {                 \
         for (int b = 0; b < nblocks; b++) T##_block(blocks + (size_t)b * (BYTES), out + b * (QK)); \
-    }                                                                                           \
+    }
+#define DOT_THROUGH_FLOATS(T, QK, BYTES)                                                        \
     INLINE void T##_dot_n(const float *x, int rows, int k, const uint8_t *w, float *out,      \
                           int n_out) {                                                          \
         float tmp[QK] __attribute__((aligned(64)));                                             \
@@ -317,7 +321,8 @@ INLINE float lanes_sum(v8f v) {
             fma_block(tmp, QK, x + (size_t)b * (QK), rows, k, acc);                             \
         }                                                                                       \
         for (int i = 0; i < rows; i++) out[(size_t)i * n_out] = lanes_sum(acc[i][0] + acc[i][1]); \
-    }                                                                                           \
+    }
+#define DOT_BY_ROWS(T)                                                                          \
     static void T##_dot(const float *x, int rows, int k, const uint8_t *w, float *out,        \
                         int n_out) {                                                            \
         switch (rows) {                                                                         \
@@ -327,6 +332,137 @@ INLINE float lanes_sum(v8f v) {
         default: T##_dot_n(x, TILE, k, w, out, n_out);                                          \
         }                                                                                       \
     }
+#define DEFINE_TYPE(T, QK, BYTES) \
+    TO_FLOAT(T, QK, BYTES) DOT_THROUGH_FLOATS(T, QK, BYTES) DOT_BY_ROWS(T)
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* Direct dots for the K-quants most files hold: each weight built in registers from its codes
+ * with gguf's float32 operations ((d sc) q, then - (dmin m)) and multiplied at once, without
+ * the round trip through a decoded block in memory. VL lanes: 16 (AVX-512) or 8 (AVX2). */
+#define HAS_DIRECT_DOTS 1
+#if defined(__AVX512F__)
+#define VL 16
+typedef __m512 vf;
+typedef __m512i vi;
+INLINE vi bytes_at(const uint8_t *p) {  /* VL bytes, each in a lane */
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+INLINE vi vshr(vi v, int n) { return _mm512_srlv_epi32(v, _mm512_set1_epi32(n)); }
+INLINE vi vand(vi v, int m) { return _mm512_and_si512(v, _mm512_set1_epi32(m)); }
+INLINE vi vor(vi a, vi b) { return _mm512_or_si512(a, b); }
+INLINE vi vshl(vi v, int n) { return _mm512_sllv_epi32(v, _mm512_set1_epi32(n)); }
+INLINE vi vsubi(vi v, int n) { return _mm512_sub_epi32(v, _mm512_set1_epi32(n)); }
+INLINE vf vfloat(vi v) { return _mm512_cvtepi32_ps(v); }
+INLINE vf vset(float f) { return _mm512_set1_ps(f); }
+INLINE vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+INLINE vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+INLINE vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE vf vload(const float *p) { return _mm512_loadu_ps(p); }
+INLINE vf vzero(void) { return _mm512_setzero_ps(); }
+INLINE float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+#else
+#define VL 8
+typedef __m256 vf;
+typedef __m256i vi;
+INLINE vi bytes_at(const uint8_t *p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+INLINE vi vshr(vi v, int n) { return _mm256_srlv_epi32(v, _mm256_set1_epi32(n)); }
+INLINE vi vand(vi v, int m) { return _mm256_and_si256(v, _mm256_set1_epi32(m)); }
+INLINE vi vor(vi a, vi b) { return _mm256_or_si256(a, b); }
+INLINE vi vshl(vi v, int n) { return _mm256_sllv_epi32(v, _mm256_set1_epi32(n)); }
+INLINE vi vsubi(vi v, int n) { return _mm256_sub_epi32(v, _mm256_set1_epi32(n)); }
+INLINE vf vfloat(vi v) { return _mm256_cvtepi32_ps(v); }
+INLINE vf vset(float f) { return _mm256_set1_ps(f); }
+INLINE vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+INLINE vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+INLINE vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE vf vload(const float *p) { return _mm256_loadu_ps(p); }
+INLINE vf vzero(void) { return _mm256_setzero_ps(); }
+INLINE float vsum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+/* acc[i][h] += w times input row i at x + i k (VL inputs) */
+INLINE void fma_rows(vf w, const float *x, int rows, int k, vf acc[TILE][2], int h) {
+    for (int i = 0; i < rows; i++) acc[i][h] = vfma(w, vload(x + (size_t)i * k), acc[i][h]);
+}
+
+INLINE void finish_rows(vf acc[TILE][2], int rows, float *out, int n_out) {
+    for (int i = 0; i < rows; i++) out[(size_t)i * n_out] = vsum(acc[i][0]) + vsum(acc[i][1]);
+}
+
+/* Q4_K and Q5_K: sub-blocks 2c (low nibbles of bytes c 32 ..) and 2c + 1 (high nibbles), with
+ * the fifth bits 2c and 2c + 1 of qh (Q5_K; qh NULL for Q4_K) */
+INLINE void k45_dot_n(const float *x, int rows, int k, const uint8_t *w, float *out, int n_out,
+                      int five) {
+    vf acc[TILE][2];
+    for (int i = 0; i < TILE; i++) acc[i][0] = acc[i][1] = vzero();
+    int bytes = five ? 176 : 144;
+    for (int b = 0; b < k / 256; b++) {
+        const uint8_t *blk = w + (size_t)b * bytes, *qh = blk + 16, *qs = blk + (five ? 48 : 16);
+        const float *xb = x + (size_t)b * 256;
+        float d = half_at(blk), dmin = half_at(blk + 2);
+        int sc[8], mn[8];
+        k_scales(blk + 4, sc, mn);
+        for (int c = 0; c < 4; c++) {
+            vf ds0 = vset(d * (float)sc[2 * c]), dm0 = vset(dmin * (float)mn[2 * c]);
+            vf ds1 = vset(d * (float)sc[2 * c + 1]), dm1 = vset(dmin * (float)mn[2 * c + 1]);
+            for (int j = 0; j < 32; j += VL) {
+                vi q = bytes_at(qs + c * 32 + j), lo = vand(q, 15), hi = vshr(q, 4);
+                if (five) {
+                    vi h = bytes_at(qh + j);
+                    lo = vor(lo, vshl(vand(vshr(h, 2 * c), 1), 4));
+                    hi = vor(hi, vshl(vand(vshr(h, 2 * c + 1), 1), 4));
+                }
+                fma_rows(vsub(vmul(ds0, vfloat(lo)), dm0), xb + c * 64 + j, rows, k, acc, 0);
+                fma_rows(vsub(vmul(ds1, vfloat(hi)), dm1), xb + c * 64 + 32 + j, rows, k, acc, 1);
+            }
+        }
+    }
+    finish_rows(acc, rows, out, n_out);
+}
+/* Q6_K: 16 weights of one scale at a time (see q6_k_block), VL a vector */
+INLINE void q6_k_dot_n(const float *x, int rows, int k, const uint8_t *w, float *out,
+                       int n_out) {
+    vf acc[TILE][2];
+    for (int i = 0; i < TILE; i++) acc[i][0] = acc[i][1] = vzero();
+    for (int b = 0; b < k / 256; b++) {
+        const uint8_t *blk = w + (size_t)b * 210;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float *xb = x + (size_t)b * 256;
+        float d = half_at(blk + 208);
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 4; s++)
+                for (int g = 0; g < 2; g++) {
+                    int sb = h * 8 + s * 2 + g;
+                    vf ds = vset(d * (float)sc[sb]);
+                    const uint8_t *ql = blk + h * 64 + (s & 1) * 32 + g * 16;
+                    const uint8_t *qh = blk + 128 + h * 32 + g * 16;
+                    for (int l = 0; l < 16; l += VL) {
+                        vi q = vor(vand(vshr(bytes_at(ql + l), 4 * (s >> 1)), 15),
+                                   vshl(vand(vshr(bytes_at(qh + l), 2 * s), 3), 4));
+                        fma_rows(vmul(ds, vfloat(vsubi(q, 32))), xb + sb * 16 + l, rows, k, acc,
+                                 (sb + l / VL) & 1);
+                    }
+                }
+    }
+    finish_rows(acc, rows, out, n_out);
+}
+
+INLINE void q4_k_dot_n(const float *x, int rows, int k, const uint8_t *w, float *out,
+                       int n_out) {
+    k45_dot_n(x, rows, k, w, out, n_out, 0);
+}
+
+INLINE void q5_k_dot_n(const float *x, int rows, int k, const uint8_t *w, float *out,
+                       int n_out) {
+    k45_dot_n(x, rows, k, w, out, n_out, 1);
+}
+#endif
 
 DEFINE_TYPE(q4_0, 32, 18)
 DEFINE_TYPE(q4_1, 32, 20)
@@ -336,10 +472,16 @@ DEFINE_TYPE(q8_0, 32, 34)
 DEFINE_TYPE(iq4_nl, 32, 18)
 DEFINE_TYPE(q2_k, 256, 84)
 DEFINE_TYPE(q3_k, 256, 110)
+DEFINE_TYPE(iq4_xs, 256, 136)
+#ifdef HAS_DIRECT_DOTS
+TO_FLOAT(q4_k, 256, 144) DOT_BY_ROWS(q4_k)
+TO_FLOAT(q5_k, 256, 176) DOT_BY_ROWS(q5_k)
+TO_FLOAT(q6_k, 256, 210) DOT_BY_ROWS(q6_k)
+#else
 DEFINE_TYPE(q4_k, 256, 144)
 DEFINE_TYPE(q5_k, 256, 176)
 DEFINE_TYPE(q6_k, 256, 210)
-DEFINE_TYPE(iq4_xs, 256, 136)
+#endif
 
 /* The served types by ggml number (enum nbq_ggml_type); elems 0: not served. */
 static const block_type TYPES[N_TYPES] = {
