@@ -83,8 +83,12 @@ def main(argv: list[str] | None = None) -> None:
 
     loaded = nbserve.load("smollm2", dtype="float32", verbose=False)
     model = loaded.model
+    from nbserve.execution.formats import Float32Form
+
     for holder in model._weight_holders():  # plain float32 matmuls, nothing in the C kernel
-        holder.kernel = None
+        form = holder.form
+        packed = form.packed if isinstance(form, Float32Form) else None
+        holder.form = Float32Form(holder.weight, holder.bias, packed)
     model._head_t = None  # the LM head through the rounded path too
     prompts = chat_prompts(loaded.tokenizer, loaded.template, args.prompts)
     results = {name: answers(levels, prompts, loaded, args.max_tokens)

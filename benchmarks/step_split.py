@@ -46,16 +46,17 @@ def instrument() -> None:
     lone step's single C call (models/decode_stack.py) time its own matmuls and attention."""
     import ctypes
 
-    from nbserve.execution import linear, quant
+    from nbserve.execution import formats, holders, linear, quant
     from nbserve.execution.decode_stack import DecodeStack
-    from nbserve.models import decoder as llama
+    from nbserve.models import attention as llama
 
     DecodeStack.spent = (ctypes.c_double * 2)()
 
     quant.KernelLinear.__call__ = timed("matmul", quant.KernelLinear.__call__)  # type: ignore
     linear.PackedCopy.__call__ = timed("matmul", linear.PackedCopy.__call__)  # type: ignore
     linear.HalfCopy.__call__ = timed("matmul", linear.HalfCopy.__call__)  # type: ignore
-    linear.split_linear = timed("matmul", linear.split_linear)
+    split = timed("matmul", linear.split_linear)
+    formats.split_linear = holders.split_linear = split  # where the forms and holders call it
     for name in ("paged_lone_attention", "paged_decode_step"):
         setattr(llama, name, timed("attention", getattr(llama, name)))
     llama.Attention._decode_attention = timed(  # type: ignore[method-assign]

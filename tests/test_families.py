@@ -120,8 +120,8 @@ def test_a_fused_checkpoint_weight_keeps_its_own_quantized_blocks(family_dirs) -
     own = {"model.layers.0.self_attn.qkv_proj.weight": QuantBlocks.from_float(att.qkv.weight),
            "model.layers.0.mlp.gate_up_proj.weight": QuantBlocks.from_float(mlp.gate_up.weight)}
     assert model.use_quantized_weights(own)
-    assert att.qkv.kernel.weight is own["model.layers.0.self_attn.qkv_proj.weight"]
-    assert mlp.gate_up.kernel.weight is own["model.layers.0.mlp.gate_up_proj.weight"]
+    assert att.qkv.form.blocks is own["model.layers.0.self_attn.qkv_proj.weight"]
+    assert mlp.gate_up.form.blocks is own["model.layers.0.mlp.gate_up_proj.weight"]
 
 
 def test_a_multimodal_gemma3_is_served_as_its_language_model(tmp_path) -> None:

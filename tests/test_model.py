@@ -7,8 +7,11 @@ import pytest
 import torch
 import transformers
 
-from nbserve.models.decoder import Attention, StepInputs, apply_rope, build_llama
+from nbserve.execution.step_inputs import StepInputs
+from nbserve.models.attention import Attention
+from nbserve.models.decoder import build_llama
 from nbserve.models.families.llama import read_config as read_llama
+from nbserve.models.rope import apply_rope
 
 VOCAB = 300
 
@@ -163,13 +166,14 @@ def test_a_lone_decode_step_takes_the_short_path_to_the_same_values(tiny_llama_d
     """Bit for bit: in torch; and with nbserve's C kernels (float32, quantized), where the lone
     step's attention and a batch of one's run the same paged-attention kernel."""
     import nbserve
+    from nbserve.execution.holders import runs_on_kernel
     from nbserve.models.decoder import DecoderLayer, DecoderModel, kernels_available
 
     if dtype == "quantized" and not kernels_available():
         pytest.skip("dtype='quantized' needs nbserve's C kernels (a C compiler)")
     monkeypatch.setenv("NBSERVE_KERNELS", kernels)
     model = nbserve.load(str(tiny_llama_dir), dtype=dtype, verbose=False).model
-    in_c = model.model.layers[0].self_attn.qkv.kernel is not None
+    in_c = runs_on_kernel(model.model.layers[0].self_attn.qkv)
     assert in_c == (dtype != "mixed16" and kernels == "1" and kernels_available())
     caches = [model.make_cache(3, 64), model.make_cache(3, 64)]
     prompt = torch.tensor([[3, 17, 5, 9, 11, 2]])

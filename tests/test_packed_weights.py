@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import nbserve
-from nbserve.execution.linear import PackedCopy, linear, packing_available
+from nbserve.execution.formats import Float16Form, Float32Form
+from nbserve.execution.holders import linear
+from nbserve.execution.linear import PackedCopy, packing_available
 from nbserve.execution.weights import count_parameters
 from nbserve.models.decoder import LlamaModel
 
@@ -37,15 +39,21 @@ def test_packed_copy_computes_the_linear_layer(shape):
     torch.testing.assert_close(again(x), packed(x), rtol=0, atol=0)
 
 
+def _packed(holder):
+    """A holder's packed copy, None where its form has none."""
+    form = holder.form
+    return form.packed if isinstance(form, (Float32Form, Float16Form)) else None
+
+
 def test_loaders_pack_cpu_float32_models_and_the_packed_copies_serve(tiny_llama_dir,
                                                                     monkeypatch):
     monkeypatch.setenv("NBSERVE_KERNELS", "0")  # else the C kernel serves up to 4 rows
     packed = nbserve.load(str(tiny_llama_dir), verbose=False).model
     plain = copy.deepcopy(packed)
     for holder in plain._weight_holders():
-        holder.packed = None
+        holder.form = None  # the plain weight, without its packed copy
     plain._wants["packed"] = False
-    assert all(h.packed is not None for h in packed._weight_holders())
+    assert all(_packed(h) is not None for h in packed._weight_holders())
     assert packed._head_t is None  # the packed head replaces the transposed copy
     calls: list[int] = []
     run = PackedCopy.__call__
@@ -65,26 +73,26 @@ def test_packing_follows_the_weights_across_dtype_changes(tiny_llama_dir):
     model = nbserve.load(str(tiny_llama_dir), verbose=False).model
     before = _logits(model, 2)
     model.to(torch.float64)  # oneDNN packing is float32-only: dropped, not left stale
-    assert all(h.packed is None for h in model._weight_holders())
+    assert all(_packed(h) is None for h in model._weight_holders())
     torch.testing.assert_close(_logits(model, 2).float(), before, rtol=1e-4, atol=1e-4)
     model.to(torch.float32)
-    assert all(h.packed is not None for h in model._weight_holders())
+    assert all(_packed(h) is not None for h in model._weight_holders())
     torch.testing.assert_close(_logits(model, 2), before, rtol=0, atol=0)
 
 
 def test_mixed16_keeps_packed_copies_for_batches(tiny_llama_dir):
     model = nbserve.load(str(tiny_llama_dir), dtype="mixed16", verbose=False).model
     holder = model._weight_holders()[0]
-    assert holder.half_copy is not None and holder.packed is not None
+    assert isinstance(holder.form, Float16Form) and holder.form.packed is not None
     calls = []
-    real = holder.packed
+    real = holder.form.packed
 
     class Spy:
         def __call__(self, x):
             calls.append(x.shape[:-1].numel())
             return real(x)
 
-    holder.packed = Spy()
+    holder.form.packed = Spy()
     linear(torch.randn(1, holder.weight.shape[1]), holder)  # one row: the float16 copy
     linear(torch.randn(8, holder.weight.shape[1]), holder)  # a batch: the packed copy
     assert calls == [8]
@@ -103,7 +111,7 @@ def test_loaders_skip_packing_when_the_copies_would_crowd_the_memory(tiny_llama_
     assert linear_module.packing_affordable(1 << 20)  # a MiB fits on any machine we run on
     monkeypatch.setattr(linear_module, "PACK_MEMORY_SHARE", 0.0)  # as if the model were huge
     model = nbserve.load(str(tiny_llama_dir), verbose=False).model
-    assert all(getattr(h, "packed", None) is None for h in model._weight_holders())
+    assert all(_packed(h) is None for h in model._weight_holders())
     assert model._head_t is not None  # the older single-row head copy instead
     assert _logits(model, 2).shape == (2, model.vocab_size)
 

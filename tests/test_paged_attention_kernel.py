@@ -23,7 +23,7 @@ from nbserve.execution.paged_attention import (
     paged_decode_attention,
     paged_lone_attention,
 )
-from nbserve.models.decoder import apply_rope
+from nbserve.models.rope import apply_rope
 
 pytestmark = NEEDS_COMPILER
 HEADS = [pytest.param(6, 2, id="gqa-6-2"), pytest.param(4, 4, id="mha-4-4")]

@@ -23,6 +23,7 @@ from tiny_models import make_tiny_hf_dir
 import nbserve
 from nbserve.cpu.kernels import build
 from nbserve.cpu.kernels.tuning import round16_pays
+from nbserve.execution.formats import BlockForm, Float32Form
 from nbserve.execution.quant import KernelLinear, QuantBlocks
 from nbserve.execution.weights import count_parameters
 
@@ -58,7 +59,7 @@ def test_kernel_equals_a_float64_product_on_every_path(arch, kind, request):
 
 @pytest.mark.parametrize("arch", PATHS)
 def test_kernel_folds_in_the_norm_and_the_gate(arch):
-    from nbserve.models.decoder import RMSNorm
+    from nbserve.models.layers import RMSNorm
 
     kernels = build.quant_kernels(arch)
     blocks = _random_blocks("q4", 24, 96)
@@ -233,12 +234,12 @@ def test_a_gguf_is_multiplied_by_its_own_blocks(q4_gguf, monkeypatch):
     assert model.weight_format == "quantized-exact" and full.weight_format == "float32"
     assert rounded.weight_format == "quantized"
     holders = model._named_holders()
-    kinds = [holder.kernel.kind for holder, _ in holders]
+    kinds = [holder.form.kernel.kind for holder, _ in holders]
     assert kinds == ["q4"] * (len(holders) - 1) + ["q8"]  # the tied head: the Q8_0 embedding
     # exactly the float32 model's (dequantized) weights: the file's own blocks, Q/K rows
     # unpermuted, Q4_0 = Q4_1, m = -8 d (the quantized model keeps no float32 weight to compare)
     for (holder, names), (dense, _) in zip(holders, full._named_holders()):
-        assert torch.equal(holder.kernel.weight.dequantize(), dense.weight), names
+        assert torch.equal(holder.form.kernel.weight.dequantize(), dense.weight), names
     ids = [3, 17, 5, 9, 11, 2] * 3
     pre_f, (pre_q, one_q) = _lone_steps(full, ids)[0], _lone_steps(model, ids)
     pre_p, one_p = _lone_steps(plain, ids)
@@ -246,8 +247,8 @@ def test_a_gguf_is_multiplied_by_its_own_blocks(q4_gguf, monkeypatch):
     for got, want in ((pre_q, pre_p), (one_q, one_p)):  # 18 rows: the panels; 1: a row kernel
         assert not torch.equal(got, want)  # the blocks ran, in another summation order
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert not any(h.kernel.round16 for h in model._weight_holders())
-    assert all(h.kernel.round16 for h in rounded._weight_holders())  # dtype="quantized"
+    assert not any(h.form.kernel.round16 for h in model._weight_holders())
+    assert all(h.form.kernel.round16 for h in rounded._weight_holders())  # dtype="quantized"
     pre_r, one_r = _lone_steps(rounded, ids)
     assert torch.equal(pre_r, pre_q)  # 18 rows: the panels, never rounded
     if round16_pays(build.quant_kernels()):  # a lone row: its input rounded
@@ -268,7 +269,7 @@ def test_a_gguf_of_q4_q8_blocks_keeps_them_by_default_on_cpu(q4_gguf, tiny_llama
 
     default = nbserve.load(str(q4_gguf), verbose=False).model  # dtype=None
     assert default.weight_format == "quantized"  # lossless for these types: the file's blocks
-    assert {h.kernel.kind for h in default._weight_holders()} == {"q4", "q8"}
+    assert {h.form.kernel.kind for h in default._weight_holders()} == {"q4", "q8"}
     # built without the float32 model's copies (packed, transposed head): never made at all
     assert default._head_t is None and not default._wants["packed"]
     f16 = _gguf(tiny_llama_dir, tmp_path, blk__1__attn_v__weight="F16")
@@ -277,7 +278,8 @@ def test_a_gguf_of_q4_q8_blocks_keeps_them_by_default_on_cpu(q4_gguf, tiny_llama
     as_built = nbserve.load(str(tiny_llama_dir), verbose=False).model
     assert as_built.weight_format == "float32"
     for model in (lossy, as_built):
-        packed = [h.packed is not None for h in model._weight_holders()]
+        packed = [isinstance(h.form, Float32Form) and h.form.packed is not None
+                  for h in model._weight_holders()]
         assert all(packed) if packing_available(model.lm_head.weight) else \
             model._head_t is not None
     monkeypatch.setenv("NBSERVE_KERNELS", "0")
@@ -289,8 +291,8 @@ def test_a_fused_projection_with_other_types_gets_q8_0_made_at_load(tiny_llama_d
     model = nbserve.load(str(path), dtype="quantized", verbose=False).model
     holder, names = model._named_holders()[4]
     assert names[2] == "model.layers.1.self_attn.v_proj.weight"
-    blocks = holder.kernel.weight  # Q4_1 q/k and an F16 v: one Q8_0 made from the floats
-    assert blocks.kind == "q8" and model._named_holders()[3][0].kernel.weight.kind == "q4"
+    blocks = holder.form.kernel.weight  # Q4_1 q/k and an F16 v: one Q8_0 made from the floats
+    assert blocks.kind == "q8" and model._named_holders()[3][0].form.kernel.weight.kind == "q4"
     step = blocks.scales.float().repeat_interleave(32, dim=1)
     model.restore_dense_weights()  # quantized keeps them in the packed copies only
     assert ((blocks.dequantize() - holder.weight).abs() <= step * Q8_STEPS + 1e-7).all()
@@ -299,7 +301,7 @@ def test_a_fused_projection_with_other_types_gets_q8_0_made_at_load(tiny_llama_d
 def test_a_float_checkpoint_gets_q8_0_copies(tiny_llama_dir):
     full = nbserve.load(str(tiny_llama_dir), verbose=False).model
     model = nbserve.load(str(tiny_llama_dir), dtype="quantized", verbose=False).model
-    assert {h.kernel.weight.kind for h in model._weight_holders()} == {"q8"}
+    assert {h.form.kernel.weight.kind for h in model._weight_holders()} == {"q8"}
     ids = [3, 17, 5, 9, 11, 2]
     (_, one_f), (_, one_q) = _lone_steps(full, ids), _lone_steps(model, ids)
     error = ((one_q - one_f).norm() / one_f.norm()).item()
@@ -309,7 +311,8 @@ def test_a_float_checkpoint_gets_q8_0_copies(tiny_llama_dir):
     assert n_q == n_full and bytes_q > 4 * n_q  # the copies are counted
     assert bytes_q < bytes_full  # no packed copies: the blocks serve every step
     # Q8_0 made here is not the weights' exact values: the float32 weights stay, to restore
-    assert not model.dense_released and all(h.packed is None for h in model._weight_holders())
+    assert not model.dense_released and all(isinstance(h.form, BlockForm)
+                                                  for h in model._weight_holders())
 
 
 def test_moving_or_copying_the_model_keeps_the_copies_right(q4_gguf):
@@ -319,13 +322,13 @@ def test_moving_or_copying_the_model_keeps_the_copies_right(q4_gguf):
     model.to(torch.float64)
     assert model.weight_format == "float64"
     # float64 rows: no kernel
-    assert all(getattr(h, "kernel", None) is None for h in model._weight_holders())
+    assert all(h.form is None or h.form.kernel is None for h in model._weight_holders())
     model.to(torch.float32)
     assert model.weight_format == "quantized"
     assert torch.equal(_lone_steps(model, ids)[1], before)
     twin = copy.deepcopy(model)  # a replica: its own blocks, its own pointers
-    assert twin.lm_head.kernel.weight.codes.data_ptr() != \
-        model.lm_head.kernel.weight.codes.data_ptr()
+    assert twin.lm_head.form.kernel.weight.codes.data_ptr() != \
+        model.lm_head.form.kernel.weight.codes.data_ptr()
     assert torch.equal(_lone_steps(twin, ids)[1], before)
 
 
@@ -355,7 +358,7 @@ def test_quantized_needs_a_cpu_float32_model(tiny_llama_dir):
 @pytest.mark.slow
 def test_default_model_keeps_its_answer_quantized(default_loaded):
     loaded = default_loaded  # the GGUF's Q4_1/Q8_0 blocks: dtype "quantized" by default
-    assert {h.kernel.weight.kind for h in loaded.model._weight_holders()} == {"q4", "q8"}
+    assert {h.form.kernel.weight.kind for h in loaded.model._weight_holders()} == {"q4", "q8"}
     with nbserve.Engine(loaded, max_batch=2, max_context=256, quiet=True) as engine:
         answer = engine.chat([{"role": "user", "content": "What is the capital of France?"}],
                              max_tokens=16, temperature=0)
@@ -369,7 +372,7 @@ def test_an_unwritable_cache_falls_back_with_a_warning(tiny_llama_dir, monkeypat
     monkeypatch.setattr(build, "_loaded", None)
     with pytest.warns(RuntimeWarning, match="NBSERVE_CACHE"):
         model = nbserve.load(str(tiny_llama_dir), verbose=False).model  # float32: no kernel
-    assert all(getattr(h, "kernel", None) is None for h in model._weight_holders())
+    assert all(h.form is None or h.form.kernel is None for h in model._weight_holders())
     ids = torch.tensor([[3, 17, 5]])
     assert model.forward(ids, torch.arange(3)[None], torch.tensor([0]),
                          model.make_cache(1, 8)).isfinite().all()
@@ -409,7 +412,7 @@ def test_quantized_keeps_no_float32_copy_of_a_matmul_weight(q4_gguf, monkeypatch
     assert model.weight_format == "quantized" and model.dense_released
     assert gguf._reader.cache_info().currsize == 0  # no parsed file (fields, memory map) kept
     for holder, names in model._named_holders():  # the tied head's too: the embedding
-        assert holder.kernel.serves_every_step and holder.packed is None, names
+        assert holder.form.serves_every_step and isinstance(holder.form, BlockForm), names
         assert holder.weight.device.type == "meta", names
         assert all(model.get_parameter(n).device.type == "meta" for n in names), names
     assert model.lm_head.weight is model.embedding_weight()  # still one tied parameter
@@ -424,7 +427,7 @@ def test_quantized_keeps_no_float32_copy_of_a_matmul_weight(q4_gguf, monkeypatch
         assert model.device.type == "cpu" and model.dtype == torch.float32
     assert len(walks) <= 1
     monkeypatch.undo()
-    blocks = sum(holder.kernel.nbytes for holder, _ in model._named_holders())
+    blocks = sum(holder.form.kernel.nbytes for holder, _ in model._named_holders())
     assert model.derived_bytes() == blocks  # the blocks and nothing else
     monkeypatch.setattr("nbserve.loading._release_unread_weights", lambda loaded: None)
     kept = nbserve.load(str(q4_gguf), verbose=False).model  # as before: dense weights kept
@@ -469,8 +472,8 @@ def test_the_embedding_is_looked_up_in_its_blocks(tmp_path, tie):
     ids = torch.tensor([[3, 17, 5], [9, 0, model.vocab_size - 1]])
     want = torch.nn.functional.embedding(ids, with_weight.embedding_weight())
     assert torch.equal(model.embed(ids), want) and model.embed(ids).shape == (2, 3, 64)
-    head = model.lm_head.kernel.weight
-    blocks = sum(h.kernel.nbytes for h, _ in model._named_holders())
+    head = model.lm_head.form.kernel.weight
+    blocks = sum(h.form.kernel.nbytes for h, _ in model._named_holders())
     extra = 0 if tie else model._embedding_blocks.nbytes
     assert tie == (model._embedding_blocks is head) and model.derived_bytes() == blocks + extra
     assert count_parameters(model)[1] < count_parameters(with_weight)[1]

@@ -1,7 +1,7 @@
 """How many KV blocks an engine gets: a memory budget in bytes, or a fraction of what the
 device has free (of the RAM available, on CPU), divided by what one block takes.
 
-On CPU the cache is committed lazily (see `models.kv_cache.PagedKVCache`), so the budget is a
+On CPU the cache is committed lazily (see `execution.kv_cache.PagedKVCache`), so the budget is a
 ceiling: resident memory grows with the tokens the traffic holds at once (and the prefixes
 kept in those blocks). Unless the budget is given in bytes, the pool is also capped at
 `max_batch` sequences of the longest context (what a reservation per sequence would have

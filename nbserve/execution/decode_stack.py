@@ -16,16 +16,111 @@ import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter, is_, itemgetter
-from typing import Any
+from typing import Protocol
 
 import torch
 
-from ..cpu.kernels.abi import Layer, WeightKind  # nbq_layer, nbq_kind of nbserve_kernels.h
+from ..cpu.kernels.abi import Layer  # nbq_layer of nbserve_kernels.h
 from ..cpu.kernels.build import quant_kernels
+from .holders import FusedProjection, KernelNorm, Linear
+from .kv_cache import PagedKVCache
 from .paged_attention import paged_cache_serves
 
 
-def unfit_reason(model: Any) -> str | None:
+class StackConfig(Protocol):
+    """The architecture's options the stack checks (models.config.DecoderConfig has them)."""
+
+    @property
+    def norm(self) -> str: ...
+    @property
+    def norm_offset(self) -> float: ...
+    @property
+    def norm_layout(self) -> str: ...
+    @property
+    def qk_norm(self) -> str: ...
+    @property
+    def gated_mlp(self) -> bool: ...
+    @property
+    def hidden_act(self) -> str: ...
+    @property
+    def attention_bias(self) -> bool: ...
+    @property
+    def o_bias(self) -> bool: ...
+    @property
+    def mlp_bias(self) -> bool: ...
+    @property
+    def moe(self) -> object: ...
+    @property
+    def attn_softcap(self) -> float | None: ...
+    @property
+    def layer_rope(self) -> Sequence[int | None]: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def rms_norm_eps(self) -> float: ...
+
+
+class StackAttention(Protocol):
+    """A layer's attention as the stack reads it."""
+
+    @property
+    def layer(self) -> int: ...  # its index in the cache
+    @property
+    def hq(self) -> int: ...
+    @property
+    def hkv(self) -> int: ...
+    @property
+    def d(self) -> int: ...
+    @property
+    def rope_id(self) -> int | None: ...
+    @property
+    def window(self) -> int | None: ...
+    @property
+    def partial_rope(self) -> bool: ...
+    @property
+    def q_factor(self) -> float: ...
+    @property
+    def qkv(self) -> FusedProjection | None: ...
+    @property
+    def o_proj(self) -> Linear: ...
+
+
+class StackMLP(Protocol):
+    """A layer's dense MLP as the stack reads it."""
+
+    @property
+    def gate_up(self) -> FusedProjection | None: ...
+    @property
+    def down_proj(self) -> Linear: ...
+
+
+class StackLayer(Protocol):
+    """A decoder layer as the stack reads it."""
+
+    @property
+    def self_attn(self) -> StackAttention: ...
+
+    def dense_mlp(self) -> StackMLP | None:
+        """Its dense MLP; None for experts."""
+        ...
+
+    def stack_norms(self) -> tuple[KernelNorm, KernelNorm] | None:
+        """Its RMSNorms before attention and before the MLP (a "pre" layout); else None."""
+        ...
+
+
+class StackModel(Protocol):
+    """A model as the stack reads it (models.decoder.DecoderModel)."""
+
+    @property
+    def config(self) -> StackConfig: ...
+
+    def stack_layers(self) -> Sequence[StackLayer]:
+        """Its decoder layers, in order."""
+        ...
+
+
+def unfit_reason(model: StackModel) -> str | None:
     """Why `model`'s layers cannot run as one C call (None: they can, weights permitting)."""
     cfg = model.config
     checks = [
@@ -41,19 +136,21 @@ def unfit_reason(model: Any) -> str | None:
     for ok, what in checks:
         if not ok:
             return what
-    for layer in model.model.decoder_layers:
-        attn, mlp = layer.self_attn, layer.mlp
+    for layer in model.stack_layers():
+        attn, mlp, norms = layer.self_attn, layer.dense_mlp(), layer.stack_norms()
         if attn.partial_rope or attn.q_factor != 1.0:
             return "a partial RoPE or a query scale other than 1/sqrt(head_dim)"
-        if attn.qkv is None or getattr(mlp, "gate_up", None) is None:
+        if attn.qkv is None or mlp is None or mlp.gate_up is None:
             return "unfused q/k/v or gate/up projections"
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        if norms is None:
+            return "a norm other than plain RMSNorm"
+        for norm in norms:
             if norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous():
                 return "norm weights that are not contiguous float32"
     return None
 
 
-_KERNEL = attrgetter("kernel")
+_FORM = attrgetter("form")
 _PARAMETERS = attrgetter("_parameters")
 _WEIGHT = itemgetter("weight")
 _POINTER = torch.Tensor.data_ptr
@@ -64,24 +161,24 @@ class _Built:
     """The ctypes description of the layers over one cache, and what it was built from."""
 
     array: ctypes.Array[ctypes.Structure]  # of Layer (nbq_layer)
-    layers: tuple[Any, ...]
+    layers: tuple[StackLayer, ...]
     cache: tuple[int, int]  # (id, first key pointer)
-    holders: tuple[Any, ...]  # the modules whose `.kernel` each matmul is
-    kernels: tuple[Any, ...]  # their kernels
+    holders: tuple[Linear | FusedProjection, ...]  # the holders whose form's kernel each is
+    forms: tuple[object, ...]  # their forms
     weights: tuple[torch.Tensor, ...]  # float32 kernels' weights
     weight_pointers: list[int]  # and their pointers
-    norms: tuple[Any, ...]  # the RMSNorm modules
+    norms: tuple[KernelNorm, ...]  # the RMSNorm modules
     norm_weights: tuple[torch.Tensor, ...]  # their parameters
     norm_pointers: list[int]  # and their pointers
     max_rows: int | None  # the most rows every kernel takes (None: any)
 
-    def current(self, model: Any, cache: Any) -> bool:
+    def current(self, model: StackModel, cache: PagedKVCache) -> bool:
         """Whether every object and pointer it was built from is still in place: a layer, a
         kernel, a norm given a new parameter, a weight or norm given new storage (`.data =`).
         Once a step, so the loops run in C (map), not in Python."""
         return (self.cache == (id(cache), cache.k[0].data_ptr())
-                and all(map(is_, model.model.decoder_layers, self.layers))
-                and all(map(is_, map(_KERNEL, self.holders), self.kernels))
+                and all(map(is_, model.stack_layers(), self.layers))
+                and all(map(is_, map(_FORM, self.holders), self.forms))
                 and list(map(_POINTER, self.weights)) == self.weight_pointers
                 and all(map(is_, map(_WEIGHT, map(_PARAMETERS, self.norms)),
                             self.norm_weights))
@@ -99,10 +196,10 @@ class DecodeStack:
     spent: ctypes.Array[ctypes.c_double] | None = None
     KEEP = 8  # descriptions kept (one per cache in use)
 
-    def __init__(self, model: Any):
+    def __init__(self, model: StackModel):
         self.model = model
         cfg = model.config
-        layers = list(model.model.decoder_layers)
+        layers = list(model.stack_layers())
         self.hidden, self.eps = cfg.hidden_size, float(cfg.rms_norm_eps)
         attn = layers[0].self_attn
         self.hq, self.hkv, self.d = attn.hq, attn.hkv, attn.d
@@ -111,11 +208,11 @@ class DecodeStack:
                                if layer.self_attn.window is not None), default=None)
         self._built: dict[int, _Built] = {}  # by id(cache)
 
-    def __getstate__(self) -> dict[str, Any]:  # copies and pickles rebuild the descriptions
+    def __getstate__(self) -> dict[str, object]:  # copies and pickles rebuild the descriptions
         return {**self.__dict__, "_built": {}}
 
     @classmethod
-    def for_model(cls, model: Any) -> DecodeStack | None:
+    def for_model(cls, model: StackModel) -> DecodeStack | None:
         """A stack for `model`, or None where its layers must run one by one. Whether its
         matmuls run on the C kernels is checked at each step (they can come and go)."""
         if unfit_reason(model) is not None:
@@ -123,11 +220,13 @@ class DecodeStack:
         return cls(model)
 
     @staticmethod
-    def _holders(layer: Any) -> tuple[Any, Any, Any, Any]:
-        attn, mlp = layer.self_attn, layer.mlp
+    def _holders(layer: StackLayer) -> tuple[Linear | FusedProjection, ...]:
+        """qkv, o, gate_up, down (`unfit_reason` has checked that they exist)."""
+        attn, mlp = layer.self_attn, layer.dense_mlp()
+        assert attn.qkv is not None and mlp is not None and mlp.gate_up is not None
         return attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj
 
-    def _described(self, cache: Any) -> _Built | None:
+    def _described(self, cache: PagedKVCache) -> _Built | None:
         """The current description over `cache` (built now if it is missing or stale); None
         where a matmul has no bias-free kernel, so that the per-layer path serves."""
         built = self._built.get(id(cache))
@@ -140,47 +239,53 @@ class DecodeStack:
             self._built[id(cache)] = built  # one assignment: a concurrent step sees old or new
         return built
 
-    def _build(self, cache: Any) -> _Built | None:
-        layers = list(self.model.model.decoder_layers)
+    def _build(self, cache: PagedKVCache) -> _Built | None:
+        layers = list(self.model.stack_layers())
         array = (Layer * len(layers))()
-        kernels, weights, norms = [], [], []
+        forms: list[tuple[Linear | FusedProjection, object]] = []
+        weights: list[tuple[torch.Tensor, int]] = []
+        norms: list[tuple[KernelNorm, torch.Tensor, int]] = []
+        max_rows: int | None = None
         for i, layer in enumerate(layers):
             entry = array[i]
             for w, holder in zip((entry.qkv, entry.o, entry.gate_up, entry.down),
                                  self._holders(layer)):
-                kernel = getattr(holder, "kernel", None)
+                form = holder.form
+                kernel = None if form is None else form.kernel
                 if kernel is None or kernel.bias is not None:
                     return None
-                kernels.append((holder, kernel))
-                w.kind = WeightKind[kernel.kind.upper()]  # "q4" -> NBQ_Q4...
+                forms.append((holder, form))
+                w.kind = kernel.weight_kind
                 w.n, w.k = kernel.out_features, kernel.in_features
                 w.flags = kernel.flags
-                if kernel.kind == "f32":  # the model's own tensor: watched for a new pointer
-                    w.codes = kernel.weight.data_ptr()
-                    weights.append((kernel.weight, w.codes))
-                else:
-                    w.codes, w.d, w.m = kernel._pointers
-            entry.attn_norm = layer.input_layernorm.weight.data_ptr()
-            entry.mlp_norm = layer.post_attention_layernorm.weight.data_ptr()
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                w.codes, w.d, w.m = kernel.pointers
+                if isinstance(kernel.weight, torch.Tensor):  # the model's own float32 rows:
+                    weights.append((kernel.weight, w.codes))  # watched for a new pointer
+                if kernel.max_rows is not None:
+                    max_rows = min(kernel.max_rows, max_rows or kernel.max_rows)
+            layer_norms = layer.stack_norms()
+            assert layer_norms is not None  # `unfit_reason` has checked it
+            entry.attn_norm = layer_norms[0].weight.data_ptr()
+            entry.mlp_norm = layer_norms[1].weight.data_ptr()
+            for norm in layer_norms:
                 norms.append((norm, norm.weight, norm.weight.data_ptr()))
             keys, values = cache.k[layer.self_attn.layer], cache.v[layer.self_attn.layer]
             entry.keys, entry.values = keys.data_ptr(), values.data_ptr()
-        limits = [kernel.max_rows for _, kernel in kernels if kernel.max_rows is not None]
         return _Built(array, tuple(layers), (id(cache), cache.k[0].data_ptr()),
-                      tuple(h for h, _ in kernels), tuple(k for _, k in kernels),
+                      tuple(h for h, _ in forms), tuple(f for _, f in forms),
                       tuple(w for w, _ in weights), [p for _, p in weights],
                       tuple(n for n, _, _ in norms), tuple(w for _, w, _ in norms),
-                      [p for _, _, p in norms], min(limits) if limits else None)
+                      [p for _, _, p in norms], max_rows)
 
-    def serves(self, max_pos: int, cache: Any) -> bool:
+    def serves(self, max_pos: int, cache: PagedKVCache) -> bool:
         """Whether a step whose rows reach `max_pos` can run as one call on `cache`."""
         if self.min_window is not None and max_pos + 1 > self.min_window:
             return False  # past a window the layers attend from its start: the torch path
         return paged_cache_serves(cache.k[0], cache.v[0]) and \
             cache.head_dim == self.d and cache.n_kv_heads == self.hkv
 
-    def __call__(self, x: torch.Tensor, positions: Any, tables_i32: torch.Tensor, cache: Any,
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor | ctypes.c_int32,
+                 tables_i32: torch.Tensor, cache: PagedKVCache,
                  rope: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """The hidden states (rows, H) after every layer for x (rows, H), or None where this
         step cannot run here (the caller then runs the layers one by one). `positions`: an

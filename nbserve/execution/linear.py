@@ -1,4 +1,5 @@
-"""Linear layers for CPU decoding: oneDNN-packed copies, a split by output rows, float16 copies.
+"""The float paths of a matmul on CPU: oneDNN-packed copies, a split by output rows, float16
+copies (the forms of formats.py combine them; holders.py dispatches to the forms).
 
 Why (the figures are in benchmarks/README.md, "Linear layers"): `F.linear` with float32 weights
 runs single-threaded for one input row, far below the memory bandwidth. Viewing the weight as k
@@ -14,55 +15,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-if TYPE_CHECKING:
-    from .quant import KernelLinear
 
 SPLIT_MAX_ROWS = 128  # past this, F.linear's GEMM threads well on its own
-
-
-def linear(x: torch.Tensor, layer: nn.Linear | FusedProjection) -> torch.Tensor:
-    """`layer(x)`: through nbserve's C kernel (`KernelLinear`, models/quant.py: quantized
-    blocks or the float32 weight) or its float16 copy (`HalfCopy`) for a few rows when it has
-    one, else through its oneDNN copy when it has one (`PackedCopy`), else with the output
-    rows split across threads when that is faster."""
-    kernel = getattr(layer, "kernel", None)
-    if kernel is not None and kernel.applies(x):
-        return kernel(x)
-    half = getattr(layer, "half_copy", None)
-    if half is not None and half.applies(x):
-        return half(x)
-    packed = getattr(layer, "packed", None)
-    if packed is not None:
-        return packed(x)
-    return split_linear(x, layer.weight, layer.bias)
-
-
-def normed_linear(x: torch.Tensor, norm: nn.Module, layer: nn.Linear | FusedProjection
-                  ) -> torch.Tensor:
-    """`linear(norm(x), layer)`; where the layer's C kernel serves and `norm` is a plain
-    RMSNorm (`kernel_fusable`), the normalisation runs inside its call (one op instead of
-    about eight)."""
-    kernel = getattr(layer, "kernel", None)
-    if kernel is not None and kernel.applies(x) and getattr(norm, "kernel_fusable", False) \
-            and norm.weight.dtype == torch.float32:
-        return kernel(x, norm=norm)
-    return linear(norm(x), layer)
-
-
-def gated_linear(gate_up: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """`linear(silu(gate) * up, layer)` for gate_up (..., 2I) = [gate | up] (a SwiGLU MLP's
-    down projection); inside the C kernel's call where it serves."""
-    kernel = getattr(layer, "kernel", None)
-    half = gate_up.shape[-1] // 2
-    if kernel is not None and kernel.applies(gate_up[..., :half]):
-        return kernel(gate_up, gated=True)
-    return linear(F.silu(gate_up[..., :half]) * gate_up[..., half:], layer)
 
 
 def split_ways(x: torch.Tensor, weight: torch.Tensor) -> int:
@@ -206,63 +163,3 @@ class HalfCopy:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x.to(torch.float16), self.weight).float()
         return y if self.bias is None else y + self.bias
-
-
-# ------------------------------------------------------------------ fused projections
-class FusedProjection:
-    """Linear layers that read the same input (q/k/v, gate/up), run as one matmul over their
-    concatenated weights: fewer, larger matmuls (per-op overhead adds up over 30 layers).
-
-    The fused weight is registered on `owner` as a non-persistent buffer (it follows `.to()`,
-    stays out of the state dict), and each layer's weight becomes a view into it, so the
-    model keeps its Hugging Face parameter names and uses no extra memory.
-    """
-
-    def __init__(self, owner: nn.Module, name: str, layers: list[nn.Linear]):
-        if len({layer.bias is None for layer in layers}) != 1:
-            raise ValueError("fused layers must all have a bias or none")
-        weight = torch.cat([layer.weight.detach() for layer in layers]).contiguous()
-        bias = None if layers[0].bias is None else \
-            torch.cat([layer.bias.detach() for layer in layers]).contiguous()
-        self._install(owner, name, layers, weight, bias)
-
-    @classmethod
-    def over(cls, owner: nn.Module, name: str, layers: list[nn.Linear], weight: torch.Tensor,
-             bias: torch.Tensor | None = None, source: str | None = None) -> FusedProjection:
-        """A fused projection over a weight that comes fused (Phi-3's qkv_proj, GPT-2's
-        c_attn): the layers' weights become views of it; nothing is copied. `source`: the
-        checkpoint's name of that weight (its quantized blocks are found under it)."""
-        self = cls.__new__(cls)
-        self._install(owner, name, layers, weight.detach(),
-                      None if bias is None else bias.detach())
-        self.source = source
-        return self
-
-    def _install(self, owner: nn.Module, name: str, layers: list[nn.Linear],
-                 weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.owner, self.name = owner, name
-        self.sizes = [layer.out_features for layer in layers]
-        owner.register_buffer(f"{name}_weight", weight, persistent=False)
-        owner.register_buffer(f"{name}_bias", bias, persistent=False)
-        start = 0
-        for layer, size in zip(layers, self.sizes):
-            layer.weight = nn.Parameter(weight[start:start + size], requires_grad=False)
-            if bias is not None:
-                layer.bias = nn.Parameter(bias[start:start + size], requires_grad=False)
-            start += size
-        self.source: str | None = None  # see `over`
-        self.half_copy: HalfCopy | None = None
-        self.packed: PackedCopy | None = None
-        self.kernel: KernelLinear | None = None  # set by use_quantized_weights,
-        # use_float_kernel (models/weights.py)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return getattr(self.owner, f"{self.name}_weight")
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return getattr(self.owner, f"{self.name}_bias")
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return linear(x, self).split(self.sizes, dim=-1)

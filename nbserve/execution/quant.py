@@ -20,18 +20,18 @@ The blocks serve every step, so a model loaded from them needs no float32 copy o
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, cast
 
 import numpy as np
 import torch
 
-from ..cpu.kernels.abi import KernelFlag
+from ..cpu.kernels.abi import KernelFlag, WeightKind
 
 BLOCK = 32  # weights per block, along the input dimension (GGUF's Q4_0, Q4_1, Q8_0)
 FLOAT_MAX_ROWS = 4  # the same for float32 weights; SmolLM2's matmuls in the engine's thread,
 # kernel against oneDNN-packed (ms): 1 row 13.6 / 20.3, 3: 17.3 / 20.2, 4: 16.7 / 17.1, 8: 29 / 22
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # fp16 scale [fp16 min] codes
 # the kernel's flags (nbserve_kernels.h) as plain ints: `|` on them stays an int operation
 GATED, ROUND16 = int(KernelFlag.GATED), int(KernelFlag.ROUND16)
 
@@ -65,23 +65,13 @@ class QuantBlocks:
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, type_name: str) -> QuantBlocks | None:
-        """The blocks of a GGUF tensor stored as Q4_0, Q4_1 or Q8_0 (raw: its bytes, one row of
-        blocks per output row, as `gguf`'s reader gives them); None for other types."""
-        size = _BLOCK_BYTES.get(type_name)
-        if size is None:
+        """The blocks of a GGUF tensor stored in one of `BLOCK_TYPES` (raw: its bytes, one row
+        of blocks per output row, as `gguf`'s reader gives them); None for other types."""
+        row = BLOCK_TYPES.get(type_name)
+        if row is None:
             return None
         rows = raw.shape[0]
-        blocks = np.ascontiguousarray(raw).reshape(rows, -1, size)
-        scales = _half_field(blocks, 0)
-        if type_name == "Q8_0":
-            codes = blocks[:, :, 2:].reshape(rows, -1).view(np.int8)
-            return cls("q8", torch.from_numpy(np.ascontiguousarray(codes)), scales, None)
-        if type_name == "Q4_1":
-            mins, start = _half_field(blocks, 2), 4
-        else:  # Q4_0: w = d (q - 8) = d q + (-8 d), exact in float16 too (a power of two)
-            mins, start = scales * -8.0, 2
-        codes = np.ascontiguousarray(blocks[:, :, start:]).reshape(rows, -1)
-        return cls("q4", torch.from_numpy(codes), scales, mins)
+        return row.read(np.ascontiguousarray(raw).reshape(rows, -1, row.type_size))
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> QuantBlocks | None:
@@ -143,6 +133,46 @@ def _half_field(blocks: np.ndarray, offset: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(field))
 
 
+def _read_q8_0(blocks: np.ndarray) -> QuantBlocks:
+    """Q8_0 (34 bytes: float16 d, 32 int8 codes; w = d q) as kind "q8"."""
+    rows = blocks.shape[0]
+    codes = blocks[:, :, 2:].reshape(rows, -1).view(np.int8)
+    return QuantBlocks("q8", torch.from_numpy(np.ascontiguousarray(codes)),
+                       _half_field(blocks, 0), None)
+
+
+def _read_q4(blocks: np.ndarray, with_min: bool) -> QuantBlocks:
+    """Q4_1 (20 bytes: float16 d, float16 m, 16 bytes of nibbles; w = d q + m) or Q4_0 (18
+    bytes: d and the nibbles; w = d (q - 8) = d q + (-8 d), exact in float16 too, a power of
+    two) as kind "q4"."""
+    rows, scales = blocks.shape[0], _half_field(blocks, 0)
+    mins, start = (_half_field(blocks, 2), 4) if with_min else (scales * -8.0, 2)
+    codes = np.ascontiguousarray(blocks[:, :, start:]).reshape(rows, -1)
+    return QuantBlocks("q4", torch.from_numpy(codes), scales, mins)
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """One GGUF block type served from the file's own blocks: a row of the table below, after
+    ggml's type traits (ggml.c's `type_traits[]`). It says what the file holds (ggml's type
+    number, weights and bytes per block) and how those bytes become the blocks a kernel
+    multiplies (`read`, whose result's `kind` picks the kernel row in `KINDS`); nothing else
+    in nbserve switches on the type."""
+
+    name: str  # GGUF's name of the type, as gguf's reader gives it
+    ggml_type: int  # ggml's type number (enum ggml_type, gguf.GGMLQuantizationType)
+    block_size: int  # weights per block, along the input dimension
+    type_size: int  # bytes per block in the file
+    read: Callable[[np.ndarray], QuantBlocks]  # (rows, blocks, type_size) uint8 -> blocks
+
+
+BLOCK_TYPES: dict[str, BlockType] = {row.name: row for row in (
+    BlockType("Q4_0", 2, BLOCK, 18, lambda blocks: _read_q4(blocks, with_min=False)),
+    BlockType("Q4_1", 3, BLOCK, 20, lambda blocks: _read_q4(blocks, with_min=True)),
+    BlockType("Q8_0", 8, BLOCK, 34, _read_q8_0),
+)}
+
+
 class NormWeights(Protocol):
     """What the kernel reads of an RMSNorm it runs inside a matmul."""
 
@@ -153,10 +183,56 @@ class NormWeights(Protocol):
     def eps(self) -> float: ...
 
 
+Pointers = tuple[int, int | None, int | None]  # a weight's codes (or float32 rows), scales, mins
+
+
+def _q4_matmul(lib: ctypes.CDLL, w: Pointers, x: int, rows: int, k: int, n: int, y: int,
+               threads: int, norm: int | None, eps: float, flags: int) -> int:
+    return lib.nbq_q4_matmul(x, rows, k, w[0], w[1], w[2], n, y, threads, norm, eps, flags)
+
+
+def _q8_matmul(lib: ctypes.CDLL, w: Pointers, x: int, rows: int, k: int, n: int, y: int,
+               threads: int, norm: int | None, eps: float, flags: int) -> int:
+    return lib.nbq_q8_matmul(x, rows, k, w[0], w[1], n, y, threads, norm, eps, flags)
+
+
+def _f32_matmul(lib: ctypes.CDLL, w: Pointers, x: int, rows: int, k: int, n: int, y: int,
+                threads: int, norm: int | None, eps: float, flags: int) -> int:
+    return lib.nbq_f32_matmul(x, rows, k, w[0], n, y, threads, norm, eps, flags)
+
+
+class KindMatmul(Protocol):
+    """One call of a storage kind's C matmul: y (rows, n) = prepare(x) (rows, k) @ w.T, all
+    arguments addresses and sizes (nbserve_kernels.h); 0, or -1 when out of memory."""
+
+    def __call__(self, lib: ctypes.CDLL, w: Pointers, x: int, rows: int, k: int, n: int, y: int,
+                 threads: int, norm: int | None, eps: float, flags: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class KernelKind:
+    """How nbserve's C kernels take one storage of weights (ggml-cpu's `type_traits_cpu[]`): its
+    `nbq_kind` (the decode stack's `nbq_weight.kind`), its matmul entry point and the most input
+    rows it takes (None: any). `KernelLinear` calls the row its weight names and never switches
+    on kinds; a storage kind is one row here plus its kernels."""
+
+    name: str
+    weight_kind: WeightKind
+    matmul: KindMatmul
+    max_rows: int | None
+
+
+KINDS: dict[str, KernelKind] = {row.name: row for row in (
+    KernelKind("q4", WeightKind.Q4, _q4_matmul, None),
+    KernelKind("q8", WeightKind.Q8, _q8_matmul, None),
+    KernelKind("f32", WeightKind.F32, _f32_matmul, FLOAT_MAX_ROWS),
+)}
+
+
 class KernelLinear:
     """A matmul through nbserve's C kernel: over a weight's quantized blocks (any number of
     rows: `max_rows` None), or over a float32 weight as it is, shared, not copied (up to
-    FLOAT_MAX_ROWS rows; larger inputs take the model's other paths). See `applies`."""
+    FLOAT_MAX_ROWS rows; larger inputs take the form's other paths). See `applies`."""
 
     max_rows: int | None  # the most input rows it takes; None: any
 
@@ -176,15 +252,24 @@ class KernelLinear:
         self.out_features, self.in_features = weight.shape
         self._lib = kernels or quant_kernels()  # a build for another CPU path, in tests
         self._rounds = self.round16 and round16_pays(self._lib, torch.get_num_threads())
+        self._pointers: Pointers | None = None  # a float32 weight's is read per call
         if isinstance(weight, QuantBlocks):
-            self.kind, self.max_rows = weight.kind, None
             self._pointers = (weight.codes.data_ptr(), weight.scales.data_ptr(),
                               None if weight.mins is None else weight.mins.data_ptr())
-        else:
-            if not float_kernel_serves(weight):
-                raise ValueError("the float32 kernel needs a contiguous CPU float32 weight "
-                                 f"with rows of whole blocks of {BLOCK}")
-            self.kind, self.max_rows = "f32", FLOAT_MAX_ROWS
+        elif not float_kernel_serves(weight):
+            raise ValueError("the float32 kernel needs a contiguous CPU float32 weight "
+                             f"with rows of whole blocks of {BLOCK}")
+        self.kind = weight.kind if isinstance(weight, QuantBlocks) else "f32"
+        row = KINDS[self.kind]
+        self.weight_kind, self._matmul, self.max_rows = row.weight_kind, row.matmul, row.max_rows
+
+    @property
+    def pointers(self) -> Pointers:
+        """The addresses the kernel reads: codes, scales, mins (float32: the model's own rows,
+        read now, as they may have moved)."""
+        if self._pointers is not None:
+            return self._pointers
+        return cast(torch.Tensor, self.weight).data_ptr(), None, None
 
     @property
     def flags(self) -> int:
@@ -201,6 +286,10 @@ class KernelLinear:
         """Whether this kernel multiplies inputs of any row count (quantized blocks do)."""
         return self.max_rows is None
 
+    def serves_rows(self, rows: int) -> bool:
+        """Whether it takes an input of `rows` rows."""
+        return self.max_rows is None or rows <= self.max_rows
+
     def applies(self, x: torch.Tensor) -> bool:
         return ((self.max_rows is None or x.numel() <= self.max_rows * x.shape[-1])
                 and x.dtype == torch.float32 and x.device.type == "cpu")
@@ -215,32 +304,28 @@ class KernelLinear:
         flat = x.reshape(rows, width).contiguous()
         y = torch.empty(rows, n, dtype=torch.float32)
         norm_at, eps = (None, 0.0) if norm is None else (norm.weight.data_ptr(), norm.eps)
-        threads = torch.get_num_threads()
-        flags = self.flags | (GATED if gated else 0)
-        if self.kind == "f32":  # the pointer read per call: the weight is the model's own
-            weight = cast(torch.Tensor, self.weight)  # kind "f32": a float32 tensor
-            failed = self._lib.nbq_f32_matmul(flat.data_ptr(), rows, k, weight.data_ptr(),
-                                              n, y.data_ptr(), threads, norm_at, eps, flags)
-        elif self.kind == "q4":
-            codes, scales, mins = self._pointers
-            failed = self._lib.nbq_q4_matmul(flat.data_ptr(), rows, k, codes, scales, mins, n,
-                                             y.data_ptr(), threads, norm_at, eps, flags)
-        else:
-            codes, scales, _ = self._pointers
-            failed = self._lib.nbq_q8_matmul(flat.data_ptr(), rows, k, codes, scales, n,
-                                             y.data_ptr(), threads, norm_at, eps, flags)
+        failed = self._matmul(self._lib, self.pointers, flat.data_ptr(), rows, k, n,
+                              y.data_ptr(), torch.get_num_threads(), norm_at, eps,
+                              self.flags | (GATED if gated else 0))
         if failed:
             raise MemoryError("kernel matmul: out of memory for its input buffer")
         y = y.view(*x.shape[:-1], n)
         return y if self.bias is None else y + self.bias
 
-    def __deepcopy__(self, memo: dict) -> KernelLinear | None:  # pointers follow the copies
+    def over(self, weight: QuantBlocks | torch.Tensor, bias: torch.Tensor | None
+             ) -> KernelLinear:
+        """The same kernel (build, rounding) over other weights: a copy's."""
+        return KernelLinear(weight, bias, self._lib, self.round16)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> KernelLinear | None:
+        """A copy over copied weights (their pointers follow); None for a float32 weight copied
+        where the kernel cannot read it (a replica on another device)."""
         import copy
 
         weight = copy.deepcopy(self.weight, memo)
         if isinstance(weight, torch.Tensor) and not float_kernel_serves(weight):
-            return None  # copied onto another device (a replica): nothing for the kernel here
-        return KernelLinear(weight, copy.deepcopy(self.bias, memo), self._lib, self.round16)
+            return None
+        return self.over(weight, copy.deepcopy(self.bias, memo))
 
 
 def float_kernel_serves(weight: torch.Tensor) -> bool:

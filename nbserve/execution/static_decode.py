@@ -17,7 +17,7 @@ device check compares captured and eager.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -42,10 +42,10 @@ CAPTURE_MAX_TOKENS = 1 << 16  # rows x attention length of the largest bucket ca
 # it a step's gathered keys and values (and its graph's memory) are large and its launches a
 # small share of its time, so it runs dynamically, unpadded
 
-_WARMUP_STREAMS: dict[torch.device, Any] = {}  # one side stream a device, shared by engines
+_WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # see warmup_stream
 
 
-def warmup_stream(device: torch.device) -> Any:
+def warmup_stream(device: torch.device) -> torch.cuda.Stream:
     """The side stream every engine on `device` warms its kernels up on. One for the process,
     not one an engine: the CUDA libraries keep a workspace for each stream they ever ran on
     (cuBLAS: tens of MiB) for the life of the process, so a stream an engine would have grown
@@ -99,7 +99,7 @@ class StaticDecode:
         device = torch.device(model.device)
         self.buffers = {rows: _Buffers(rows, max_blocks, cache.pad_block, device)
                         for rows in self.batch_buckets}
-        self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_error: str | None = None
         self.capturing = capture and device.type == "cuda"  # else every bucket runs eagerly
         self.steps = self.replays = 0
@@ -110,7 +110,7 @@ class StaticDecode:
     def captured(self) -> bool:
         return bool(self.graphs)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, int | str | list[int] | None]:
         """For /stats and the benchmarks: buckets, graphs captured, steps run and replayed."""
         return {"batch_buckets": self.batch_buckets,
                 "length_buckets": [b * self.cache.block_size for b in self.block_buckets],

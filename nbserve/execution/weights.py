@@ -1,5 +1,6 @@
-"""Faster copies of a model's matmul weights, for every architecture: a transposed LM head,
-oneDNN-packed copies, float16 copies, the C kernel over the float32 weights, quantized blocks.
+"""Choosing each matmul weight's serving form (formats.py) for every architecture: float32 with
+the C kernel for a few rows and oneDNN-packed copies, float16 copies, quantized blocks; and a
+transposed LM head.
 
 A model file holds its architecture only; its model class derives from `WeightFormats` and
 says which matmuls it has (`_named_holders`), so every family gets the same fast paths, kept
@@ -9,40 +10,35 @@ says which matmuls it has (`_named_holders`), so every family gets the same fast
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import (
-    FusedProjection,
-    HalfCopy,
-    PackedCopy,
-    packing_affordable,
-    packing_available,
-)
+from .formats import BlockForm, Float16Form, Float32Form, WeightForm
+from .holders import FusedProjection, Linear
+from .linear import HalfCopy, PackedCopy, packing_affordable, packing_available
 from .quant import KernelLinear, QuantBlocks, float_kernel_serves
 
-Holder = nn.Linear | FusedProjection
+Holder = Linear | FusedProjection
 
 
 class WeightFormats(nn.Module):
     """The weight copies of a StepModel built from `nn.Linear`s (and fused projections).
 
-    A subclass calls `_init_weight_formats()` in its `__init__`, has an `lm_head` (nn.Linear)
+    A subclass calls `_init_weight_formats()` in its `__init__`, has an `lm_head` (`Linear`)
     and implements `_named_holders()`, `embedding_weight()` and, if it fuses projections,
-    `refresh_fused()`. What was asked for is remembered across `.to()`; the copies themselves
-    hang on each matmul holder (`half_copy`, `packed`, `kernel`; see `linear.linear`).
+    `refresh_fused()`. What was asked for is remembered across `.to()`; each holder's form is
+    in its one slot (`Linear.form`, `FusedProjection.form`; see `holders.linear`).
     """
 
-    lm_head: nn.Linear
+    lm_head: Linear
 
     def _init_weight_formats(self) -> None:
         self._head_t: torch.Tensor | None = None  # (H, V) copy of the LM head
         self._wants = {"transposed_head": False, "16bit": False, "packed": False,
                        "quantized": False, "float_kernel": False, "release_dense": False}
-        self._quant_copies: list[KernelLinear | None] = []  # per holder, kept across .to()
+        self._quant_copies: list[BlockForm | None] = []  # per holder, kept across .to()
         self._released: list[Holder] = []  # holders whose float32 weight lives in copies only
         self._embedding_source: QuantBlocks | None = None  # a checkpoint's own embedding blocks
         self._embedding_blocks: QuantBlocks | None = None  # set while the embedding is released
@@ -117,7 +113,19 @@ class WeightFormats(nn.Module):
         if not packing_available(self.lm_head.weight):
             raise ValueError("packed weights need a CPU float32 model and torch built with "
                              "oneDNN (torch.backends.mkldnn.is_available())")
-        self._add_copies("packed", PackedCopy, "packed")
+        self.restore_dense_weights()
+        for holder in self._weight_holders():
+            form = holder.form
+            if form is None:
+                holder.form = Float32Form(holder.weight, holder.bias, self._packed(holder))
+            elif isinstance(form, (Float32Form, Float16Form)) and form.packed is None:
+                holder.form = form.with_packed(self._packed(holder))
+        self._head_t = None
+        self._wants.update({"packed": True, "transposed_head": False})
+
+    @staticmethod
+    def _packed(holder: Holder) -> PackedCopy:
+        return PackedCopy(holder.weight, holder.bias)
 
     def use_16bit_weights(self) -> None:
         """Add a float16 copy of every matmul weight (`HalfCopy`) for steps of one or two rows:
@@ -127,11 +135,15 @@ class WeightFormats(nn.Module):
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise ValueError("16-bit weights are a CPU float32 option: load the model with "
                              "dtype='float32' on cpu (on a GPU use dtype='bfloat16')")
-        self._add_copies("half_copy", HalfCopy, "16bit")
-        if self._wants["float_kernel"]:  # the float16 copies serve one or two rows instead
-            self._wants["float_kernel"] = False
-            for holder in self._weight_holders():
-                holder.kernel = None
+        self.restore_dense_weights()
+        for holder in self._weight_holders():  # the float16 copies serve few rows instead of
+            form = holder.form  # the float32 kernel; blocks serve every step: left as they are
+            if form is None or isinstance(form, Float32Form):
+                packed = None if form is None else form.packed
+                holder.form = Float16Form(holder.weight, holder.bias,
+                                          HalfCopy(holder.weight, holder.bias), packed)
+        self._head_t = None
+        self._wants.update({"16bit": True, "transposed_head": False, "float_kernel": False})
 
     def use_float_kernel(self) -> None:
         """Multiply steps of up to FLOAT_MAX_ROWS rows with nbserve's C kernel over the float32
@@ -139,14 +151,18 @@ class WeightFormats(nn.Module):
         the SwiGLU gate inside the kernel calls (benchmarks/README.md). Outputs differ from plain
         float32 in summation order only; a row's result does not depend on the other rows of
         the step. Builds the kernel at first use
-        (needs a C compiler); loaders turn it on for CPU float32 where it builds."""
+        (needs a C compiler); loaders turn it on for CPU float32 where it builds. It takes the
+        few rows that float16 copies (`use_16bit_weights`) would: they go."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise ValueError("the float32 kernel is a CPU float32 option")
         self.restore_dense_weights()  # the float32 kernel reads them
         for holder in self._weight_holders():
-            if getattr(holder, "kernel", None) is None and float_kernel_serves(holder.weight):
-                holder.kernel = KernelLinear(holder.weight, holder.bias)
-        self._wants["float_kernel"] = True
+            form = holder.form
+            if (form is None or form.kernel is None) and float_kernel_serves(holder.weight):
+                packed = form.packed if isinstance(form, (Float32Form, Float16Form)) else None
+                holder.form = Float32Form(holder.weight, holder.bias, packed,
+                                          KernelLinear(holder.weight, holder.bias))
+        self._wants.update({"float_kernel": True, "16bit": False})
 
     def use_quantized_weights(self, blocks: Mapping[str, QuantBlocks] | None = None,
                               only_lossless: bool = False, round16: bool = True) -> bool:
@@ -182,36 +198,21 @@ class WeightFormats(nn.Module):
                          else None)
         if only_lossless and any(b is None for b in found):
             return False
-        copies: list[KernelLinear | None] = []
+        copies: list[BlockForm | None] = []
         for holder, own in zip(self._weight_holders(), found):
             made = own if own is not None else QuantBlocks.from_float(holder.weight)
-            copies.append(None if made is None else KernelLinear(made, holder.bias,
-                                                                 round16=round16))
+            copies.append(None if made is None else BlockForm(made, holder.bias, round16))
         self._quant_copies = copies
         self._wants["quantized"] = True
         self._attach_quant_copies()
         return True
 
     def _attach_quant_copies(self) -> None:
-        """Hang the quantized copies on their holders; a packed copy of a weight whose blocks
-        serve every step would never be read again, so it goes."""
-        for holder, copy in zip(self._weight_holders(), self._quant_copies):
-            holder.kernel = copy
-            if copy is not None and copy.serves_every_step:
-                holder.packed = None
-
-    def _add_copies(self, attr: str, make: type[HalfCopy] | type[PackedCopy], want: str) -> None:
-        """Give every weight holder a `make(weight, bias)` copy as `attr` (once), remember the
-        wish across `.to()`, and drop the transposed head: the copies serve single rows better."""
-        self.restore_dense_weights()
-        for holder in self._weight_holders():
-            kernel = getattr(holder, "kernel", None)
-            if kernel is not None and kernel.serves_every_step:
-                continue  # its blocks serve every step: a copy would never be read
-            if getattr(holder, attr, None) is None:
-                setattr(holder, attr, make(holder.weight, holder.bias))
-        self._head_t = None
-        self._wants.update({want: True, "transposed_head": False})
+        """Make the blocks the form of their holders (a float form, its packed copy with it,
+        would never be read again); a weight without blocks keeps its form."""
+        for holder, form in zip(self._weight_holders(), self._quant_copies):
+            if form is not None:
+                holder.form = form
 
     # ------------------------------------------------------------------ released float32 weights
 
@@ -219,8 +220,9 @@ class WeightFormats(nn.Module):
         """Drop the float32 weight of every matmul that no step reads any more, and return the
         bytes freed: quantized blocks (`use_quantized_weights`) serve steps of every size, so
         the plain weight is only what they were made from. A weight is dropped only where it
-        can come back bit for bit: from a oneDNN-packed copy, or from blocks that dequantize to
-        exactly its values (a GGUF's own blocks; not Q8_0 made at load from float weights).
+        can come back bit for bit: from a form whose dense view (`WeightForm.dense`: blocks
+        dequantized) is exactly its values (a GGUF's own blocks; not Q8_0 made at load from
+        float weights).
         Its parameters stay, with their names and shapes, on the meta device, and come back by
         themselves (`restore_dense_weights`) for `.to()`, `state_dict()`, `load_state_dict()`
         and the methods that add copies. The token embedding (a tied LM head's weight too) goes
@@ -232,12 +234,11 @@ class WeightFormats(nn.Module):
         embedding = self.embedding_weight()
         freed = 0
         for holder, names in self._named_holders():
-            weight = holder.weight
-            kernel = getattr(holder, "kernel", None)
-            if (any(h is holder for h in self._released) or kernel is None
-                    or not kernel.serves_every_step or weight is embedding
+            weight, form = holder.weight, holder.form
+            if (any(h is holder for h in self._released) or form is None
+                    or not form.serves_every_step or weight is embedding
                     or weight.device.type != "cpu" or not self._owns(holder, names)
-                    or not self._restorable(holder)):
+                    or not torch.equal(form.dense(), weight)):
                 continue
             freed += weight.numel() * weight.element_size()
             self._set_dense(holder, names, torch.empty(weight.shape, dtype=weight.dtype,
@@ -249,11 +250,11 @@ class WeightFormats(nn.Module):
         """Put the token embedding (and a head tied to it) on meta where the checkpoint's own
         blocks of it give its values back bit for bit; return the bytes freed."""
         weight, blocks = self.embedding_weight(), self._embedding_source
-        head_kernel = getattr(self.lm_head, "kernel", None)
+        head = self.lm_head.form
         tied = self.lm_head.weight is weight
         if (self._embedding_blocks is not None or blocks is None or weight.device.type != "cpu"
                 or blocks.shape != tuple(weight.shape)
-                or (tied and (head_kernel is None or not head_kernel.serves_every_step))
+                or (tied and (head is None or not head.serves_every_step))
                 or not torch.equal(blocks.dequantize(), weight)):
             return 0
         self._set_embedding(torch.empty(weight.shape, dtype=weight.dtype, device="meta"))
@@ -271,25 +272,15 @@ class WeightFormats(nn.Module):
             setattr(self.get_submodule(owner_name), attr, param)
 
     @staticmethod
-    def _restorable(holder: Holder) -> bool:
-        """Whether `_dense_copy(holder)` gives its weight back bit for bit."""
-        if getattr(holder, "packed", None) is not None:
-            return True
-        blocks = cast(KernelLinear, holder.kernel).weight
-        return isinstance(blocks, QuantBlocks) and torch.equal(blocks.dequantize(),
-                                                               holder.weight)
-
-    @staticmethod
     def _dense_copy(holder: Holder) -> torch.Tensor:
-        """A released weight's values, out of its packed copy or its blocks."""
-        packed = getattr(holder, "packed", None)
-        if packed is not None:
-            return cast(PackedCopy, packed).weight.to_dense().contiguous()
-        return cast(QuantBlocks, cast(KernelLinear, holder.kernel).weight).dequantize()
+        """A released weight's values, out of its form (its blocks)."""
+        form = holder.form
+        assert form is not None  # a weight is released only where its form serves every step
+        return form.dense()
 
     def restore_dense_weights(self) -> None:
         """Bring back the float32 weights `release_dense_weights` dropped, read out of their
-        packed copies or blocks (the same values bit for bit); they stay until released
+        forms (the same values bit for bit); they stay until released
         again."""
         if self._embedding_blocks is not None:
             self._set_embedding(self._embedding_blocks.dequantize())
@@ -332,7 +323,7 @@ class WeightFormats(nn.Module):
             holder.weight = nn.Parameter(weight, requires_grad=False)
 
     def state_dict(self, *args, **kwargs):  # noqa: ANN002, ANN003 -- nn.Module's signature
-        """nn.Module's, with released float32 weights read back from their packed copies (the
+        """nn.Module's, with released float32 weights read back from their forms (the
         model keeps them released; the returned tensors are the caller's)."""
         released = self.dense_released
         self.restore_dense_weights()
@@ -368,7 +359,7 @@ class WeightFormats(nn.Module):
         if self._wants["transposed_head"]:
             self._head_t = self.lm_head.weight.t().contiguous() if cpu32 else None
         for holder in self._weight_holders():
-            holder.half_copy = holder.packed = holder.kernel = None
+            holder.form = None
         if cpu32 and self._wants["quantized"]:
             self._attach_quant_copies()
         elif cpu32 and self._wants["float_kernel"]:
@@ -388,27 +379,21 @@ class WeightFormats(nn.Module):
         """Bytes of the weight copies kept for speed (float16, packed, quantized, transposed
         head); the float32 kernel shares the weights and adds none."""
         total = 0 if self._head_t is None else self._head_t.numel() * self._head_t.element_size()
-        for holder in self._weight_holders():
-            half, packed = getattr(holder, "half_copy", None), getattr(holder, "packed", None)
-            kernel = getattr(holder, "kernel", None)
-            total += 0 if half is None else half.weight.numel() * half.weight.element_size()
-            total += 0 if packed is None else packed.nbytes
-            total += 0 if kernel is None else kernel.nbytes
-        head = getattr(self.lm_head, "kernel", None)
-        if self._embedding_blocks is not None and (head is None
-                                                   or head.weight is not self._embedding_blocks):
+        forms = [holder.form for holder in self._weight_holders()]
+        total += sum(form.nbytes for form in forms if form is not None)
+        head = self.lm_head.form
+        if self._embedding_blocks is not None and not (
+                isinstance(head, BlockForm) and head.blocks is self._embedding_blocks):
             total += self._embedding_blocks.nbytes  # an untied embedding's own blocks
         return total
 
     @property
     def weight_format(self) -> str:
         """"mixed16" after `use_16bit_weights`, "quantized" after `use_quantized_weights`
-        ("quantized-exact" with round16=False), else the dtype's name."""
-        head = getattr(self.lm_head, "kernel", None)
-        if self._wants["quantized"] and head:
-            return "quantized" if head.round16 else "quantized-exact"
-        if self._wants["16bit"] and getattr(self.lm_head, "half_copy", None):
-            return "mixed16"
+        ("quantized-exact" with round16=False): the LM head's form's name; else the dtype's."""
+        head: WeightForm | None = self.lm_head.form
+        if head is not None and head.weight_format is not None:
+            return head.weight_format
         return str(self.dtype).replace("torch.", "")
 
 

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..execution.linear import FusedProjection, linear
-from .decoder import ACTIVATION, MLP
+from ..execution.holders import FusedProjection, Linear, linear
+from .layers import ACTIVATION, MLP, DecoderMLP
 
 if TYPE_CHECKING:
     from .config import DecoderConfig
@@ -62,7 +62,7 @@ class MoEConfig:
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"{self.top_k} experts per token out of {self.num_experts}")
 
-    def make_mlp(self, cfg: DecoderConfig, layer: int) -> nn.Module:
+    def make_mlp(self, cfg: DecoderConfig, layer: int) -> DecoderMLP:
         """What the decoder calls for each layer (`decoder.make_mlp`): `make_moe_mlp`."""
         return make_moe_mlp(cfg, layer)
 
@@ -77,7 +77,7 @@ def sparse_layers(n_layers: int, num_experts: int, decoder_sparse_step: int = 1,
                      if num_experts > 0 and i not in dense and (i + 1) % step == 0)
 
 
-def make_moe_mlp(cfg: DecoderConfig, layer: int) -> nn.Module:
+def make_moe_mlp(cfg: DecoderConfig, layer: int) -> DecoderMLP:
     """Layer `layer`'s MLP: a `SparseMoE` where `cfg.moe` makes it sparse, else the dense MLP."""
     moe: MoEConfig = cfg.moe
     if layer in moe.sparse_layers:
@@ -154,14 +154,14 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(DecoderMLP):
     """A sparse MLP: the router (`gate`, an nn.Linear over float weights) and the experts.
     Offers the dense MLP's interface (forward(x, norm), fuse, holders)."""
 
     def __init__(self, cfg: DecoderConfig, moe: MoEConfig):
         super().__init__()
         h = cfg.hidden_size
-        self.gate = nn.Linear(h, moe.num_experts, bias=False)
+        self.gate = Linear(h, moe.num_experts, bias=False)
         self.experts = Experts(moe.num_experts, h, moe.intermediate_size, cfg.hidden_act)
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
         self.float32_weights = moe.routing == "mixtral"
@@ -186,7 +186,7 @@ class SparseMoE(nn.Module):
     def fuse(self, rebuild: bool = False) -> None:
         """Nothing to fuse: each expert's gate and up are one tensor already."""
 
-    def holders(self, prefix: str) -> list[tuple[nn.Linear | FusedProjection, list[str]]]:
+    def holders(self, prefix: str) -> list[tuple[Linear | FusedProjection, list[str]]]:
         """None: the experts are 3-D tensors, not matmul holders, and the router stays plain
         float: it is a small matmul, routing on exact logits keeps the experts transformers
         picks, and GGUF files keep routers in F32, so a holder without the file's own blocks

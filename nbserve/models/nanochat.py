@@ -40,13 +40,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cpu.kernels.build import kernels_available
+from ..execution.holders import Linear, linear
 from ..execution.kv_cache import PagedKVCache
-from ..execution.linear import linear
+from ..execution.step_inputs import StepInputs
 from ..execution.weights import Holder, WeightFormats
 from ..text import ChatTemplate, Tokenizer
 from ..text.nanochat_chat import nanochat_chat_template, nanochat_tokenizer
 from .base import PagedModel
-from .decoder import PAGED_BLOCK_SIZE, StepInputs
+from .decoder import PAGED_BLOCK_SIZE
 from .rope import apply_rope
 
 NANOCHAT_COMMIT = "92d63d4e8bb4df75c3b71618f31ddde2378b2bcd"
@@ -138,7 +139,7 @@ def _norm(x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],))
 
 
-def _mm(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+def _mm(x: torch.Tensor, layer: Linear) -> torch.Tensor:
     """`layer(x)` without bias: the fast helpers where the weight has x's dtype, else the
     weight cast to it (nanochat's `Linear`)."""
     if layer.weight.dtype == x.dtype:
@@ -185,11 +186,11 @@ class NanochatAttention(nn.Module):
         d, hq, hkv = cfg.head_dim, cfg.n_head, cfg.n_kv_head
         self.layer, self.hq, self.hkv, self.d = layer, hq, hkv, d
         self.window = cfg.windows[layer]
-        self.c_q = nn.Linear(cfg.n_embd, hq * d, bias=False)
-        self.c_k = nn.Linear(cfg.n_embd, hkv * d, bias=False)
-        self.c_v = nn.Linear(cfg.n_embd, hkv * d, bias=False)
-        self.c_proj = nn.Linear(hq * d, cfg.n_embd, bias=False)
-        self.ve_gate = nn.Linear(VE_GATE_CHANNELS, hkv, bias=False) if cfg.has_ve(layer) \
+        self.c_q = Linear(cfg.n_embd, hq * d, bias=False)
+        self.c_k = Linear(cfg.n_embd, hkv * d, bias=False)
+        self.c_v = Linear(cfg.n_embd, hkv * d, bias=False)
+        self.c_proj = Linear(hq * d, cfg.n_embd, bias=False)
+        self.ve_gate = Linear(VE_GATE_CHANNELS, hkv, bias=False) if cfg.has_ve(layer) \
             else None
 
     def forward(self, x: torch.Tensor, ve: torch.Tensor | None,
@@ -238,8 +239,8 @@ def _one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 class NanochatMLP(nn.Module):
     def __init__(self, cfg: NanochatConfig):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+        self.c_fc = Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
+        self.c_proj = Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _mm(F.relu(_mm(x, self.c_fc)).square(), self.c_proj)
@@ -272,10 +273,10 @@ class NanochatModel(WeightFormats, PagedModel):
             "wte": nn.Embedding(p, c, _weight=torch.empty(p, c)),
             "h": nn.ModuleList(NanochatBlock(cfg, i) for i in range(cfg.n_layer)),
         })
-        self.lm_head = nn.Linear(c, p, bias=False)
+        self.lm_head = Linear(c, p, bias=False)
         self.resid_lambdas = nn.Parameter(torch.empty(cfg.n_layer))
         self.x0_lambdas = nn.Parameter(torch.empty(cfg.n_layer))
-        self.smear_gate = nn.Linear(SMEAR_CHANNELS, 1, bias=False)
+        self.smear_gate = Linear(SMEAR_CHANNELS, 1, bias=False)
         self.smear_lambda = nn.Parameter(torch.empty(1))
         self.backout_lambda = nn.Parameter(torch.empty(1))
         self.value_embeds = nn.ModuleDict({
@@ -298,11 +299,11 @@ class NanochatModel(WeightFormats, PagedModel):
     def _named_holders(self) -> list[tuple[Holder, list[str]]]:
         out: list[tuple[Holder, list[str]]] = []
         for i, block in enumerate(self.blocks):
-            for part, name in ((block.attn, "attn"), (block.mlp, "mlp")):
-                for attr in ("c_q", "c_k", "c_v", "c_fc", "c_proj"):
-                    layer = getattr(part, attr, None)
-                    if isinstance(layer, nn.Linear):
-                        out.append((layer, [f"transformer.h.{i}.{name}.{attr}.weight"]))
+            attn, mlp = block.attn, block.mlp
+            named: list[tuple[Holder, str]] = [
+                (attn.c_q, "attn.c_q"), (attn.c_k, "attn.c_k"), (attn.c_v, "attn.c_v"),
+                (attn.c_proj, "attn.c_proj"), (mlp.c_fc, "mlp.c_fc"), (mlp.c_proj, "mlp.c_proj")]
+            out += [(layer, [f"transformer.h.{i}.{name}.weight"]) for layer, name in named]
         return out + [(self.lm_head, ["lm_head.weight"])]
 
     def serving_defaults(self, tokenizer: Any) -> tuple[Tokenizer, ChatTemplate, list[int]]:

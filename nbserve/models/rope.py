@@ -22,6 +22,9 @@ import torch
 KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
+RopeRegime = str | int | None  # longrope's "long"/"short", dynamic NTK's length, or None
+
+
 @dataclass(frozen=True)
 class RopeSpec:
     """theta, the variant (`kind`, one of KINDS) and its parameters, the rotated dims per head,
@@ -41,7 +44,7 @@ class RopeSpec:
         """The pretraining context the scaling is relative to."""
         return int(self.param("original_max_position_embeddings") or self.max_positions)
 
-    def regime(self, length: int) -> Any:
+    def regime(self, length: int) -> RopeRegime:
         """Which table a row whose positions reach `length` - 1 uses (None: the one table)."""
         if self.kind == "longrope":
             return "long" if length > self.original else "short"
@@ -49,12 +52,12 @@ class RopeSpec:
             return length
         return None
 
-    def inv_freq(self, regime: Any = None) -> tuple[torch.Tensor, float]:
+    def inv_freq(self, regime: RopeRegime = None) -> tuple[torch.Tensor, float]:
         """(inverse frequencies (rotary_dim / 2,) float64, the factor cos/sin are scaled by)."""
         d = self.rotary_dim
         exponents = torch.arange(0, d, 2, dtype=torch.float64) / d
         base = self.theta
-        if self.kind == "dynamic" and regime is not None:
+        if self.kind == "dynamic" and isinstance(regime, int):
             factor = float(self.param("factor"))
             base = base * ((factor * regime / self.max_positions) - (factor - 1)) ** (d / (d - 2))
         inv = 1.0 / base ** exponents
@@ -105,7 +108,7 @@ class RopeSpec:
         exponents = torch.arange(0, d, 2, dtype=torch.float64) / d
         return 1.0 / (factors * self.theta ** exponents), float(attention)
 
-    def table(self, length: int, regime: Any, device: torch.device, dtype: torch.dtype
+    def table(self, length: int, regime: RopeRegime, device: torch.device, dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin_signed), each (length, rotary_dim): see `apply_rope` for the signs."""
         inv, scale = self.inv_freq(regime)

@@ -14,10 +14,11 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from ..execution.weights import WeightFormats
 from ..loading import LoadedModel, load
 from ..models.adapters.step_model import served
 from ..models.base import PagedModel
@@ -137,20 +138,20 @@ def replicate(loaded: LoadedModel, device: str) -> LoadedModel:
     """`loaded` itself when it is on `device`; else a copy of its weights there (tokenizer and
     template shared)."""
     model = loaded.model
-    if same_device(getattr(model, "device", "cpu"), device):
+    if same_device(model.device, device):
         return loaded
     if isinstance(model, torch.nn.Module):
-        released = bool(getattr(model, "dense_released", False))
-        if released:  # a quantized CPU model keeps no float32 matmul weights: rebuild them
-            getattr(model, "restore_dense_weights")()  # noqa: B009 - not a Module attribute
+        formats = model if isinstance(model, WeightFormats) else None
+        released = formats is not None and formats.dense_released
+        if formats is not None and released:  # a quantized CPU model keeps no float32 matmul
+            formats.restore_dense_weights()  # weights: rebuild them for the copy
         try:
             return dataclasses.replace(loaded, model=_copy_module(model, device))
         finally:
-            if released:
-                getattr(model, "release_dense_weights")()  # noqa: B009
+            if formats is not None and released:
+                formats.release_dense_weights()
     if loaded.source:
-        return load(loaded.source, device=device, dtype=getattr(model, "dtype", None),
-                    verbose=False)
+        return load(loaded.source, device=device, dtype=model.dtype, verbose=False)
     raise TypeError(f"cannot copy a {type(model).__name__} to {device}: pass the model's source "
                     "(a path or hub id) to Pool so that each device loads its own copy")
 
@@ -165,9 +166,8 @@ def _copy_module(model: M, device: str) -> M:
             memo[id(t)] = torch.nn.Parameter(moved, requires_grad=False) \
                 if isinstance(t, torch.nn.Parameter) else moved
     copied = copy.deepcopy(model, memo)
-    refresh = getattr(copied, "refresh_derived", None)
-    if callable(refresh):  # nbserve's model: fused views, CPU-only extras (see there)
-        refresh()
+    if isinstance(copied, WeightFormats):  # nbserve's model: fused views, CPU-only extras
+        copied.refresh_derived()
     return copied
 
 
@@ -244,9 +244,17 @@ def plan_paged(loaded: dict[str, LoadedModel], devices: list[str], fraction: flo
     return [KVPlan(max_batch, ctx, b, free, share, kv_memory=b) for b, free, share in budgets]
 
 
+@runtime_checkable
+class SizesKV(Protocol):
+    """A model that says how many bytes a cached token takes (`PagedModel`, a user's
+    `PagedStepModel`)."""
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int: ...
+
+
 def kv_bytes_per_token(model: Any) -> int:
     """Bytes one cached token takes in one slot (all layers, keys and values)."""
-    if callable(getattr(model, "kv_bytes_per_token", None)):
+    if isinstance(model, SizesKV):
         return int(model.kv_bytes_per_token())
     probe = model.make_cache(1, 2)
     try:

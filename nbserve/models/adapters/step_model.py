@@ -11,11 +11,51 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from ..base import PagedCache, PagedModel, SlotCache, SlotModel, StaticSteps, StepModel
+
+
+@runtime_checkable
+class OffersPagedCache(Protocol):
+    """A user's model that makes a paged cache (`PagedStepModel`'s own member)."""
+
+    def make_paged_cache(self, n_blocks: int, block_size: int,
+                         dtype: torch.dtype | None = None) -> PagedCache: ...
+
+
+@runtime_checkable
+class PadsRows(Protocol):
+    """A user's model that says whether padded prefill rows are inert (optional)."""
+
+    @property
+    def accepts_padded_rows(self) -> bool: ...
+
+
+@runtime_checkable
+class SizedCache(Protocol):
+    """A user's cache that says its size (optional: 0 where it does not)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+@runtime_checkable
+class OffersStaticSteps(Protocol):
+    """A user's paged model with its own static decode steps (optional)."""
+
+    def make_static_decode(self, cache: PagedCache, max_batch: int, max_context: int,
+                           capture: bool) -> StaticSteps | None: ...
+
+
+@runtime_checkable
+class ChoosesKVDtype(Protocol):
+    """A user's paged model that names its cache's dtype (optional: else its `dtype`)."""
+
+    @property
+    def default_kv_dtype(self) -> torch.dtype: ...
 
 
 def served(model: StepModel | SlotModel) -> SlotModel:
@@ -24,7 +64,7 @@ def served(model: StepModel | SlotModel) -> SlotModel:
     (`make_paged_cache`, as `PagedStepModel` says), `AdoptedSlotModel` otherwise."""
     if isinstance(model, SlotModel):
         return model
-    if callable(getattr(model, "make_paged_cache", None)):
+    if isinstance(model, OffersPagedCache):
         return AdoptedPagedModel(model)
     return AdoptedSlotModel(model)
 
@@ -48,7 +88,8 @@ class AdoptedSlotModel(SlotModel):
         self.inner = inner
         self.max_context, self.vocab_size = int(inner.max_context), int(inner.vocab_size)
         self.hints = takes_hints(inner.forward)
-        self.accepts_padded_rows = bool(getattr(inner, "accepts_padded_rows", False))
+        self.accepts_padded_rows = isinstance(inner, PadsRows) and \
+            bool(inner.accepts_padded_rows)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"
@@ -66,7 +107,7 @@ class AdoptedSlotModel(SlotModel):
 
     def cache_nbytes(self, cache: SlotCache) -> int:
         """The cache's `nbytes`, 0 where a user's cache does not say."""
-        return int(getattr(cache, "nbytes", 0))
+        return int(cache.nbytes) if isinstance(cache, SizedCache) else 0
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 cache: Any, logit_index: torch.Tensor | None = None,
@@ -87,11 +128,13 @@ class AdoptedPagedModel(AdoptedSlotModel, PagedModel):
 
     def __init__(self, inner: Any):
         super().__init__(inner)
-        self._static = getattr(inner, "make_static_decode", None)
+        self._static = inner.make_static_decode if isinstance(inner, OffersStaticSteps) \
+            else None
 
     @property
     def default_kv_dtype(self) -> torch.dtype:
-        return getattr(self.inner, "default_kv_dtype", self.dtype)
+        inner = self.inner
+        return inner.default_kv_dtype if isinstance(inner, ChoosesKVDtype) else self.dtype
 
     def make_paged_cache(self, n_blocks: int, block_size: int,
                          dtype: torch.dtype | None = None) -> PagedCache:

@@ -8,14 +8,17 @@ its language model: text in, text out; its vision tower is not loaded."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..config import DecoderConfig, layer_types_of
-from ..decoder import DecoderModel, build_decoder
+from ..decoder import DecoderBuildOptions, DecoderModel, build_decoder
 from ..family import ATTENTION, MLP, NORMS, QK_NORMS, Family, GGUFKeys, GGUFLayout
 from ..rope import RopeSpec, read_rope
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu",
                "silu": "silu"}
@@ -96,7 +99,7 @@ def text_tensors(tensors: Iterable[tuple[str, torch.Tensor]]
 
 
 def build(cfg: DecoderConfig, tensors: Iterable[tuple[str, torch.Tensor]],
-          **options: Any) -> DecoderModel:
+          **options: Unpack[DecoderBuildOptions]) -> DecoderModel:
     return build_decoder(cfg, text_tensors(tensors), **options)
 
 

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..config import DecoderConfig
-from ..decoder import DecoderModel, build_decoder
+from ..decoder import DecoderBuildOptions, DecoderModel, build_decoder
 from ..family import Family, GGUFKeys, GGUFLayout
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 _LAYER = re.compile(r"^transformer\.h\.(\d+)\.(.+)$")
 _LAYER_NAMES = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
@@ -83,7 +86,7 @@ def decoder_tensors(tensors: Iterable[tuple[str, torch.Tensor]], conv1d: bool,
 
 
 def build(cfg: DecoderConfig, tensors: Iterable[tuple[str, torch.Tensor]],
-          **options: Any) -> DecoderModel:
+          **options: Unpack[DecoderBuildOptions]) -> DecoderModel:
     """`build_decoder` over GPT-2-named tensors (Conv1D layout)."""
     contiguous = options.get("fuse", True)  # a loader's own copy: make it kernel-ready
     return build_decoder(cfg, decoder_tensors(tensors, conv1d=True, contiguous=contiguous),

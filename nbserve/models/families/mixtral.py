@@ -10,14 +10,17 @@ the one for such files (`with_experts`), the llama family's for the others."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..config import DecoderConfig
-from ..decoder import DecoderModel, build_decoder
+from ..decoder import DecoderBuildOptions, DecoderModel, build_decoder
 from ..family import ATTENTION, NORMS, Family, GGUFKeys, GGUFLayout, gguf_experts
 from ..moe import MoEConfig, moe_tensors
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 PROJECTIONS = {"w1": "gate", "w3": "up", "w2": "down"}
 
@@ -37,7 +40,7 @@ def read_config(cfg: dict[str, Any], name: str) -> DecoderConfig:
 
 
 def build(cfg: DecoderConfig, tensors: Iterable[tuple[str, torch.Tensor]],
-          **options: Any) -> DecoderModel:
+          **options: Unpack[DecoderBuildOptions]) -> DecoderModel:
     """`build_decoder` over Mixtral tensors, per-expert ones renamed and stacked first."""
     return build_decoder(cfg, moe_tensors(tensors, cfg, PROJECTIONS, block="block_sparse_moe"),
                          **options)

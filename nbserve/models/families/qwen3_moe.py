@@ -8,12 +8,12 @@ as they are."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..config import DecoderConfig
-from ..decoder import DecoderModel, build_decoder
+from ..decoder import DecoderBuildOptions, DecoderModel, build_decoder
 from ..family import (
     ATTENTION,
     NORMS,
@@ -25,6 +25,9 @@ from ..family import (
     no_sliding_window,
 )
 from ..moe import MoEConfig, moe_tensors, sparse_layers
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
@@ -46,7 +49,7 @@ def read_config(cfg: dict[str, Any], name: str) -> DecoderConfig:
 
 
 def build(cfg: DecoderConfig, tensors: Iterable[tuple[str, torch.Tensor]],
-          **options: Any) -> DecoderModel:
+          **options: Unpack[DecoderBuildOptions]) -> DecoderModel:
     """`build_decoder` over Qwen3-MoE tensors, per-expert ones stacked first."""
     return build_decoder(cfg, moe_tensors(tensors, cfg, PROJECTIONS), **options)
 
