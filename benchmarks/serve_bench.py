@@ -342,9 +342,14 @@ async def measure_nbserve(args: argparse.Namespace, levels: list[int], width: in
     if args.url:
         base = args.url.rstrip("/")
     else:
+        from nbserve.loading.memory_check import ModelTooLargeError
         from nbserve.server import create_app
 
-        engine = load_engine(args, levels)
+        try:
+            engine = load_engine(args, levels)
+        except ModelTooLargeError as exc:  # the peers still run: the point of the comparison
+            print(f"nbserve: refused: {exc}", flush=True)
+            return {}, []
         base, stop = start_server(create_app(engine, ui=False))
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     stop_ids = list(engine.stop_token_ids) if engine is not None else []
