@@ -104,8 +104,8 @@ INLINE void q5_floats(__m128i c, int bias, float d, float m, int has_m, float *o
     }
 }
 
-INLINE void q5_block(const uint8_t *qs, uint32_t qh, int bias, float d, float m, int has_m,
-                     float *out) {
+/* the codes of weights 0-15 (c[0]) and 16-31 (c[1]) as bytes */
+INLINE void q5_codes16(const uint8_t *qs, uint32_t qh, __m128i *c) {
     /* each qh byte spread over 8 lanes, its bit j kept in lane j, as the fifth bit (16) */
     const __m128i bits = _mm_set1_epi64x((long long)0x8040201008040201ULL);
     const __m128i low4 = _mm_set1_epi8(15), fifth = _mm_set1_epi8(16);
@@ -116,9 +116,16 @@ INLINE void q5_block(const uint8_t *qs, uint32_t qh, int bias, float d, float m,
     h0 = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h0, bits), bits), fifth);
     h1 = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h1, bits), bits), fifth);
     __m128i n = _mm_loadu_si128((const __m128i *)qs);
-    q5_floats(_mm_or_si128(_mm_and_si128(n, low4), h0), bias, d, m, has_m, out);
-    q5_floats(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(n, 4), low4), h1), bias, d, m, has_m,
-              out + 16);
+    c[0] = _mm_or_si128(_mm_and_si128(n, low4), h0);
+    c[1] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(n, 4), low4), h1);
+}
+
+INLINE void q5_block(const uint8_t *qs, uint32_t qh, int bias, float d, float m, int has_m,
+                     float *out) {
+    __m128i c[2];
+    q5_codes16(qs, qh, c);
+    q5_floats(c[0], bias, d, m, has_m, out);
+    q5_floats(c[1], bias, d, m, has_m, out + 16);
 }
 #else
 INLINE void q5_block(const uint8_t *qs, uint32_t qh, int bias, float d, float m, int has_m,
@@ -356,6 +363,7 @@ INLINE vf vfloat(vi v) { return _mm512_cvtepi32_ps(v); }
 INLINE vf vset(float f) { return _mm512_set1_ps(f); }
 INLINE vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 INLINE vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+INLINE vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 INLINE vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 INLINE vf vload(const float *p) { return _mm512_loadu_ps(p); }
 INLINE vf vzero(void) { return _mm512_setzero_ps(); }
@@ -376,6 +384,7 @@ INLINE vf vfloat(vi v) { return _mm256_cvtepi32_ps(v); }
 INLINE vf vset(float f) { return _mm256_set1_ps(f); }
 INLINE vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 INLINE vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+INLINE vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 INLINE vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 INLINE vf vload(const float *p) { return _mm256_loadu_ps(p); }
 INLINE vf vzero(void) { return _mm256_setzero_ps(); }
@@ -462,22 +471,90 @@ INLINE void q5_k_dot_n(const float *x, int rows, int k, const uint8_t *w, float 
                        int n_out) {
     k45_dot_n(x, rows, k, w, out, n_out, 1);
 }
+
+/* The 32-weight types: a block's codes as two vectors of 16 bytes (weights 0-15 and 16-31),
+ * signed (sgn) or not, each weight d (q - bias), + m where has_m: gguf's float32 operations
+ * (Q8_0's q d is the same product) */
+INLINE void fma_codes16(__m128i c, int sgn, int bias, vf d, vf m, int has_m, const float *x,
+                        int rows, int k, vf acc[TILE][2], int h) {
+    for (int part = 0; part < 16 / VL; part++) {
+#if VL == 16
+        vi q = sgn ? _mm512_cvtepi8_epi32(c) : _mm512_cvtepu8_epi32(c);
+#else
+        __m128i p = part ? _mm_srli_si128(c, 8) : c;
+        vi q = sgn ? _mm256_cvtepi8_epi32(p) : _mm256_cvtepu8_epi32(p);
+#endif
+        vf wv = vmul(d, vfloat(vsubi(q, bias)));
+        fma_rows(has_m ? vadd(wv, m) : wv, x + part * VL, rows, k, acc, h);
+    }
+}
+
+INLINE void nibbles16(const uint8_t *qs, __m128i *c) {  /* Q4_0's order: low, then high */
+    __m128i n = _mm_loadu_si128((const __m128i *)qs), low4 = _mm_set1_epi8(15);
+    c[0] = _mm_and_si128(n, low4);
+    c[1] = _mm_and_si128(_mm_srli_epi16(n, 4), low4);
+}
+
+INLINE void q4_0_codes(const uint8_t *b, __m128i *c) { nibbles16(b + 2, c); }
+INLINE void q4_1_codes(const uint8_t *b, __m128i *c) { nibbles16(b + 4, c); }
+INLINE void q5_0_codes(const uint8_t *b, __m128i *c) { q5_codes16(b + 6, u32_at(b + 2), c); }
+INLINE void q5_1_codes(const uint8_t *b, __m128i *c) { q5_codes16(b + 8, u32_at(b + 4), c); }
+INLINE void q8_0_codes(const uint8_t *b, __m128i *c) {
+    c[0] = _mm_loadu_si128((const __m128i *)(b + 2));
+    c[1] = _mm_loadu_si128((const __m128i *)(b + 18));
+}
+INLINE void iq4_nl_codes(const uint8_t *b, __m128i *c) {  /* the table's values, signed */
+    __m128i table = _mm_loadu_si128((const __m128i *)IQ4_VALUES);
+    nibbles16(b + 2, c);
+    c[0] = _mm_shuffle_epi8(table, c[0]);
+    c[1] = _mm_shuffle_epi8(table, c[1]);
+}
+
+/* T_dot_n of a 32-weight type: d at the block's start, m at M_AT (0: none) */
+#define DIRECT32(T, BYTES, SGN, BIAS, M_AT)                                                      \
+    INLINE void T##_dot_n(const float *x, int rows, int k, const uint8_t *w, float *out,       \
+                          int n_out) {                                                           \
+        vf acc[TILE][2];                                                                         \
+        for (int i = 0; i < TILE; i++) acc[i][0] = acc[i][1] = vzero();                         \
+        for (int b = 0; b < k / 32; b++) {                                                       \
+            const uint8_t *blk = w + (size_t)b * (BYTES);                                        \
+            const float *xb = x + (size_t)b * 32;                                                \
+            __m128i c[2];                                                                        \
+            T##_codes(blk, c);                                                                   \
+            vf d = vset(half_at(blk)), m = vset((M_AT) ? half_at(blk + (M_AT)) : 0.f);           \
+            fma_codes16(c[0], SGN, BIAS, d, m, (M_AT) != 0, xb, rows, k, acc, 0);                \
+            fma_codes16(c[1], SGN, BIAS, d, m, (M_AT) != 0, xb + 16, rows, k, acc, 1);           \
+        }                                                                                        \
+        finish_rows(acc, rows, out, n_out);                                                      \
+    }
+DIRECT32(q4_0, 18, 0, 8, 0)
+DIRECT32(q4_1, 20, 0, 0, 2)
+DIRECT32(q5_0, 22, 0, 16, 0)
+DIRECT32(q5_1, 24, 0, 0, 2)
+DIRECT32(q8_0, 34, 1, 0, 0)
+DIRECT32(iq4_nl, 18, 1, 0, 0)
 #endif
 
+DEFINE_TYPE(q2_k, 256, 84)
+DEFINE_TYPE(q3_k, 256, 110)
+DEFINE_TYPE(iq4_xs, 256, 136)
+#ifdef HAS_DIRECT_DOTS
+TO_FLOAT(q4_0, 32, 18) DOT_BY_ROWS(q4_0)
+TO_FLOAT(q4_1, 32, 20) DOT_BY_ROWS(q4_1)
+TO_FLOAT(q5_0, 32, 22) DOT_BY_ROWS(q5_0)
+TO_FLOAT(q5_1, 32, 24) DOT_BY_ROWS(q5_1)
+TO_FLOAT(q8_0, 32, 34) DOT_BY_ROWS(q8_0)
+TO_FLOAT(iq4_nl, 32, 18) DOT_BY_ROWS(iq4_nl)
+TO_FLOAT(q4_k, 256, 144) DOT_BY_ROWS(q4_k)
+TO_FLOAT(q5_k, 256, 176) DOT_BY_ROWS(q5_k)
+TO_FLOAT(q6_k, 256, 210) DOT_BY_ROWS(q6_k)
+#else
 DEFINE_TYPE(q4_0, 32, 18)
 DEFINE_TYPE(q4_1, 32, 20)
 DEFINE_TYPE(q5_0, 32, 22)
 DEFINE_TYPE(q5_1, 32, 24)
 DEFINE_TYPE(q8_0, 32, 34)
 DEFINE_TYPE(iq4_nl, 32, 18)
-DEFINE_TYPE(q2_k, 256, 84)
-DEFINE_TYPE(q3_k, 256, 110)
-DEFINE_TYPE(iq4_xs, 256, 136)
-#ifdef HAS_DIRECT_DOTS
-TO_FLOAT(q4_k, 256, 144) DOT_BY_ROWS(q4_k)
-TO_FLOAT(q5_k, 256, 176) DOT_BY_ROWS(q5_k)
-TO_FLOAT(q6_k, 256, 210) DOT_BY_ROWS(q6_k)
-#else
 DEFINE_TYPE(q4_k, 256, 144)
 DEFINE_TYPE(q5_k, 256, 176)
 DEFINE_TYPE(q6_k, 256, 210)
