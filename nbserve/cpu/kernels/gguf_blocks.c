@@ -9,8 +9,8 @@
  * DEFINE_TYPE line.
  *
  * Exact mode (the only one so far): a row kernel decodes a block of weights into float32, in L1,
- * exactly as gguf.quants.dequantize does, and multiplies it with up to TILE input rows (Q4_K,
- * Q5_K and Q6_K on AVX2 and AVX-512: the same weights built in registers, "direct dots"); more
+ * exactly as gguf.quants.dequantize does, and multiplies it with up to TILE input rows (on AVX2
+ * and AVX-512, every type's "direct dot" builds the same weights in registers instead); more
  * than ROW_PATH_MAX input rows take the panels (matmul_common.h) over weight rows dequantized
  * the same way. A product differs from "dequantize, then a float32 matmul" only in the order of
  * its sums. The same source is the AVX-512 (16 lanes), AVX2 (8) and plain C build: the block
@@ -359,6 +359,7 @@ INLINE vi vand(vi v, int m) { return _mm512_and_si512(v, _mm512_set1_epi32(m)); 
 INLINE vi vor(vi a, vi b) { return _mm512_or_si512(a, b); }
 INLINE vi vshl(vi v, int n) { return _mm512_sllv_epi32(v, _mm512_set1_epi32(n)); }
 INLINE vi vsubi(vi v, int n) { return _mm512_sub_epi32(v, _mm512_set1_epi32(n)); }
+INLINE vi vaddi(vi a, vi b) { return _mm512_add_epi32(a, b); }
 INLINE vf vfloat(vi v) { return _mm512_cvtepi32_ps(v); }
 INLINE vf vset(float f) { return _mm512_set1_ps(f); }
 INLINE vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
@@ -380,6 +381,7 @@ INLINE vi vand(vi v, int m) { return _mm256_and_si256(v, _mm256_set1_epi32(m)); 
 INLINE vi vor(vi a, vi b) { return _mm256_or_si256(a, b); }
 INLINE vi vshl(vi v, int n) { return _mm256_sllv_epi32(v, _mm256_set1_epi32(n)); }
 INLINE vi vsubi(vi v, int n) { return _mm256_sub_epi32(v, _mm256_set1_epi32(n)); }
+INLINE vi vaddi(vi a, vi b) { return _mm256_add_epi32(a, b); }
 INLINE vf vfloat(vi v) { return _mm256_cvtepi32_ps(v); }
 INLINE vf vset(float f) { return _mm256_set1_ps(f); }
 INLINE vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
@@ -503,12 +505,13 @@ INLINE void q8_0_codes(const uint8_t *b, __m128i *c) {
     c[0] = _mm_loadu_si128((const __m128i *)(b + 2));
     c[1] = _mm_loadu_si128((const __m128i *)(b + 18));
 }
-INLINE void iq4_nl_codes(const uint8_t *b, __m128i *c) {  /* the table's values, signed */
+INLINE void iq4_codes16(const uint8_t *qs, __m128i *c) {  /* the table's values, signed */
     __m128i table = _mm_loadu_si128((const __m128i *)IQ4_VALUES);
-    nibbles16(b + 2, c);
+    nibbles16(qs, c);
     c[0] = _mm_shuffle_epi8(table, c[0]);
     c[1] = _mm_shuffle_epi8(table, c[1]);
 }
+INLINE void iq4_nl_codes(const uint8_t *b, __m128i *c) { iq4_codes16(b + 2, c); }
 
 /* T_dot_n of a 32-weight type: d at the block's start, m at M_AT (0: none) */
 #define DIRECT32(T, BYTES, SGN, BIAS, M_AT)                                                      \
@@ -533,12 +536,87 @@ DIRECT32(q5_0, 22, 0, 16, 0)
 DIRECT32(q5_1, 24, 0, 0, 2)
 DIRECT32(q8_0, 34, 1, 0, 0)
 DIRECT32(iq4_nl, 18, 1, 0, 0)
+
+/* IQ4_XS: IQ4_NL's codes, a scale per 32 weights (see iq4_xs_block) */
+INLINE void iq4_xs_dot_n(const float *x, int rows, int k, const uint8_t *w, float *out,
+                         int n_out) {
+    vf acc[TILE][2];
+    for (int i = 0; i < TILE; i++) acc[i][0] = acc[i][1] = vzero();
+    for (int b = 0; b < k / 256; b++) {
+        const uint8_t *blk = w + (size_t)b * 136;
+        const float *xb = x + (size_t)b * 256;
+        float d = half_at(blk);
+        int sh = blk[2] | (blk[3] << 8);
+        for (int ib = 0; ib < 8; ib++) {
+            int ls = ((blk[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4);
+            vf dl = vset(d * (float)(ls - 32));
+            __m128i c[2];
+            iq4_codes16(blk + 8 + ib * 16, c);
+            fma_codes16(c[0], 1, 0, dl, dl, 0, xb + ib * 32, rows, k, acc, 0);
+            fma_codes16(c[1], 1, 0, dl, dl, 0, xb + ib * 32 + 16, rows, k, acc, 1);
+        }
+    }
+    finish_rows(acc, rows, out, n_out);
+}
+
+/* Q2_K and Q3_K: 16 weights of one scale at a time (see q2_k_block, q3_k_block) */
+INLINE void q2_k_dot_n(const float *x, int rows, int k, const uint8_t *w, float *out,
+                       int n_out) {
+    vf acc[TILE][2];
+    for (int i = 0; i < TILE; i++) acc[i][0] = acc[i][1] = vzero();
+    for (int b = 0; b < k / 256; b++) {
+        const uint8_t *blk = w + (size_t)b * 84;
+        const float *xb = x + (size_t)b * 256;
+        float d = half_at(blk + 80), dmin = half_at(blk + 82);
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 4; s++)
+                for (int g = 0; g < 2; g++) {
+                    int sb = h * 8 + s * 2 + g;
+                    vf dl = vset(d * (float)(blk[sb] & 15));
+                    vf ml = vset(dmin * (float)(blk[sb] >> 4));
+                    const uint8_t *p = blk + 16 + h * 32 + g * 16;
+                    for (int l = 0; l < 16; l += VL) {
+                        vi q = vand(vshr(bytes_at(p + l), 2 * s), 3);
+                        fma_rows(vsub(vmul(dl, vfloat(q)), ml), xb + sb * 16 + l, rows, k, acc,
+                                 (sb + l / VL) & 1);
+                    }
+                }
+    }
+    finish_rows(acc, rows, out, n_out);
+}
+
+INLINE void q3_k_dot_n(const float *x, int rows, int k, const uint8_t *w, float *out,
+                       int n_out) {
+    vf acc[TILE][2];
+    for (int i = 0; i < TILE; i++) acc[i][0] = acc[i][1] = vzero();
+    for (int b = 0; b < k / 256; b++) {
+        const uint8_t *blk = w + (size_t)b * 110, *sc = blk + 96;
+        const float *xb = x + (size_t)b * 256;
+        float d = half_at(blk + 108);
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 4; s++)
+                for (int g = 0; g < 2; g++) {
+                    int sb = h * 8 + s * 2 + g, bit = h * 4 + s;
+                    int lo = sb < 8 ? sc[sb] & 15 : sc[sb - 8] >> 4;
+                    int hi = (sc[8 + sb % 4] >> (2 * (sb / 4))) & 3;
+                    vf dl = vset(d * (float)((int8_t)(lo | (hi << 4)) - 32));
+                    const uint8_t *p = blk + 32 + h * 32 + g * 16, *m = blk + g * 16;
+                    for (int l = 0; l < 16; l += VL) {
+                        vi q = vaddi(vand(vshr(bytes_at(p + l), 2 * s), 3),
+                                     vshl(vand(vshr(bytes_at(m + l), bit), 1), 2));
+                        fma_rows(vmul(dl, vfloat(vsubi(q, 4))), xb + sb * 16 + l, rows, k, acc,
+                                 (sb + l / VL) & 1);
+                    }
+                }
+    }
+    finish_rows(acc, rows, out, n_out);
+}
 #endif
 
-DEFINE_TYPE(q2_k, 256, 84)
-DEFINE_TYPE(q3_k, 256, 110)
-DEFINE_TYPE(iq4_xs, 256, 136)
 #ifdef HAS_DIRECT_DOTS
+TO_FLOAT(q2_k, 256, 84) DOT_BY_ROWS(q2_k)
+TO_FLOAT(q3_k, 256, 110) DOT_BY_ROWS(q3_k)
+TO_FLOAT(iq4_xs, 256, 136) DOT_BY_ROWS(iq4_xs)
 TO_FLOAT(q4_0, 32, 18) DOT_BY_ROWS(q4_0)
 TO_FLOAT(q4_1, 32, 20) DOT_BY_ROWS(q4_1)
 TO_FLOAT(q5_0, 32, 22) DOT_BY_ROWS(q5_0)
@@ -549,6 +627,9 @@ TO_FLOAT(q4_k, 256, 144) DOT_BY_ROWS(q4_k)
 TO_FLOAT(q5_k, 256, 176) DOT_BY_ROWS(q5_k)
 TO_FLOAT(q6_k, 256, 210) DOT_BY_ROWS(q6_k)
 #else
+DEFINE_TYPE(q2_k, 256, 84)
+DEFINE_TYPE(q3_k, 256, 110)
+DEFINE_TYPE(iq4_xs, 256, 136)
 DEFINE_TYPE(q4_0, 32, 18)
 DEFINE_TYPE(q4_1, 32, 20)
 DEFINE_TYPE(q5_0, 32, 22)
