@@ -13,13 +13,14 @@ import functools
 import logging
 import os
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeGuard
 
 try:
     import ray
     from ray import serve
+    from ray.serve.handle import DeploymentHandle
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("nbserve.ray needs Ray Serve: pip install 'nbserve[ray]' "
                       "(or pip install 'ray[serve]>=2.60')") from exc
@@ -33,6 +34,7 @@ from .serving.ray_asgi import (
     ReplicaMiddleware,
     proxy_middlewares,
 )
+from .types import JSONObject
 
 
 def _missing_features() -> list[str]:
@@ -62,7 +64,7 @@ log = logging.getLogger("nbserve.ray")
 
 #: `serve.run(app, controller_options=CONTROLLER_OPTIONS)` puts Ray's own overload and timeout
 #: answers (plain text) in the OpenAI error shape; `nbserve.ray.run` passes it for you.
-CONTROLLER_OPTIONS: dict[str, Any] = {
+CONTROLLER_OPTIONS: JSONObject = {
     "runtime_env": {"env_vars": {PROXY_CALLBACK_ENV: PROXY_CALLBACK}}}
 DEFAULT_MAX_BATCH = PAGED_MAX_BATCH  # the Engine's, for the defaults derived from it below
 _AUTOSCALING_KEYS = ("min_replicas", "max_replicas", "initial_replicas",
@@ -76,8 +78,10 @@ _AUTOSCALING_KEYS = ("min_replicas", "max_replicas", "initial_replicas",
 class NbserveReplica:
     """One Ray Serve replica: builds its backend in its own process, serves `create_app`."""
 
-    def __init__(self, model: Any, build_options: dict[str, Any], app_options: dict[str, Any]):
+    def __init__(self, model: object, build_options: dict[str, Any], app_options: dict[str, Any]):
         from .serving.backend_ref import build_backend
+
+        self._owned = False  # first: __del__ runs even when building the backend fails
 
         source = model() if _is_factory(model) else model
         self.backend, self._owned = build_backend(source, **build_options)
@@ -93,7 +97,7 @@ class NbserveReplica:
         self._metrics = app.state.metrics
         return app
 
-    def replica_stats(self) -> dict[str, Any]:
+    def replica_stats(self) -> JSONObject:
         """This replica's identity and its backend's stats (for `replica_stats()`)."""
         return {"replica": self.replica, "model": self.backend.model_name,
                 **self.backend.stats()}
@@ -101,7 +105,7 @@ class NbserveReplica:
     def replica_metrics(self) -> tuple[str, str]:
         """(replica id, this replica's Prometheus text: what its /metrics would answer)."""
         body, _ = self._metrics.render()
-        return self.replica["id"], body.decode()
+        return str(self.replica["id"]), body.decode()
 
     def check_health(self) -> None:
         """Ray Serve calls this periodically; raising makes Ray replace the replica."""
@@ -110,14 +114,13 @@ class NbserveReplica:
             raise RuntimeError(f"nbserve backend not ready: {health}")
 
     def __del__(self) -> None:
-        backend = getattr(self, "backend", None)
-        if backend is not None and getattr(self, "_owned", False):
-            backend.close()
+        if self._owned:
+            self.backend.close()
 
 
-def replica_info() -> dict[str, Any]:
+def replica_info() -> JSONObject:
     """Who is answering: replica id, deployment, app, node id and address, process id."""
-    info: dict[str, Any] = {"id": "local", "pid": os.getpid()}
+    info: JSONObject = {"id": "local", "pid": os.getpid()}
     try:
         ctx = serve.get_replica_context()
         info.update(id=ctx.replica_tag, deployment=ctx.deployment, app=ctx.app_name,
@@ -133,14 +136,14 @@ def replica_info() -> dict[str, Any]:
 # ----------------------------------------------------------------------------- building
 
 
-def deployment(model: Any, *, num_replicas: int = 1, gpus_per_replica: float = 0,
-               cpus_per_replica: float = 1, autoscaling: dict[str, Any] | None = None,
+def deployment(model: object, *, num_replicas: int = 1, gpus_per_replica: float = 0,
+               cpus_per_replica: float = 1, autoscaling: dict[str, float] | None = None,
                max_ongoing_requests: int | None = None, max_queued_requests: int = 64,
                retry_after_s: float = 1.0, name: str = "nbserve", route_prefix: str = "/",
                api_keys: str | Iterable[str] | None = None, ui: bool | None = None,
                app_options: dict[str, Any] | None = None,
-               ray_actor_options: dict[str, Any] | None = None,
-               serve_options: dict[str, Any] | None = None,
+               ray_actor_options: dict[str, object] | None = None,
+               serve_options: dict[str, object] | None = None,
                **engine_options: Any) -> serve.Application:
     """A bound Ray Serve application serving `model`, for `nbserve.ray.run(app)`,
     `serve.run(app)` or `serve run module:app`.
@@ -204,8 +207,8 @@ def _build_options(gpus: float, engine_options: dict[str, Any]) -> dict[str, Any
     return opts
 
 
-def _replica_count(num_replicas: int, autoscaling: dict[str, Any] | None,
-                   max_batch: int) -> dict[str, Any]:
+def _replica_count(num_replicas: int, autoscaling: dict[str, float] | None,
+                   max_batch: int) -> dict[str, object]:
     if autoscaling is None:
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
@@ -240,7 +243,7 @@ def _check(options: dict[str, Any]) -> None:
         raise ValueError("max_queued_requests must be >= 1 (or -1 for no limit: then no 429)")
 
 
-def _portable(model: Any) -> Any:
+def _portable(model: object) -> object:
     """What the replicas receive: a source (absolute path if local) or a factory function."""
     if isinstance(model, (str, os.PathLike)):
         path = os.path.expanduser(os.fspath(model))
@@ -252,7 +255,7 @@ def _portable(model: Any) -> Any:
                     "Example: deployment('smollm2') or deployment(lambda: load_my_model())")
 
 
-def _is_factory(model: Any) -> bool:
+def _is_factory(model: object) -> TypeGuard[Callable[[], object]]:
     return isinstance(model, (types.FunctionType, functools.partial))
 
 
@@ -261,7 +264,7 @@ def _is_factory(model: Any) -> bool:
 
 def run(app: serve.Application, *, name: str | None = None, route_prefix: str | None = None,
         host: str | None = None, port: int | None = None,
-        blocking: bool = False) -> Any:
+        blocking: bool = False) -> DeploymentHandle:
     """`serve.run(app)` with nbserve's proxy settings (OpenAI-shaped 429s); starts Ray and
     Serve on 127.0.0.1:8000 unless told otherwise (host/port apply when Serve first starts).
     Returns the deployment handle."""
@@ -274,22 +277,23 @@ def run(app: serve.Application, *, name: str | None = None, route_prefix: str | 
                      blocking=blocking, controller_options=CONTROLLER_OPTIONS)
 
 
-def replica_stats(name: str = "nbserve", app_name: str | None = None) -> list[dict[str, Any]]:
+def replica_stats(name: str = "nbserve", app_name: str | None = None) -> list[JSONObject]:
     """Every running replica's stats (its `replica` identity, tokens, latencies), one dict
     each, from a broadcast call: the way to see all replicas, since HTTP reaches only one.
     `name` is the deployment's; `app_name` defaults to the application that holds it."""
-    return list(_broadcast(name, app_name, "replica_stats"))
+    return [r for r in _broadcast(name, app_name, "replica_stats") if isinstance(r, dict)]
 
 
 def replica_metrics(name: str = "nbserve", app_name: str | None = None) -> dict[str, str]:
     """Every running replica's Prometheus text, by replica id (label them when scraping)."""
-    return dict(_broadcast(name, app_name, "replica_metrics"))
+    return dict(r for r in _broadcast(name, app_name, "replica_metrics")
+                if isinstance(r, tuple))
 
 
-def _broadcast(name: str, app_name: str | None, method: str) -> list[Any]:
+def _broadcast(name: str, app_name: str | None, method: str) -> list[object]:
     """Call `method` on every replica; from a thread when an event loop runs here (a notebook
     kernel), where Ray refuses blocking calls."""
-    def call() -> list[Any]:
+    def call() -> list[object]:
         handle = serve.get_deployment_handle(name, app_name or _app_of(name))
         return list(handle.broadcast(method).results())
 

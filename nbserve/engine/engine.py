@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,7 @@ from ..types import (
     EngineStoppedError,
     Event,
     InvalidRequestError,
+    JSONObject,
     Request,
 )
 from .config import EngineConfig
@@ -58,6 +59,9 @@ from .stats import EngineStats
 from .step import EngineStep
 from .sync_helpers import SyncHelpers
 
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
 log = logging.getLogger("nbserve.engine")
 
 
@@ -70,8 +74,9 @@ class Engine(SyncHelpers):
 
     restart_delay = 1.0  # seconds between a crash of the engine thread and its restart
 
-    def __init__(self, model: LoadedModel | Any, config: EngineConfig | None = None, *,
-                 device: str | None = None, dtype: Any = None, **options: Any):
+    def __init__(self, model: object, config: EngineConfig | None = None, *,
+                 device: str | None = None, dtype: str | torch.dtype | None = None,
+                 **options: Any):
         self.config = config = EngineConfig.from_options(config, **options)
         if not isinstance(model, LoadedModel):
             from ..loading import load
@@ -241,7 +246,7 @@ class Engine(SyncHelpers):
         except (RuntimeError, KeyError, IndexError):  # the engine thread changed it meanwhile
             return 0
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> JSONObject:
         s = self._step.scheduler
         space = s.space
         tuner = self._step.tuner
@@ -272,7 +277,7 @@ class Engine(SyncHelpers):
         """A step has run past `step_timeout` and not returned yet (see `StallWatch`)."""
         return self._stalled
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> JSONObject:
         alive = self._thread.is_alive() and not (self._dead or self._stopping)
         restarting = not alive and self._restart_timer is not None and not self._stopping
         st = self.stats()
@@ -308,7 +313,7 @@ class Engine(SyncHelpers):
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -401,7 +406,9 @@ class Engine(SyncHelpers):
         device = self.model.device
         # a constrained answer ends only where its grammar accepts it: a stop string (or token,
         # step.py) elsewhere is not matched; ignore_eos holds the end tokens while it may go on
-        ends_answer = None if matcher is None else partial(group.grammars.accepts, matcher)
+        grammars = group.grammars  # set by _matcher with the matcher
+        ends_answer = None if matcher is None or grammars is None else partial(grammars.accepts,
+                                                                                 matcher)
         for i in range(params.n):
             group.seqs.append(Sequence(group, i, ids,
                                        scores_prompt=params.prompt_logprobs is not None))
@@ -435,7 +442,8 @@ class Engine(SyncHelpers):
         """The tokenizer's grammar data (built on first use, then shared)."""
         return grammars_for(self.tokenizer, self.vocab_size, self.stop_token_ids)
 
-    def _matcher(self, request: Request, group: RequestGroup, thought: ThoughtRule) -> Any:
+    def _matcher(self, request: Request, group: RequestGroup, thought: ThoughtRule
+                 ) -> LLMatcher | None:
         """The compiled grammar of a request with tools or a constraint (None without),
         which each choice copies, applied after the thought that `thought` allows; the tool
         format goes on the group for the Started event."""
@@ -584,7 +592,7 @@ class Engine(SyncHelpers):
 _RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "documents"})
 
 
-def _template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+def _template_kwargs(kwargs: JSONObject) -> JSONObject:
     """The request's extra chat-template variables, checked: names the template's own
     arguments do not use."""
     for name in kwargs:

@@ -15,12 +15,15 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from ..text import IncrementalDetokenizer, StopStringMatcher
-from ..types import ErrorEvent, Event, Finished, SamplingParams, Usage
+from ..types import ErrorEvent, Event, Finished, SamplingParams, TokenLogprob, Usage
 from .sampling import SeqSampler
 from .scheduler import Sequence
+
+if TYPE_CHECKING:
+    from .constraints import Grammars
 
 Sink = Callable[[Event], None]
 Clock = Callable[[], float]  # seconds, monotonic
@@ -56,9 +59,9 @@ class RequestGroup:
     first_token: float = 0.0
     admitted: bool = False
     done: bool = False
-    grammars: Any = None  # constraints.Grammars of a constrained request
+    grammars: Grammars | None = None  # of a constrained request
     tool_format: str | None = None  # the model's tool-call format, for a request with tools
-    prompt_logprobs: list[Any] | None = None  # collected while the prompt is scored
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # collected while the prompt is scored
     reasoning: bool = False  # a chat of a thinking model: its answer may open with a thought
     thought_open: bool = False  # the prompt opened the thought
 
@@ -98,7 +101,7 @@ class Mailbox(Generic[T]):
         waiter = self.waiter
         if waiter is None:
             return
-        gathered = getattr(_gathering, "wakeups", None)
+        gathered = _gathering.wakeups
         if gathered is not None:  # inside gathered_wakeups(): one call per loop at its end
             gathered.setdefault(self.loop, {})[waiter] = self
             return
@@ -209,7 +212,13 @@ def wake_waiters(waiters: list[asyncio.Future[None]]) -> None:
         wake_waiter(waiter)
 
 
-_gathering = threading.local()
+class _Gathering(threading.local):
+    """The wake-ups `gathered_wakeups` holds back on this thread (None outside it)."""
+
+    wakeups: dict[asyncio.AbstractEventLoop, dict[asyncio.Future[None], Mailbox]] | None = None
+
+
+_gathering = _Gathering()
 
 
 @contextmanager
@@ -218,7 +227,7 @@ def gathered_wakeups() -> Iterator[None]:
     one by one go out at the end, one `call_soon_threadsafe` per event loop. Each of those
     writes to the loop's wake-up pipe and lets the loop thread take the GIL; sixteen streams
     on one loop made sixteen a step."""
-    if getattr(_gathering, "wakeups", None) is not None:  # nested: the outer one sends
+    if _gathering.wakeups is not None:  # nested: the outer one sends
         yield
         return
     wakeups: dict[asyncio.AbstractEventLoop, dict[asyncio.Future[None], Mailbox]]

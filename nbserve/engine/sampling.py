@@ -12,11 +12,14 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from nbserve.types import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 _MIN_TEMPERATURE = 1e-5  # below this a row is sampled greedily (dividing by it would overflow)
 _CANDIDATE_TOP_K = 1024  # rows with 0 < top_k <= this sample among their top-k values only
@@ -35,7 +38,7 @@ class SeqSampler:
     eos_ids: tuple[int, ...] = ()  # a constrained row with ignore_eos: the model's end tokens
     generated: int = 0  # tokens observed
     seen_ids: set[int] = field(init=False, repr=False)  # prompt ∪ output ids, kept by observe()
-    matcher: Any = None  # an llguidance matcher when the output is constrained (constraints.py)
+    matcher: LLMatcher | None = None  # when the output is constrained (constraints.py)
     _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:

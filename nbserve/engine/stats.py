@@ -6,6 +6,8 @@ import time
 from collections import deque
 from typing import Any
 
+from ..types import JSONObject
+
 
 def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile (0-100) of `values` by nearest rank, or None when empty."""
@@ -45,7 +47,7 @@ class EngineStats:
         span = recent[-1][0] - recent[0][0]
         return sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
 
-    def snapshot(self, **live: Any) -> dict[str, Any]:
+    def snapshot(self, **live: Any) -> JSONObject:
         ttft, itl = list(self.ttft), list(self.itl)
         book = max(self.step_time - self.model_time - self.sample_time, 0.0)
         return {

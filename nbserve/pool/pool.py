@@ -30,6 +30,7 @@ from ..types import (
     Event,
     Finished,
     InvalidRequestError,
+    JSONObject,
     NbserveError,
     Request,
     Started,
@@ -244,11 +245,11 @@ class Pool(SyncHelpers):
 
     # ------------------------------------------------------------------ health and stats
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> JSONObject:
         """Ready while at least one replica is healthy; per-replica detail in `replica_health`."""
         return pool_health(self.replicas, self.model_name, self._closed)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> JSONObject:
         """Pool totals (Engine.stats keys) plus `replicas`: one summary per replica."""
         return pool_stats(self.replicas, self.max_context, self._started)
 

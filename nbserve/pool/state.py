@@ -13,6 +13,7 @@ from typing import Any
 
 from ..engine.engine import Engine
 from ..engine.stats import percentile
+from ..types import JSONObject, JSONValue
 
 AFFINITY_TOKENS = 32  # a shared prefix this long (or half the prompt) pulls a request back
 AFFINITY_FRACTION = 0.5
@@ -68,9 +69,10 @@ def route_order(live: list[Replica], ids: list[int], turn: int, n: int) -> list[
     return order
 
 
-def pool_health(replicas: list[Replica], model_name: str, closed: bool) -> dict[str, Any]:
+def pool_health(replicas: list[Replica], model_name: str, closed: bool) -> JSONObject:
     """Ready while >= 1 replica is healthy; `replica_health` has one entry per replica."""
-    detail = []
+    detail: list[JSONValue] = []
+    healthy, running, waiting = 0, 0.0, 0.0
     for rep in replicas:
         h = rep.engine.health()
         ok = rep.healthy and bool(h.get("ready")) and not closed
@@ -78,18 +80,20 @@ def pool_health(replicas: list[Replica], model_name: str, closed: bool) -> dict[
         detail.append({"replica": rep.index, "device": rep.device, "healthy": ok,
                        "reason": reason, "running": h.get("running", 0),
                        "waiting": h.get("waiting", 0)})
-    healthy = sum(d["healthy"] for d in detail)
+        healthy += ok
+        running += _number(h.get("running", 0))
+        waiting += _number(h.get("waiting", 0))
     status = ("stopped" if closed else "ready" if healthy == len(detail)
               else "degraded" if healthy else "unavailable")
     return {"ready": healthy > 0, "status": status, "model": model_name,
             "replicas": len(detail), "healthy_replicas": healthy,
-            "running": sum(d["running"] for d in detail),
-            "waiting": sum(d["waiting"] for d in detail), "replica_health": detail}
+            "running": int(running), "waiting": int(waiting), "replica_health": detail}
 
 
-def pool_stats(replicas: list[Replica], max_context: int, started: float) -> dict[str, Any]:
+def pool_stats(replicas: list[Replica], max_context: int, started: float) -> JSONObject:
     """Totals under Engine.stats() keys, plus `replicas`: one summary per replica."""
-    per, raw = [], []
+    per: list[JSONValue] = []
+    raw: list[JSONObject] = []
     for rep in replicas:
         st = rep.engine.stats()
         raw.append(st)
@@ -97,18 +101,19 @@ def pool_stats(replicas: list[Replica], max_context: int, started: float) -> dic
                     "reason": rep.reason, "in_flight": rep.load,
                     "requests_served": rep.served, "max_batch": rep.engine.max_batch,
                     **{k: st.get(k) for k in SUMMED}, "max_context": st.get("max_context")})
-    total: dict[str, Any] = {k: sum(s.get(k) or 0 for s in raw) for k in SUMMED}
-    total["decode_tokens_per_s"] = round(total["decode_tokens_per_s"], 2)
+    sums = {k: sum(_number(s.get(k)) for s in raw) for k in SUMMED}
+    sums["decode_tokens_per_s"] = round(sums["decode_tokens_per_s"], 2)
+    total: JSONObject = {**sums}
     finished: dict[str, int] = {}
     for s in raw:
-        for reason, count in (s.get("requests_finished") or {}).items():
-            finished[reason] = finished.get(reason, 0) + count
-    times = {k: round(sum((s.get("step_time_s") or {}).get(k, 0.0) for s in raw), 4)
+        for reason, count in _table(s.get("requests_finished")).items():
+            finished[reason] = finished.get(reason, 0) + (count if isinstance(count, int) else 0)
+    times = {k: round(sum(_number(_table(s.get("step_time_s")).get(k, 0.0)) for s in raw), 4)
              for k in ("model", "sampling", "bookkeeping")}
     spent = sum(times.values())
     total.update(
         max_context=max_context, device=",".join(r.device for r in replicas),
-        dtype=raw[0].get("dtype"), requests_finished=finished, step_time_s=times,
+        dtype=raw[0].get("dtype"), requests_finished={**finished}, step_time_s={**times},
         bookkeeping_fraction=round(times["bookkeeping"] / spent, 4) if spent else 0.0,
         ttft_s=_merged([r.engine.counters().ttft for r in replicas]),
         itl_s=_merged([r.engine.counters().itl for r in replicas]),
@@ -117,7 +122,17 @@ def pool_stats(replicas: list[Replica], max_context: int, started: float) -> dic
     return total
 
 
-def _merged(windows: list[deque[float]]) -> dict[str, float | None]:
+def _number(value: JSONValue) -> float:
+    """A replica's stats number (0 where it reports none)."""
+    return value if isinstance(value, (int, float)) else 0
+
+
+def _table(value: JSONValue) -> JSONObject:
+    """A replica's stats table (empty where it reports none)."""
+    return value if isinstance(value, dict) else {}
+
+
+def _merged(windows: list[deque[float]]) -> JSONObject:
     """p50/p95 over every replica's latency window."""
     values = [v for window in windows for v in list(window)]
     return {"p50": percentile(values, 50), "p95": percentile(values, 95)}

@@ -28,7 +28,7 @@ from ..api.handler import RouteContext, RouteFamily
 from ..api.limits import Limits
 from ..api.openapi_schemas import add_request_schemas
 from ..api.trace import Trace
-from ..types import Backend
+from ..types import Backend, JSONObject
 from .metrics import Metrics
 from .options import ServerOptions
 
@@ -233,8 +233,8 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
     app.state.accepting = True  # False once the server shuts down
     install_error_handlers(app)
 
-    def health_body() -> tuple[int, dict[str, Any]]:
-        h: dict[str, Any]
+    def health_body() -> tuple[int, JSONObject]:
+        h: JSONObject
         try:
             h = dict(backend.health())
         except Exception as exc:  # noqa: BLE001 - a broken backend is "not ready", not a 500

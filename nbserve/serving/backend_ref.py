@@ -9,9 +9,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from typing import Any, TypeGuard
 
-from ..types import Backend, BackendDefaults, EngineStoppedError, Event, Request, TokenCodec
+from ..types import (
+    Backend,
+    BackendDefaults,
+    EngineStoppedError,
+    Event,
+    JSONObject,
+    Request,
+    TokenCodec,
+)
 
 
 class StoppedBackend(BackendDefaults):
@@ -24,10 +32,10 @@ class StoppedBackend(BackendDefaults):
         raise EngineStoppedError("this server is stopped: launch it again to serve requests")
         yield  # an async generator, like an Engine's
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> JSONObject:
         return {"running": 0, "waiting": 0, "stopped": True}
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> JSONObject:
         return {"ready": False, "status": "stopped", "model": self.model_name}
 
     def close(self) -> None:
@@ -156,13 +164,13 @@ class SwappableBackend:
 
     # ------------------------------------------------------------------ Backend protocol
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> JSONObject:
         stats = dict(self._current.stats())
         if self._retiring:
             stats["retiring_backends"] = len(self._retiring)
         return stats
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> JSONObject:
         return self._current.health()
 
     def close(self, *, close_current: bool = True) -> None:
@@ -186,7 +194,7 @@ class SwappableBackend:
 # ----------------------------------------------------------------------------- building
 
 
-def is_backend(obj: object) -> bool:
+def is_backend(obj: object) -> TypeGuard[Backend]:
     """Whether `obj` already serves requests: an Engine, a Pool, or another `Backend` (an
     object with every member the protocol declares)."""
     return isinstance(obj, Backend)
@@ -195,11 +203,11 @@ def is_backend(obj: object) -> bool:
 LOAD_OPTIONS = ("device", "dtype", "chat_template")  # build_backend gives these to the loader
 
 
-def _builds_pool(devices: Any) -> bool:
+def _builds_pool(devices: object) -> bool:
     return devices is not None and not (isinstance(devices, str) and devices != "auto")
 
 
-def backend_option_names(devices: Any = None) -> set[str]:
+def backend_option_names(devices: object = None) -> set[str]:
     """The keywords `build_backend(model, devices=devices, ...)` accepts: the loader's and the
     Engine's (`EngineConfig`), and the Pool's when `devices` makes a Pool."""
     import inspect
@@ -215,7 +223,7 @@ def backend_option_names(devices: Any = None) -> set[str]:
     return names
 
 
-def build_backend(model: Any, *, devices: Any = None, tokenizer: Any = None,
+def build_backend(model: object, *, devices: object = None, tokenizer: object = None,
                   **engine_options: Any) -> tuple[Backend, bool]:
     """(backend, owned): an existing backend as is (not owned), else a new Engine, or a Pool
     when `devices` names several ("auto", a count, a list). `device`, `dtype` and

@@ -10,7 +10,7 @@ from typing import Any
 from .options import add_cli_options, cli_kwargs
 
 
-def parse_devices(value: str | None) -> Any:
+def parse_devices(value: str | None) -> str | int | list[str] | None:
     """"auto", a count ("2"), or a comma-separated list ("cuda:0,cuda:1"; "cpu,cpu")."""
     if value is None or value == "auto":
         return value
@@ -115,8 +115,9 @@ def serve_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                               "devices": parse_devices(args.devices)}
     for name in ("max_batch", "max_context", "dtype", "kv_memory", "kv_block_size", "kv_dtype",
                  "max_backlog", "slow_client_timeout"):
-        if getattr(args, name, None) is not None:
-            kwargs[name] = getattr(args, name)
+        value = vars(args).get(name)  # (the flags of add_serve_options; None: not given)
+        if value is not None:
+            kwargs[name] = value
     kwargs.update(cli_kwargs(args))
     return kwargs
 

@@ -26,16 +26,21 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from ..types import Backend
+from ..types import Backend, JSONValue
 from .access import Access, decide_access
 from .backend_ref import SwappableBackend, backend_option_names, build_backend, is_backend
 from .options import ServerOptions, option_names, suggest
 from .share import close_share_links, open_share_link
 from .startup import LoadingBackend, LoadingGate, LoadState
+
+if TYPE_CHECKING:
+    import openai
+    from fastapi import FastAPI
 
 _SERVERS: dict[int, Server] = {}
 _FLUSH_S = 3.0  # after the grace period: time for cancelled answers to reach their clients
@@ -71,7 +76,7 @@ def _url_host(host: str) -> str:
 
 
 def _get_json(host: str, port: int, path: str, timeout: float = 2.0,
-              tls: bool = False) -> tuple[int, Any]:
+              tls: bool = False) -> tuple[int, JSONValue]:
     """GET our own server's `path`; with `tls`, over HTTPS without checking the certificate
     (it is our own, possibly self-signed, possibly naming another host)."""
     if tls:
@@ -100,9 +105,9 @@ class Server:
     """A running nbserve server: its URLs, its backend, `ready`/`wait()` (the model loads in
     the background), `update()` and `stop()`."""
 
-    def __init__(self, app: Any, ref: SwappableBackend, sock: socket.socket, host: str,
+    def __init__(self, app: FastAPI, ref: SwappableBackend, sock: socket.socket, host: str,
                  *, owned: bool, options: ServerOptions, share_url: str | None,
-                 model: Any, build_options: dict[str, Any], drain_s: float = 5.0,
+                 model: object, build_options: dict[str, Any], drain_s: float = 5.0,
                  load: LoadState | None = None, ui_password: str | None = None):
         self.app, self._ref, self._sock = app, ref, sock
         self._load = load or LoadState.loaded(ref.model_name)
@@ -177,7 +182,7 @@ class Server:
         raise TimeoutError(f"the server on port {self.port} did not answer /health "
                            f"within {timeout:.0f} s")
 
-    def _load_in_background(self, model: Any, build: dict[str, Any]) -> None:
+    def _load_in_background(self, model: object, build: dict[str, Any]) -> None:
         """On a thread: build the backend of `model`; `_loaded` then serves it."""
         def run() -> None:
             try:
@@ -374,7 +379,7 @@ class Server:
         while self._ref.in_flight() and time.monotonic() < deadline:
             time.sleep(0.02)
 
-    def update(self, model: Any = None) -> Server:
+    def update(self, model: object = None) -> Server:
         """Serve `model` (same kinds as `launch`) from now on, at the same URL.
 
         Requests already running finish on the old weights, which are then freed; new requests
@@ -412,7 +417,7 @@ class Server:
     def api_key(self) -> str | None:
         return self.api_keys[0] if self.api_keys else None
 
-    def openai_client(self, **kwargs: Any) -> Any:
+    def openai_client(self, **kwargs: Any) -> openai.OpenAI:
         """An `openai.OpenAI` client for this server (with its API key, if any), once the
         model has loaded (see `wait`)."""
         import openai
@@ -492,7 +497,7 @@ _LAUNCH_OWN = ("port", "host", "share", "devices", "tokenizer", "startup_timeout
 
 
 def split_launch_options(kwargs: dict[str, Any], options: ServerOptions | None = None,
-                         devices: Any = None) -> tuple[ServerOptions, dict[str, Any]]:
+                         devices: object = None) -> tuple[ServerOptions, dict[str, Any]]:
     """(the server options, the engine/loader options) of launch's other keywords; a keyword
     that is neither is a TypeError naming it (with the closest accepted name)."""
     if options is not None and not isinstance(options, ServerOptions):
@@ -513,7 +518,7 @@ def split_launch_options(kwargs: dict[str, Any], options: ServerOptions | None =
     return (dataclasses.replace(base, **server) if server else base), engine
 
 
-def _model_key(model: Any) -> tuple[str, Any]:
+def _model_key(model: object) -> tuple[str, str | int]:
     """What makes two launches serve "the same model": the same source (a path compared once
     resolved) or the same Python object."""
     if isinstance(model, (str, os.PathLike)):
@@ -523,7 +528,7 @@ def _model_key(model: Any) -> tuple[str, Any]:
     return ("object", id(model))
 
 
-def _stop_earlier(port: int | None, model: Any) -> None:
+def _stop_earlier(port: int | None, model: object) -> None:
     """Stop our server on `port`; with no port, the one serving `model` (a cell run again)."""
     key = _model_key(model)
     with _REGISTRY_LOCK:
@@ -540,8 +545,8 @@ def _stop_earlier(port: int | None, model: Any) -> None:
         server.stop()
 
 
-def launch(model: Any = "smollm2", *, port: int | None = None, host: str = "127.0.0.1",
-           share: bool = False, devices: Any = None, tokenizer: Any = None,
+def launch(model: object = "smollm2", *, port: int | None = None, host: str = "127.0.0.1",
+           share: bool = False, devices: object = None, tokenizer: object = None,
            startup_timeout: float = 120.0, stop_timeout: float = 5.0, wait: bool | None = None,
            options: ServerOptions | None = None, **kwargs: Any) -> Server:
     """Serve `model` (a source like "smollm2", a HF dir or .gguf; a LoadedModel; or an
@@ -620,7 +625,7 @@ def in_jupyter_kernel() -> bool:
     return isinstance(ipython.get_ipython(), zmqshell.ZMQInteractiveShell)
 
 
-def _source_name(model: Any) -> str:
+def _source_name(model: object) -> str:
     """What to call a model before it has loaded: its source as given, or its type."""
     if isinstance(model, (str, os.PathLike)):
         return os.fspath(model)
@@ -676,7 +681,7 @@ def stop_all() -> None:
         server.stop()
 
 
-def serve(model: Any = "smollm2", **kwargs: Any) -> None:
+def serve(model: object = "smollm2", **kwargs: Any) -> None:
     """`launch(...)` and block until Ctrl-C (or SIGTERM), then stop cleanly: new requests get
     503, running ones get `stop_timeout` s to finish, the rest are cancelled."""
     earlier = {id(s) for s in running_servers()}
@@ -710,7 +715,7 @@ def _take_stop_signals() -> Callable[[], None]:
         return lambda: None  # signals reach only the main thread; the caller handles them
     terminating = False
 
-    def on_term(signum: int, frame: Any) -> None:
+    def on_term(signum: int, frame: FrameType | None) -> None:
         nonlocal terminating
         if not terminating:
             terminating = True

@@ -6,13 +6,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..api.trace import Trace
+from ..types import JSONObject
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -55,35 +56,36 @@ class _BackendCollector:
         "model_errors": ("nbserve_engine_model_errors", "Failed model steps"),
     }
 
-    def __init__(self, stats: Callable[[], dict[str, Any]]):
+    def __init__(self, stats: Callable[[], JSONObject]):
         self._stats = stats
 
-    def describe(self) -> list[Any]:
+    def describe(self) -> list[Metric]:
         return []  # series depend on what the backend reports
 
     @staticmethod
-    def _series(st: dict[str, Any]) -> tuple[list[str], list[tuple[list[str], dict[str, Any]]]]:
+    def _series(st: JSONObject) -> tuple[list[str], list[tuple[list[str], JSONObject]]]:
         """(label names, [(label values, stats)]): one unlabelled row for an Engine, one row
         per replica for a Pool."""
         replicas = st.get("replicas")
-        if isinstance(replicas, list) and replicas and all(isinstance(r, dict) for r in replicas):
+        tables = [r for r in replicas if isinstance(r, dict)] if isinstance(replicas, list) else []
+        if isinstance(replicas, list) and replicas and len(tables) == len(replicas):
             return ["replica", "device"], [([str(r.get("replica", i)), str(r.get("device", ""))],
-                                            r) for i, r in enumerate(replicas)]
+                                            r) for i, r in enumerate(tables)]
         return [], [([], st)]
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Metric]:
         try:
             st = self._stats()
         except Exception:  # noqa: BLE001 - a scrape must not fail while the backend stops
             return
         names, rows = self._series(st)
 
-        def number(row: dict[str, Any], key: str) -> float | None:
+        def number(row: JSONObject, key: str) -> float | None:
             v = row.get(key)
             return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
-        def family(kind: type, name: str, doc: str, value: Callable[[dict[str, Any]],
-                                                                     float | None]) -> Any:
+        def family(kind: type[GaugeMetricFamily | CounterMetricFamily], name: str, doc: str,
+                   value: Callable[[JSONObject], float | None]) -> Metric | None:
             fam = kind(name, doc, labels=names)
             for labels, row in rows:
                 v = value(row)
@@ -91,11 +93,11 @@ class _BackendCollector:
                     fam.add_metric(labels, v)
             return fam if fam.samples else None
 
-        def ratio(row: dict[str, Any]) -> float | None:
+        def ratio(row: JSONObject) -> float | None:
             used, total = number(row, "kv_blocks_used"), number(row, "kv_blocks_total")
             return used / total if used is not None and total else None
 
-        def of(key: str) -> Callable[[dict[str, Any]], float | None]:
+        def of(key: str) -> Callable[[JSONObject], float | None]:
             return lambda row: number(row, key)
 
         fams = [family(GaugeMetricFamily, name, doc, of(key))
@@ -114,7 +116,7 @@ class _BackendCollector:
 class Metrics:
     """All server metrics of one app; each app has its own registry, so apps never clash."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]], window: int = 2048):
+    def __init__(self, stats: Callable[[], JSONObject], window: int = 2048):
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("nbserve_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
@@ -182,7 +184,7 @@ class Metrics:
         now = time.perf_counter()
         return sum(n for t, n in list(self._recent) if now - t <= horizon) / horizon
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> JSONObject:
         # here, not at the top: the engine package imports torch, which launch() leaves to its
         # background load (seconds in a fresh kernel)
         from ..engine.stats import percentile

@@ -5,11 +5,13 @@ cheaply): name the answering replica, and put Ray's own plain-text errors in the
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from starlette.datastructures import MutableHeaders
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..types import JSONObject
 
 REPLICA_HEADER = "x-nbserve-replica"
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
@@ -21,7 +23,7 @@ class ReplicaMiddleware:
     """Names the answering replica: an `x-nbserve-replica` header on every response, and a
     `replica` field in the JSON of /health and /stats."""
 
-    def __init__(self, app: ASGIApp, replica: dict[str, Any]):
+    def __init__(self, app: ASGIApp, replica: JSONObject):
         self.app, self.replica = app, replica
         self.header = str(replica["id"])
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import secrets
 import threading
-from typing import Any
+from types import ModuleType
 
 SHARE_DEADLINE_S = 8.0
 
@@ -18,15 +18,16 @@ def open_share_link(port: int, deadline: float | None = None) -> tuple[str | Non
     from gradio import networking, tunneling
 
     deadline = SHARE_DEADLINE_S if deadline is None else deadline
-    result: dict[str, Any] = {}
+    urls: list[str] = []
+    errors: list[Exception] = []
     abandoned = threading.Event()
 
     def work() -> None:
         try:
-            result["url"] = networking.setup_tunnel("127.0.0.1", port, secrets.token_urlsafe(32),
-                                                    None, None)
+            urls.append(networking.setup_tunnel("127.0.0.1", port, secrets.token_urlsafe(32),
+                                                None, None))
         except Exception as exc:  # noqa: BLE001 -- offline, blocked, binary download failed
-            result["error"] = exc
+            errors.append(exc)
         if abandoned.is_set():  # answered too late: close the tunnel nobody will use
             close_share_links(port, tunneling)
 
@@ -36,17 +37,19 @@ def open_share_link(port: int, deadline: float | None = None) -> tuple[str | Non
     if t.is_alive():
         abandoned.set()
         return None, f"no answer from the share service within {deadline:g} s"
-    if "error" in result:
-        exc = result["error"]
+    if errors:
+        exc = errors[0]
         cause = f" ({exc.__cause__})" if exc.__cause__ else ""
         return None, f"{exc}{cause}"
-    return result["url"], ""
+    return urls[0], ""
 
 
-def close_share_links(port: int, tunneling: Any = None) -> None:
+def close_share_links(port: int, tunneling: ModuleType | None = None) -> None:
     """Close the tunnels opened for `port` (their frpc processes end)."""
     if tunneling is None:
-        from gradio import tunneling
+        from gradio import tunneling as gradio_tunneling
+
+        tunneling = gradio_tunneling
     for tunnel in list(tunneling.CURRENT_TUNNELS):
         if tunnel.local_port == port:
             if tunnel.proc is not None:

@@ -19,10 +19,10 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.routing import Match, Mount
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..api.errors import APIError
-from ..types import BackendDefaults, EngineStoppedError, Event, Request
+from ..types import BackendDefaults, EngineStoppedError, Event, JSONObject, Request
 
 OPEN_PATHS = frozenset({"/health", "/stats", "/metrics"})  # answered while loading
 RETRY_AFTER_S = 2  # what a 503 "loading" asks clients to wait before retrying
@@ -93,12 +93,12 @@ class LoadingBackend(BackendDefaults):
         raise EngineStoppedError(self._why())
         yield  # an async generator, like an Engine's
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> JSONObject:
         failed = self.state.error is not None
         return {"running": 0, "waiting": 0, "loading": not failed,
                 **({"load_error": self.state.describe_error()} if failed else {})}
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> JSONObject:
         if self.state.error is not None:
             return {"ready": False, "status": "error", "model": self.state.name,
                     "detail": f"loading failed: {self.state.describe_error()}"}
@@ -195,7 +195,7 @@ class AppLifespan:
     after the server started), `stop()` when the server shuts down. Both run on the server's
     loop; `stop()` waits for a `start()` in progress, and a `start()` after `stop()` fails."""
 
-    def __init__(self, app: Any):
+    def __init__(self, app: ASGIApp):
         self.app = app
         self._inbox: asyncio.Queue[Message] | None = None
         self._outbox: asyncio.Queue[Message] | None = None

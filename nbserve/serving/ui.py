@@ -516,9 +516,10 @@ def _max_context(backend: Backend) -> int | None:
     limit = backend.max_context
     if limit is None:
         try:
-            limit = backend.stats().get("max_context")
+            found = backend.stats().get("max_context")
         except Exception:  # noqa: BLE001 -- a backend without stats: no context known
-            limit = None
+            found = None
+        limit = found if isinstance(found, int) else None
     return int(limit) if limit else None
 
 
