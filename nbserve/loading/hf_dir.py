@@ -59,7 +59,7 @@ def find_weight_files(root: Path) -> list[Path]:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no 'weight_map'; re-download the checkpoint")
-        shards = list(dict.fromkeys(weight_map.values()))
+        shards = list(dict.fromkeys(str(s) for s in weight_map.values()))
         missing = [s for s in shards if not (root / s).is_file()]
         if missing:
             raise MissingFileError(f"{root} is missing {len(missing)} of {len(shards)} weight "

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+
+from ..types import JSONObject
 
 
 class MissingFileError(FileNotFoundError, ValueError):
     """A file the loader needs is not in the model directory (catchable as either base)."""
 
 
-def read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> JSONObject:
     """Parse a JSON file, naming the directory and file when it is missing or broken."""
     if not path.is_file():
         raise MissingFileError(f"{path.parent} has no {path.name}: expected a Hugging Face model "
@@ -32,18 +33,18 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def optional_json(path: Path) -> dict[str, Any]:
+def optional_json(path: Path) -> JSONObject:
     return read_json(path) if path.is_file() else {}
 
 
-def token_str(value: Any) -> str | None:
+def token_str(value: object) -> str | None:
     """Special tokens appear as "<s>" or as {"content": "<s>", ...} in tokenizer configs."""
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
 
 
-def ids(value: Any) -> list[int]:
+def ids(value: object) -> list[int]:
     if isinstance(value, int) and not isinstance(value, bool):
         return [value]
     if isinstance(value, list):

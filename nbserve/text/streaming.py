@@ -4,10 +4,24 @@ matcher that holds back what could still become a stop string."""
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from typing import Protocol, runtime_checkable
 
 # ----------------------------------------------------------------------------- streaming text
+
+
+class _Decodes(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+
+@runtime_checkable
+class _TokenBytes(Protocol):  # `Tokenizer` (a test's decoder may have no bytes to give)
+    def token_bytes(self, i: int) -> bytes: ...
+
+
+@runtime_checkable
+class _SpecialIds(Protocol):  # `Tokenizer`
+    special_ids: Collection[int]
 
 
 class IncrementalDetokenizer:
@@ -23,7 +37,7 @@ class IncrementalDetokenizer:
     its valid head.
     """
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = False):
+    def __init__(self, tokenizer: _Decodes, skip_special_tokens: bool = False):
         self._tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._window: list[int] = []  # previous delta's tokens, then pending ones
@@ -54,10 +68,12 @@ class IncrementalDetokenizer:
         Returns True when one more token holds the rest of that character's bytes after
         complete ones (a byte-level BPE piece like b" \xf0\x9f"): it stays, and its decoded
         U+FFFD (one, the decoders replace an incomplete sequence as a whole) is cut off."""
-        token_bytes = getattr(self._tokenizer, "token_bytes", None)
-        if token_bytes is None:
+        tok = self._tokenizer
+        if not isinstance(tok, _TokenBytes):
             return False
-        special = getattr(self._tokenizer, "special_ids", ()) if self.skip_special_tokens else ()
+        token_bytes = tok.token_bytes
+        special = tok.special_ids if self.skip_special_tokens and isinstance(tok, _SpecialIds) \
+            else ()
         pending = self._window[self._read:]
         sizes = [0 if t in special else len(token_bytes(t)) for t in pending]
         raw = b"".join(token_bytes(t) for t, n in zip(pending, sizes) if n)

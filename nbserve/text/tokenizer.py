@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import tokenizers
 
+from ..types import JSONObject
 from .files import MissingFileError, ids, optional_json, token_str
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -302,7 +303,7 @@ def _post_processor_bos(tok: tokenizers.Tokenizer) -> int | None:
     return None
 
 
-def load_tokenizer(root: Path) -> tuple[Tokenizer, dict[str, Any]]:
+def load_tokenizer(root: Path) -> tuple[Tokenizer, JSONObject]:
     """The directory's `Tokenizer` and its tokenizer_config.json (empty if absent).
 
     End-of-sequence ids are the union of generation_config.json, config.json and the tokenizer's
@@ -317,9 +318,10 @@ def load_tokenizer(root: Path) -> tuple[Tokenizer, dict[str, Any]]:
         raise MissingFileError(f"{root} has no tokenizer.json (the fast tokenizer file).{hint}")
     cfg = optional_json(root / "tokenizer_config.json")
     specials = {**optional_json(root / "special_tokens_map.json"), **cfg}
+    add_bos = cfg.get("add_bos_token")
     tokenizer = Tokenizer.from_file(tok_file, bos_token=token_str(specials.get("bos_token")),
                                     eos_token=token_str(specials.get("eos_token")),
-                                    add_bos_token=cfg.get("add_bos_token"))
+                                    add_bos_token=None if add_bos is None else bool(add_bos))
     stop = [*ids(optional_json(root / "generation_config.json").get("eos_token_id")),
             *ids(optional_json(root / "config.json").get("eos_token_id")),
             *tokenizer.eos_token_ids]
