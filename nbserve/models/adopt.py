@@ -24,7 +24,7 @@ import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
@@ -36,9 +36,31 @@ from ..text.tokenizer import load_tokenizer
 from . import registry
 from .adapters import RecomputeAdapter, TransformersAdapter
 from .base import LoadedModel, PagedModel, SlotModel, StepModel
+from .config import DecoderConfig
 from .nanochat import NanochatModel
 
 M = TypeVar("M")
+
+
+@runtime_checkable
+class CompiledModule(Protocol):
+    """What `torch.compile` returns for a module: a wrapper whose `_orig_mod` is the module."""
+
+    _orig_mod: nn.Module
+
+
+@runtime_checkable
+class MakesCache(Protocol):
+    """A user's StepModel, known by its `make_cache` (`_checked_step_model` checks the rest)."""
+
+    def make_cache(self, max_batch: int, max_context: int) -> object: ...
+
+
+@runtime_checkable
+class PeftModel(Protocol):
+    """A PEFT model, whose adapters `merge_and_unload` folds into a plain model."""
+
+    def merge_and_unload(self) -> nn.Module: ...
 
 ACCEPTED = (
     "Accepted models: a source ('smollm2', a HF checkpoint directory, a .gguf file, a hub id), "
@@ -51,7 +73,8 @@ ACCEPTED = (
 )
 
 
-def adopt(model: Any, tokenizer: Any = None, *, chat_template: str | ChatTemplate | None = None,
+def adopt(model: object, tokenizer: object = None, *,
+          chat_template: str | ChatTemplate | None = None,
           max_context: int | None = None, name: str | None = None,
           stop_token_ids: Iterable[int] | None = None, verbose: bool = True) -> LoadedModel:
     """Make an in-memory model servable: a StepModel (as is), a `transformers` model
@@ -62,17 +85,18 @@ def adopt(model: Any, tokenizer: Any = None, *, chat_template: str | ChatTemplat
     """
     if isinstance(model, LoadedModel):
         return model
-    model = getattr(model, "_orig_mod", model)  # torch.compile wrapper -> the module itself
+    if isinstance(model, CompiledModule):  # torch.compile's wrapper -> the module itself
+        model = model._orig_mod
     if _is_transformers_model(model):
         return adopt_transformers(model, tokenizer, chat_template=chat_template,
                                   max_context=max_context, name=name,
                                   stop_token_ids=stop_token_ids, verbose=verbose)
     step: StepModel | SlotModel
-    if callable(getattr(model, "make_cache", None)):
+    if isinstance(model, MakesCache):
         step, how = _checked_step_model(model), "your StepModel, as is"
-        if max_context is not None and max_context > int(model.max_context):
+        if max_context is not None and max_context > int(step.max_context):
             raise ValueError(f"max_context={max_context} is more than this StepModel's "
-                             f"max_context ({model.max_context}); set its attribute to allow more")
+                             f"max_context ({step.max_context}); set its attribute to allow more")
     elif isinstance(model, nn.Module) and (native := _take_over_module(model)) is not None:
         _require_tokenizer(model, tokenizer)
         if isinstance(native, NanochatModel):  # its own tokenizer format, template and stops
@@ -83,7 +107,7 @@ def adopt(model: Any, tokenizer: Any = None, *, chat_template: str | ChatTemplat
             native.max_context = min(int(max_context), native.max_context)
         step, how = native, "nbserve's decoder (weights shared, no copy)"
     elif isinstance(model, nn.Module):
-        if callable(getattr(model, "merge_and_unload", None)) and verbose:
+        if isinstance(model, PeftModel) and verbose:
             print("nbserve: this is a PEFT model: serve model.merge_and_unload() instead to get "
                   "nbserve's full-speed path", flush=True)
         _require_tokenizer(model, tokenizer)
@@ -93,7 +117,7 @@ def adopt(model: Any, tokenizer: Any = None, *, chat_template: str | ChatTemplat
     return _bundle(model, step, tokenizer, chat_template, name, stop_token_ids, how, verbose)
 
 
-def adopt_transformers(model: Any, tokenizer: Any, *,
+def adopt_transformers(model: Any, tokenizer: object, *,
                        chat_template: str | ChatTemplate | None = None,
                        max_context: int | None = None, name: str | None = None,
                        stop_token_ids: Iterable[int] | None = None,
@@ -134,7 +158,7 @@ def take_over(model: Any, max_context: int | None = None) -> PagedModel | None:
             raise ValueError(f"its parameters are spread over {len(placements)} "
                              "device/dtype pairs; nbserve needs one")
         cfg = family.config_of(cfg_dict, arch)
-        if max_context is not None:
+        if max_context is not None and isinstance(cfg, DecoderConfig):
             cfg.max_position_embeddings = int(max_context)
         device, dtype = placements.pop()
         step: PagedModel = family.build(cfg, params, device=device, dtype=dtype,
@@ -202,7 +226,7 @@ def _is_transformers_model(obj: object) -> bool:
     return tf is not None and isinstance(obj, tf.PreTrainedModel)
 
 
-def _checked_step_model(model: Any) -> StepModel:
+def _checked_step_model(model: object) -> StepModel:
     """`model` if it has what the StepModel protocol asks for, else a TypeError saying what."""
     what = type(model).__name__
     missing = [a for a in ("max_context", "vocab_size", "device", "dtype")
@@ -211,6 +235,9 @@ def _checked_step_model(model: Any) -> StepModel:
         raise TypeError(f"{what} has make_cache() but lacks {', '.join(missing)}: a "
                         "nbserve.StepModel needs max_context, vocab_size, device and dtype "
                         "attributes (see docs/custom_model.md)")
+    if not isinstance(model, StepModel):  # what is left of it: forward
+        raise TypeError(f"{what} has make_cache() but no forward(ids, positions, slots, cache, "
+                        "logit_index=None): see docs/custom_model.md")
     sig = inspect.signature(model.forward)
     try:
         sig.bind(0, 0, 0, 0, logit_index=None)
@@ -220,7 +247,7 @@ def _checked_step_model(model: Any) -> StepModel:
     return model
 
 
-def _bundle(model: object, step: StepModel | SlotModel, tokenizer: Any,
+def _bundle(model: object, step: StepModel | SlotModel, tokenizer: object,
             chat_template: str | ChatTemplate | None, name: str | None,
             stop_token_ids: Iterable[int] | None, how: str, verbose: bool) -> LoadedModel:
     """Tokenizer, template and stop ids around a StepModel, and a summary line."""
@@ -239,7 +266,7 @@ def _bundle(model: object, step: StepModel | SlotModel, tokenizer: Any,
                        stop_token_ids=stops, source=f"<{type(model).__name__} in memory>")
 
 
-def _require_tokenizer(model: object, tokenizer: Any) -> None:
+def _require_tokenizer(model: object, tokenizer: object) -> None:
     if tokenizer is None:
         raise TypeError(f"serving a {type(model).__name__} needs its tokenizer: pass "
                         "tokenizer=... (e.g. nbserve.launch(model, tokenizer=tok)). " + ACCEPTED)
@@ -250,7 +277,7 @@ def _default_name(model: object) -> str:
     return Path(str(path)).name or type(model).__name__
 
 
-def _template(chat_template: str | os.PathLike[str] | ChatTemplate | None, tokenizer: Any,
+def _template(chat_template: str | os.PathLike[str] | ChatTemplate | None, tokenizer: object,
               name: str, verbose: bool) -> ChatTemplate:
     if isinstance(chat_template, ChatTemplate):
         return chat_template

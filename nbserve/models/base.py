@@ -81,7 +81,8 @@ class StepModel(Protocol):
         gets them from the engine, which saves it a device sync and a gather.
 
     A model that also implements `PagedStepModel` gets a paged cache instead.
-    The cache is the model's own type, hence `Any` in these signatures.
+    The cache is the model's own type (offering `SlotCache`'s members), hence `Any` where
+    forward takes it.
     """
 
     max_context: int
@@ -93,7 +94,7 @@ class StepModel(Protocol):
     @property
     def dtype(self) -> torch.dtype: ...
 
-    def make_cache(self, max_batch: int, max_context: int) -> Any: ...
+    def make_cache(self, max_batch: int, max_context: int) -> SlotCache: ...
 
     def forward(
         self,
@@ -123,7 +124,7 @@ class PagedStepModel(StepModel, Protocol):
     """
 
     def make_paged_cache(self, n_blocks: int, block_size: int,
-                         dtype: torch.dtype | None = None) -> Any: ...
+                         dtype: torch.dtype | None = None) -> PagedCache: ...
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int: ...
 

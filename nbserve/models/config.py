@@ -9,11 +9,24 @@ RoPE, softcaps, GELU or ReLU² MLPs, biases, learned positions, experts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+from torch import nn
 
 from .rope import RopeSpec, read_rope
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu2")
+
+
+class ExpertLayers(Protocol):
+    """What a config's experts offer the decoder (`models.moe.MoEConfig`): their count and the
+    MLP of each layer (a mixture where the layer routes, else the dense one)."""
+
+    @property
+    def num_experts(self) -> int: ...
+
+    def make_mlp(self, cfg: DecoderConfig, layer: int) -> nn.Module: ...
+
 NORM_LAYOUTS = ("pre", "sandwich", "post")
 
 
@@ -63,7 +76,7 @@ class DecoderConfig:
     attn_scale: float | None = None
     attn_softcap: float | None = None
     final_softcap: float | None = None
-    moe: Any = None  # a models.moe.MoEConfig for mixture-of-experts layers
+    moe: ExpertLayers | None = None  # a models.moe.MoEConfig for mixture-of-experts layers
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 MIXED16 = "mixed16"  # dtype name: float32, plus float16 weight copies for 1-2-row steps
@@ -17,7 +15,7 @@ _NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float3
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-def resolve_dtype(dtype: Any, device: str | torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
     """None or "auto": bfloat16 on CUDA (float16 where bfloat16 is unsupported), float32
     elsewhere; else a torch dtype or a name ("float16", "bf16", torch.bfloat16...) among
     float32, bfloat16 and float16. The weight formats ("mixed16", "quantized") are float32

@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 import torch
+from torch import nn
+
+from .base import PagedModel
 
 Tensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -122,6 +125,14 @@ def gguf_experts(keys: GGUFKeys, cfg: dict[str, Any]) -> tuple[int, int]:
     return experts, used
 
 
+class FamilyConfig(Protocol):
+    """What a family's config (its `read_config`'s, passed to its `build`) offers every
+    loader: the rows of the embedding."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Family:
     """One architecture family and the names it goes by.
@@ -141,12 +152,12 @@ class Family:
     hf_architectures: tuple[str, ...]
     model_types: tuple[str, ...]
     gguf: tuple[GGUFLayout, ...]
-    read_config: Callable[[dict[str, Any], str], Any]
-    build: Callable[..., Any]
+    read_config: Callable[[dict[str, Any], str], FamilyConfig]  # passed to build
+    build: Callable[..., PagedModel]
     description: str = ""
-    adopt_module: Callable[[Any], Any] | None = None
+    adopt_module: Callable[[nn.Module], PagedModel | None] | None = None
 
-    def config_of(self, config: dict[str, Any], name: str = "model") -> Any:
+    def config_of(self, config: dict[str, Any], name: str = "model") -> FamilyConfig:
         """`read_config`, a missing config.json key reported as a ValueError naming it."""
         try:
             return self.read_config(config, name)

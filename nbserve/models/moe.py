@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -63,8 +63,8 @@ class MoEConfig:
             raise ValueError(f"{self.top_k} experts per token out of {self.num_experts}")
 
     def make_mlp(self, cfg: DecoderConfig, layer: int) -> DecoderMLP:
-        """What the decoder calls for each layer (`decoder.make_mlp`): `make_moe_mlp`."""
-        return make_moe_mlp(cfg, layer)
+        """What the decoder calls for each layer (`layers.make_mlp`): `make_moe_mlp`."""
+        return make_moe_mlp(cfg, layer, self)
 
 
 def sparse_layers(n_layers: int, num_experts: int, decoder_sparse_step: int = 1,
@@ -77,9 +77,8 @@ def sparse_layers(n_layers: int, num_experts: int, decoder_sparse_step: int = 1,
                      if num_experts > 0 and i not in dense and (i + 1) % step == 0)
 
 
-def make_moe_mlp(cfg: DecoderConfig, layer: int) -> DecoderMLP:
-    """Layer `layer`'s MLP: a `SparseMoE` where `cfg.moe` makes it sparse, else the dense MLP."""
-    moe: MoEConfig = cfg.moe
+def make_moe_mlp(cfg: DecoderConfig, layer: int, moe: MoEConfig) -> DecoderMLP:
+    """Layer `layer`'s MLP: a `SparseMoE` where `moe` makes it sparse, else the dense MLP."""
     if layer in moe.sparse_layers:
         return SparseMoE(cfg, moe)
     return MLP(cfg)
@@ -276,7 +275,7 @@ def moe_tensors(tensors: Iterable[tuple[str, torch.Tensor]], cfg: DecoderConfig,
                 projections: dict[str, str], block: str = "mlp"
                 ) -> Iterable[tuple[str, torch.Tensor]]:
     """`tensors` with per-expert ones stacked (`stack_experts`) for a model with experts."""
-    moe: Any = cfg.moe
+    moe = cfg.moe
     if moe is None:
         return tensors
     return stack_experts(tensors, moe.num_experts, projections, block)

@@ -306,7 +306,7 @@ class NanochatModel(WeightFormats, PagedModel):
             out += [(layer, [f"transformer.h.{i}.{name}.weight"]) for layer, name in named]
         return out + [(self.lm_head, ["lm_head.weight"])]
 
-    def serving_defaults(self, tokenizer: Any) -> tuple[Tokenizer, ChatTemplate, list[int]]:
+    def serving_defaults(self, tokenizer: object) -> tuple[Tokenizer, ChatTemplate, list[int]]:
         """What the model is served with when the caller names nothing else: `tokenizer` read
         as nanochat's (`nanochat_tokenizer`), nanochat's conversation format as the chat
         template, and its stop ids (`<|assistant_end|>`, `<|bos|>`)."""
@@ -441,7 +441,7 @@ def build_nanochat(cfg: NanochatConfig, tensors: Iterable[tuple[str, torch.Tenso
                    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
                    share: bool = False, pack: bool | None = None,
                    transposed_head: bool | None = None,
-                   float_kernel: bool | None = None, **unused: Any) -> NanochatModel:
+                   float_kernel: bool | None = None, **unused: object) -> NanochatModel:
     """A NanochatModel from nanochat-named tensors (a state dict's items).
 
     `share`: take the tensors as they are (adoption: same storage, device and dtypes, no

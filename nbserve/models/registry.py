@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .family import Family, GGUFLayout
+from torch import nn
+
+from .base import PagedModel
+from .family import Family, FamilyConfig, GGUFLayout
 
 __all__ = ["Family", "GGUFLayout", "families", "register"]
 
@@ -73,13 +76,13 @@ def for_class_name(class_name: str) -> Family | None:
     return next((f for f in families() if class_name in f.hf_architectures), None)
 
 
-def read_config(config: dict[str, Any], name: str = "model") -> tuple[Family, Any]:
+def read_config(config: dict[str, Any], name: str = "model") -> tuple[Family, FamilyConfig]:
     """(family, its config object) for a config.json dict."""
     family = for_hf_config(config, name)
     return family, family.config_of(config, name)
 
 
-def for_module(module: Any) -> Any:
+def for_module(module: nn.Module) -> PagedModel | None:
     """A StepModel over `module`'s own tensors from the first family that recognises it (a
     nanoGPT or nanochat GPT), or None."""
     for family in families():

@@ -9,7 +9,6 @@ import warnings
 import weakref
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 import torch
 from torch import nn
@@ -95,13 +94,14 @@ def first_int(keys: tuple[str, ...], *sources: object) -> int | None:
     return None
 
 
-def logits_of(output: Any, what: str) -> torch.Tensor:
+def logits_of(output: object, what: str) -> torch.Tensor:
     """The logits in a module's output: a tensor, a tuple/list (first item), or `.logits`."""
     if isinstance(output, (tuple, list)) and output:
         output = output[0]
-    elif not isinstance(output, torch.Tensor) and isinstance(
-            getattr(output, "logits", None), torch.Tensor):
-        output = output.logits
+    elif not isinstance(output, torch.Tensor):
+        logits = getattr(output, "logits", None)  # a transformers ModelOutput's
+        if isinstance(logits, torch.Tensor):
+            output = logits
     if not isinstance(output, torch.Tensor) or output.dim() != 3:
         shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
         raise TypeError(f"{what} must return logits of shape (batch, time, vocab) (or a tuple "

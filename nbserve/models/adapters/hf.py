@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from typing import Any
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -26,8 +26,33 @@ from .common import (
 )
 
 
-def _rollback(cache: Any, keep: int) -> bool:
+@runtime_checkable
+class NestedConfig(Protocol):
+    """A transformers config that holds its text model's (a multimodal model's)."""
+
+    def get_text_config(self) -> object: ...
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    """A transformers model's LM head, which says the vocabulary size."""
+
+    def get_output_embeddings(self) -> nn.Module: ...
+
+
+@runtime_checkable
+class CroppableCache(Protocol):
+    """A transformers cache object (`DynamicCache`...): its length, and a cut of its end."""
+
+    def get_seq_length(self) -> int: ...
+
+    def crop(self, max_length: int) -> None: ...
+
+
+def _rollback(cache: object, keep: int) -> bool:
     """Cut `cache` back to its first `keep` positions; False when that is not possible."""
+    if not isinstance(cache, CroppableCache):
+        return False  # a legacy tuple cache
     try:
         current = cache.get_seq_length()
         if current == keep:
@@ -40,7 +65,7 @@ def _rollback(cache: Any, keep: int) -> bool:
         return False
 
 
-def _nbytes(obj: Any, depth: int = 0) -> int:
+def _nbytes(obj: object, depth: int = 0) -> int:
     """Bytes of the tensors held by a cache object (its layers' keys/values)."""
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
@@ -58,7 +83,7 @@ class SlotCaches:
     """One transformers cache object per slot, plus the tokens it was built from."""
 
     def __init__(self, max_batch: int):
-        self.caches: list[Any | None] = [None] * max_batch
+        self.caches: list[object | None] = [None] * max_batch  # transformers cache objects
         self.tokens: list[list[int]] = [[] for _ in range(max_batch)]
 
     @property
@@ -80,8 +105,8 @@ class TransformersAdapter(ModuleAdapter):
         self.module = model
         self._view = eval_view(model)
         self.name = type(model).__name__
-        config: Any = getattr(model, "config", None)
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        config: object = getattr(model, "config", None)  # a transformers PretrainedConfig
+        text_config = config.get_text_config() if isinstance(config, NestedConfig) else config
         limit = first_int(CONTEXT_KEYS, text_config)
         if max_context is not None and limit is not None and max_context > limit:
             raise ValueError(f"max_context={max_context} is more than {self.name} supports "
@@ -91,9 +116,12 @@ class TransformersAdapter(ModuleAdapter):
             raise ValueError(f"cannot tell the context length of {self.name}: pass "
                              "max_context=... to load()")
         self.max_context = int(context)
-        hf_model: Any = model  # a transformers PreTrainedModel: methods nn.Module lacks
-        self.vocab_size = int(first_int(("vocab_size",), text_config) or
-                              hf_model.get_output_embeddings().weight.shape[0])
+        vocab = first_int(("vocab_size",), text_config)
+        if not vocab and isinstance(model, LanguageModel):
+            vocab = model.get_output_embeddings().get_parameter("weight").shape[0]
+        if not vocab:
+            raise ValueError(f"cannot tell the vocabulary size of {self.name}")
+        self.vocab_size = int(vocab)
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._keep_arg = next((a for a in ("logits_to_keep", "num_logits_to_keep")
@@ -136,7 +164,7 @@ class TransformersAdapter(ModuleAdapter):
         if kept == 0:
             past = None  # rebuild this slot's cache from its tokens
         feed = tokens[kept:start] + new
-        kwargs: dict[str, Any] = {self._cache_arg: past, "use_cache": True}
+        kwargs: dict[str, object] = {self._cache_arg: past, "use_cache": True}
         if keep is not None and self._keep_arg:
             kwargs[self._keep_arg] = keep
         out = self._view(

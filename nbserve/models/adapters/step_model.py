@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -20,10 +20,17 @@ from ..base import PagedCache, PagedModel, SlotCache, SlotModel, StaticSteps, St
 
 @runtime_checkable
 class OffersPagedCache(Protocol):
-    """A user's model that makes a paged cache (`PagedStepModel`'s own member)."""
+    """A user's model that makes a paged cache and sizes it (`PagedStepModel`'s own
+    members)."""
 
     def make_paged_cache(self, n_blocks: int, block_size: int,
                          dtype: torch.dtype | None = None) -> PagedCache: ...
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int: ...
+
+
+class PagedInner(StepModel, OffersPagedCache, Protocol):
+    """A user's StepModel with a paged cache, as `served` found it."""
 
 
 @runtime_checkable
@@ -61,7 +68,8 @@ class ChoosesKVDtype(Protocol):
 def served(model: StepModel | SlotModel) -> SlotModel:
     """`model` as the engine runs it: as it is when it declares its path (a `SlotModel`,
     `PagedModel` included), else wrapped: `AdoptedPagedModel` when it offers a paged cache
-    (`make_paged_cache`, as `PagedStepModel` says), `AdoptedSlotModel` otherwise."""
+    (`make_paged_cache` and `kv_bytes_per_token`, as `PagedStepModel` says),
+    `AdoptedSlotModel` otherwise."""
     if isinstance(model, SlotModel):
         return model
     if isinstance(model, OffersPagedCache):
@@ -84,7 +92,7 @@ class AdoptedSlotModel(SlotModel):
     forward only if it takes them; `accepts_padded_rows` is the model's own (default False).
     `inner` is the user's object, called live (replacing its `forward` takes effect)."""
 
-    def __init__(self, inner: Any):
+    def __init__(self, inner: StepModel):
         self.inner = inner
         self.max_context, self.vocab_size = int(inner.max_context), int(inner.vocab_size)
         self.hints = takes_hints(inner.forward)
@@ -110,13 +118,13 @@ class AdoptedSlotModel(SlotModel):
         return int(cache.nbytes) if isinstance(cache, SizedCache) else 0
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                cache: Any, logit_index: torch.Tensor | None = None,
+                cache: SlotCache, logit_index: torch.Tensor | None = None,
                 max_pos: int | None = None, contiguous_from: int | None = None
                 ) -> torch.Tensor:
-        if self.hints:
-            return self.inner.forward(ids, positions, slots, cache,
-                                      logit_index=logit_index, max_pos=max_pos,
-                                      contiguous_from=contiguous_from)
+        if self.hints:  # its signature takes them (`takes_hints`), read live
+            hinted: Callable[..., torch.Tensor] = self.inner.forward
+            return hinted(ids, positions, slots, cache, logit_index=logit_index,
+                          max_pos=max_pos, contiguous_from=contiguous_from)
         return self.inner.forward(ids, positions, slots, cache,
                                   logit_index=logit_index)
 
@@ -126,7 +134,9 @@ class AdoptedPagedModel(AdoptedSlotModel, PagedModel):
     (`default_kv_dtype`, `accepts_padded_rows`, `make_static_decode`) are its own where it
     has them; the forward gets `max_pos` when it takes the hints."""
 
-    def __init__(self, inner: Any):
+    inner: PagedInner
+
+    def __init__(self, inner: PagedInner):
         super().__init__(inner)
         self._static = inner.make_static_decode if isinstance(inner, OffersStaticSteps) \
             else None
@@ -144,18 +154,19 @@ class AdoptedPagedModel(AdoptedSlotModel, PagedModel):
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         return int(self.inner.kv_bytes_per_token(dtype))
 
-    def make_static_decode(self, cache: Any, max_batch: int, max_context: int,
+    def make_static_decode(self, cache: PagedCache, max_batch: int, max_context: int,
                            capture: bool) -> StaticSteps | None:
         if self._static is None:
             return None
         return self._static(cache, max_batch, max_context, capture=capture)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                cache: Any, logit_index: torch.Tensor | None = None,
+                cache: SlotCache, logit_index: torch.Tensor | None = None,
                 max_pos: int | None = None, contiguous_from: int | None = None
                 ) -> torch.Tensor:
-        if self.hints:
-            return self.inner.forward(ids, positions, slots, cache,
-                                      logit_index=logit_index, max_pos=max_pos)
+        if self.hints:  # its signature takes them (`takes_hints`), read live
+            hinted: Callable[..., torch.Tensor] = self.inner.forward
+            return hinted(ids, positions, slots, cache, logit_index=logit_index,
+                          max_pos=max_pos)
         return self.inner.forward(ids, positions, slots, cache,
                                   logit_index=logit_index)
