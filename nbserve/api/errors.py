@@ -20,6 +20,7 @@ from ..types import (
     EngineError,
     EngineStoppedError,
     InvalidRequestError,
+    JSONObject,
     NbserveError,
 )
 
@@ -36,7 +37,7 @@ class APIError(Exception):
         self.status, self.message, self.type = status, message, type
         self.param, self.code, self.headers = param, code, headers or {}
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> JSONObject:
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
@@ -44,7 +45,7 @@ class APIError(Exception):
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+               code: str | None = None) -> JSONObject:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 

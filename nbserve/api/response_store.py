@@ -7,13 +7,14 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+
+from ..types import JSONObject
 
 
 @dataclass(slots=True)
 class Stored:
-    response: dict[str, Any]
-    conversation: list[dict[str, Any]]  # chat messages up to and including its output
+    response: JSONObject
+    conversation: list[JSONObject]  # chat messages up to and including its output
     size: int
 
 
@@ -26,16 +27,17 @@ class ResponseStore:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+    def put(self, response: JSONObject, conversation: list[JSONObject]) -> None:
         size = len(json.dumps(response, ensure_ascii=False)) + \
             len(json.dumps(conversation, ensure_ascii=False))
         if size > self.max_bytes:
             return  # larger than the whole store: not kept
         with self._lock:
-            old = self._items.pop(response["id"], None)
+            key = str(response["id"])
+            old = self._items.pop(key, None)
             if old is not None:
                 self._bytes -= old.size
-            self._items[response["id"]] = Stored(response, conversation, size)
+            self._items[key] = Stored(response, conversation, size)
             self._bytes += size
             while len(self._items) > self.max_count or self._bytes > self.max_bytes:
                 _, dropped = self._items.popitem(last=False)
