@@ -7,7 +7,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -18,6 +18,15 @@ from .memory_check import check_source, load_form
 
 if TYPE_CHECKING:
     from ..execution.weights import WeightFormats
+    from ..text.chat_template import ChatTemplate
+
+class _Serving(TypedDict):
+    """What `load` passes on to a source that takes it (a nanochat checkpoint)."""
+
+    tokenizer: object
+    chat_template: str | ChatTemplate | None
+    max_context: int | None
+
 
 DEFAULT_NAMES = {"smollm2", "default", "smollm2-135m-instruct"}
 
@@ -103,8 +112,9 @@ def _gguf_file(source: str) -> Path | None:
     return Path(source).expanduser() if source.lower().endswith(".gguf") else None
 
 
-def load(source: Any, *, device: str | None = None, dtype: Any = None,
-         verbose: bool = True, tokenizer: Any = None, chat_template: Any = None,
+def load(source: object, *, device: str | None = None, dtype: str | torch.dtype | None = None,
+         verbose: bool = True, tokenizer: object = None,
+         chat_template: str | ChatTemplate | None = None,
          max_context: int | None = None) -> LoadedModel:
     """Load a model to serve from `source` and print one summary line.
 
@@ -157,7 +167,7 @@ def load(source: Any, *, device: str | None = None, dtype: Any = None,
                          load_form(torch_dtype, copies, bare, torch.device(device)))
             loaded = _load_path(str(source), device, torch_dtype,
                                 {"pack": False, "transposed_head": False} if bare else {},
-                                dict(tokenizer=tokenizer, chat_template=chat_template,
+                                _Serving(tokenizer=tokenizer, chat_template=chat_template,
                                      max_context=max_context))
             if copies:
                 _add_weight_copies(loaded, copies)
@@ -204,7 +214,7 @@ def _return_freed_memory() -> None:
 
 def _load_path(src: str, device: str, dtype: torch.dtype,
                options: dict[str, Any] | None = None,
-               serving: dict[str, Any] | None = None) -> LoadedModel:
+               serving: _Serving | None = None) -> LoadedModel:
     """The model at `src`; `options`: for its family's `build` (pack, transposed_head...);
     `serving`: tokenizer, chat_template, max_context, for sources that take them (nanochat)."""
     options = options or {}
@@ -212,7 +222,8 @@ def _load_path(src: str, device: str, dtype: torch.dtype,
     from .nanochat_dir import is_nanochat_dir, is_nanochat_file, load_nanochat_dir
 
     if is_nanochat_dir(path) or is_nanochat_file(path):
-        return load_nanochat_dir(path, device=device, dtype=dtype, **(serving or {}), **options)
+        given = serving or _Serving(tokenizer=None, chat_template=None, max_context=None)
+        return load_nanochat_dir(path, device=device, dtype=dtype, **given, **options)
     if src.lower() in DEFAULT_NAMES and not path.exists():
         from .default import load_default
 
