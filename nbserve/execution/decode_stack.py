@@ -258,6 +258,7 @@ class DecodeStack:
                 w.kind = kernel.weight_kind
                 w.n, w.k = kernel.out_features, kernel.in_features
                 w.flags = kernel.flags
+                w.block_type = kernel.block_type
                 w.codes, w.d, w.m = kernel.pointers
                 if isinstance(kernel.weight, torch.Tensor):  # the model's own float32 rows:
                     weights.append((kernel.weight, w.codes))  # watched for a new pointer

@@ -4,9 +4,12 @@ nbserve's C kernel (`nbserve/cpu/kernels/quant_matmul.c`), for steps of any row 
 A lone stream's decode step reads every weight once per token, so its speed is set by the bytes
 it reads: SmolLM2-135M's matmuls read 540 MB in float32, 270 MB in float16 and 96 MB as the
 GGUF's own Q4_1/Q8_0 blocks. The blocks are kept as the file stores them (no requantization:
-the same weights llama.cpp multiplies); weights of other types, and float checkpoints, are
-quantized to Q8_0 at load. Inputs, outputs and the arithmetic are float32: steps of a few rows
-add d * sum(x q) + m * sum(x) per block, steps of more rows dequantize panels of weight rows
+the same weights llama.cpp multiplies): Q4_0/Q4_1/Q8_0 as structure-of-arrays `QuantBlocks`,
+the K-quants, Q5_0, Q5_1, IQ4_NL and IQ4_XS as the file's own rows of blocks (`GGMLBlocks`,
+multiplied in exact float32 arithmetic by `cpu/kernels/gguf_blocks.c`); weights of other types,
+and float checkpoints, are quantized to Q8_0 at load. Inputs, outputs and the arithmetic are
+float32: steps of a few rows add d * sum(x q) + m * sum(x) per block (GGUF blocks: products of
+the dequantized weights), steps of more rows dequantize panels of weight rows
 (d * q + m, as GGUF does) and multiply them as float32, so a product differs from one over the
 dequantized weights only in rounding. One exception, `round16` (dtype="quantized"; not
 "quantized-exact"): on the AVX2 path, and on the AVX-512 path where they measure faster, steps
@@ -22,11 +25,13 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol, cast
 
 import numpy as np
 import torch
 
+from ..cpu.kernels.abi import BlockType as GGMLType
 from ..cpu.kernels.abi import KernelFlag, WeightKind
 
 BLOCK = 32  # weights per block, along the input dimension (GGUF's Q4_0, Q4_1, Q8_0)
@@ -100,6 +105,8 @@ class QuantBlocks:
         first = parts[0]
         if len(parts) == 1:
             return first  # nothing to stack: the same blocks, not a copy
+        if any(isinstance(p, GGMLBlocks) for p in parts):
+            return GGMLBlocks.stack(parts)
         if any(p.kind != first.kind or p.shape[1] != first.shape[1] for p in parts):
             return None
         # one kind: all parts have mins (q4) or none has (q8)
@@ -127,6 +134,62 @@ class QuantBlocks:
         return (q * scales + self.mins.float()[..., None]).view(rows, k)
 
 
+@dataclass
+class GGMLBlocks(QuantBlocks):
+    """A weight (N, K) as the GGUF file's own blocks of a ggml type that nbserve's C kernels
+    multiply as they lie (`cpu/kernels/gguf_blocks.c`: the K-quants, Q5_0, Q5_1, IQ4_NL,
+    IQ4_XS; exact float32 arithmetic on gguf's dequantized values): kind "ggml:<type>", `codes`
+    uint8 (N, bytes a row), each row its blocks in the file's order. Each block carries its own
+    scales: `scales` is empty and `mins` None."""
+
+    block_type: int = 0  # ggml's type number (abi.BlockType)
+    in_features: int = 0
+
+    @classmethod
+    def of_file(cls, blocks: np.ndarray, block_type: GGMLType) -> GGMLBlocks:
+        """From a tensor's bytes as (rows, blocks, bytes a block) uint8 (a copy: the loader's
+        other readers copy too)."""
+        rows, per_row = blocks.shape[0], blocks.shape[1]
+        codes = torch.from_numpy(np.ascontiguousarray(blocks).reshape(rows, -1).copy())
+        return cls(f"ggml:{block_type.name}", codes, torch.empty(0), None, int(block_type),
+                   per_row * _ggml_layout(block_type)[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.in_features
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel()
+
+    def take_rows(self, index: torch.Tensor) -> GGMLBlocks:
+        return GGMLBlocks(self.kind, self.codes[index].contiguous(), self.scales, None,
+                          self.block_type, self.in_features)
+
+    @classmethod
+    def stack(cls, parts: list[QuantBlocks]) -> GGMLBlocks | None:
+        """Blocks of one ggml type and input size stacked by output rows; None otherwise."""
+        first = parts[0]
+        if not all(isinstance(p, GGMLBlocks) and p.kind == first.kind
+                   and p.shape[1] == first.shape[1] for p in parts):
+            return None
+        assert isinstance(first, GGMLBlocks)
+        return GGMLBlocks(first.kind, torch.cat([p.codes for p in parts]), first.scales, None,
+                          first.block_type, first.in_features)
+
+    def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
+        from ..cpu.kernels.blocks import blocks_dequantize
+
+        rows, k = self.shape
+        return blocks_dequantize(self.block_type, self.codes.view(-1), rows, k, rows=index)
+
+    def dequantize(self) -> torch.Tensor:
+        from ..cpu.kernels.blocks import blocks_dequantize
+
+        rows, k = self.shape
+        return blocks_dequantize(self.block_type, self.codes.view(-1), rows, k)
+
+
 def _half_field(blocks: np.ndarray, offset: int) -> torch.Tensor:
     """A float16 field of every block (bytes offset..offset+1), (rows, blocks)."""
     field = np.ascontiguousarray(blocks[:, :, offset:offset + 2]).view(np.float16)[..., 0]
@@ -151,6 +214,14 @@ def _read_q4(blocks: np.ndarray, with_min: bool) -> QuantBlocks:
     return QuantBlocks("q4", torch.from_numpy(codes), scales, mins)
 
 
+def _ggml_layout(block_type: GGMLType) -> tuple[int, int]:
+    """(weights, bytes) of a block of the type, as ggml defines it (the kernels' table is held
+    to it by tests/test_block_kernels.py)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(int(block_type))]
+
+
 @dataclass(frozen=True)
 class BlockType:
     """One GGUF block type served from the file's own blocks: a row of the table below, after
@@ -170,6 +241,8 @@ BLOCK_TYPES: dict[str, BlockType] = {row.name: row for row in (
     BlockType("Q4_0", 2, BLOCK, 18, lambda blocks: _read_q4(blocks, with_min=False)),
     BlockType("Q4_1", 3, BLOCK, 20, lambda blocks: _read_q4(blocks, with_min=True)),
     BlockType("Q8_0", 8, BLOCK, 34, _read_q8_0),
+    *(BlockType(t.name, int(t), *_ggml_layout(t), partial(GGMLBlocks.of_file, block_type=t))
+      for t in GGMLType if t.name not in ("Q4_0", "Q4_1", "Q8_0")),
 )}
 
 
@@ -196,6 +269,15 @@ def _q8_matmul(lib: ctypes.CDLL, w: Pointers, x: int, rows: int, k: int, n: int,
     return lib.nbq_q8_matmul(x, rows, k, w[0], w[1], n, y, threads, norm, eps, flags)
 
 
+def _ggml_matmul(block_type: int) -> KindMatmul:
+    """The C matmul over GGUF blocks of `block_type` (w: codes only)."""
+    def matmul(lib: ctypes.CDLL, w: Pointers, x: int, rows: int, k: int, n: int, y: int,
+               threads: int, norm: int | None, eps: float, flags: int) -> int:
+        return lib.nbq_blocks_matmul(x, rows, k, block_type, w[0], n, y, threads, norm, eps,
+                                     flags)
+    return matmul
+
+
 def _f32_matmul(lib: ctypes.CDLL, w: Pointers, x: int, rows: int, k: int, n: int, y: int,
                 threads: int, norm: int | None, eps: float, flags: int) -> int:
     return lib.nbq_f32_matmul(x, rows, k, w[0], n, y, threads, norm, eps, flags)
@@ -220,12 +302,16 @@ class KernelKind:
     weight_kind: WeightKind
     matmul: KindMatmul
     max_rows: int | None
+    block_type: int = 0  # kind "ggml:<type>": the ggml type (`nbq_weight.block_type`)
 
 
 KINDS: dict[str, KernelKind] = {row.name: row for row in (
     KernelKind("q4", WeightKind.Q4, _q4_matmul, None),
     KernelKind("q8", WeightKind.Q8, _q8_matmul, None),
     KernelKind("f32", WeightKind.F32, _f32_matmul, FLOAT_MAX_ROWS),
+    *(KernelKind(f"ggml:{row.name}", WeightKind.BLOCKS, _ggml_matmul(row.ggml_type), None,
+                 row.ggml_type) for row in BLOCK_TYPES.values()
+      if row.ggml_type not in (2, 3, 8)),  # Q4_0, Q4_1, Q8_0: kinds q4 and q8 above
 )}
 
 
@@ -262,6 +348,7 @@ class KernelLinear:
         self.kind = weight.kind if isinstance(weight, QuantBlocks) else "f32"
         row = KINDS[self.kind]
         self.weight_kind, self._matmul, self.max_rows = row.weight_kind, row.matmul, row.max_rows
+        self.block_type = row.block_type
 
     @property
     def pointers(self) -> Pointers:

@@ -99,9 +99,10 @@ class GGUFTensors:
                 yield name, part.to(self._dtype)
 
     def quant_blocks(self) -> dict[str, QuantBlocks]:
-        """The tensors stored as Q4_0, Q4_1 or Q8_0, as they are (not dequantized), by HF
-        name, with llama.cpp's Q/K row order undone and stacked experts split
-        (dtype="quantized" multiplies them). GPT-2's Conv1D weights are left out: their blocks
+        """The tensors stored in a type of `execution.quant.BLOCK_TYPES` (Q4_0, Q4_1, Q8_0, the
+        K-quants, Q5_0, Q5_1, IQ4_NL, IQ4_XS), as they are (not dequantized), by HF name, with
+        llama.cpp's Q/K row order undone and stacked experts split (dtype="quantized"
+        multiplies them). GPT-2's Conv1D weights are left out: their blocks
         run along the other axis than the HF tensor's rows."""
         from ..execution.quant import QuantBlocks
 
@@ -163,8 +164,8 @@ def _checked_config(meta: Meta, reader: GGUFReader, path: Path
 
 
 def read_quant_blocks(path: str | Path) -> dict[str, QuantBlocks]:
-    """The Q4_0/Q4_1/Q8_0 tensors of a .gguf file as blocks (`GGUFTensors.quant_blocks`),
-    without building its tokenizer (which `read_gguf` does)."""
+    """The tensors of a .gguf file stored in a type served from its blocks, as blocks
+    (`GGUFTensors.quant_blocks`), without building its tokenizer (which `read_gguf` does)."""
     path = Path(path).expanduser()
     reader = _open(path)
     layout, cfg = _checked_config(Meta(reader), reader, path)

@@ -137,6 +137,7 @@ class WeightKind(IntEnum):
     Q4 = ABI.constants["NBQ_Q4"]
     Q8 = ABI.constants["NBQ_Q8"]
     F32 = ABI.constants["NBQ_F32"]
+    BLOCKS = ABI.constants["NBQ_BLOCKS"]
 
 
 class BlockType(IntEnum):

@@ -43,6 +43,9 @@ static int project(const nbq_weight *w, const float *x, int rows, float *y, int 
                              flags);
     case NBQ_F32:
         return nbq_f32_matmul(x, rows, w->k, w->codes, w->n, y, threads, norm, eps, flags);
+    case NBQ_BLOCKS:
+        return nbq_blocks_matmul(x, rows, w->k, w->block_type, w->codes, w->n, y, threads, norm,
+                                 eps, flags);
     default:
         return -2;
     }

@@ -21,6 +21,7 @@ enum nbq_kind {
     NBQ_Q4 = 0,  /* 4-bit codes with a float16 scale and minimum per block of 32 */
     NBQ_Q8 = 1,  /* signed 8-bit codes with a float16 scale per block of 32 */
     NBQ_F32 = 2, /* float32 rows as they are */
+    NBQ_BLOCKS = 3, /* GGUF blocks as the file stores them, of ggml type block_type (codes) */
 };
 
 /* The GGUF block types of gguf_blocks.c, numbered as ggml's enum ggml_type (the `gguf` package's
@@ -47,10 +48,11 @@ enum nbq_flag {
                         row kernels, where the build has them (quant_matmul.c) */
 };
 
-/* One weight: kind NBQ_Q4 (codes, d, m), NBQ_Q8 (codes, d) or NBQ_F32 (codes: the float32
- * rows); n outputs of k inputs; flags for its matmuls (NBQ_ROUND16 or 0). */
+/* One weight: kind NBQ_Q4 (codes, d, m), NBQ_Q8 (codes, d), NBQ_F32 (codes: the float32
+ * rows) or NBQ_BLOCKS (codes: the rows of GGUF blocks of ggml type block_type, an enum
+ * nbq_ggml_type); n outputs of k inputs; flags for its matmuls (NBQ_ROUND16 or 0). */
 typedef struct {
-    int32_t kind, n, k, flags;
+    int32_t kind, n, k, flags, block_type;
     const void *codes;
     const half_t *d, *m;
 } nbq_weight;
