@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..engine.config import EngineConfig
 from ..engine.engine import Engine
@@ -37,6 +37,11 @@ from ..types import (
 )
 from .setup import load_replicas, plan_kv_caches, resolve_devices
 from .state import Replica, pool_health, pool_stats, route_order
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..text.chat_template import ChatTemplate
 
 log = logging.getLogger("nbserve.pool")
 STUCK_REASON = "its model is stuck in one step (longer than step_timeout)"
@@ -98,10 +103,11 @@ class Pool(SyncHelpers):
 
     watch_interval = 0.1  # seconds between checks that every engine thread is alive
 
-    def __init__(self, model: Any, *, devices: Any = "auto",
+    def __init__(self, model: object, *, devices: object = "auto",
                  kv_memory_fraction: float | None = None,
-                 dtype: Any = None, device: str | None = None, tokenizer: Any = None,
-                 chat_template: Any = None, max_model_errors: int = 3,
+                 dtype: str | torch.dtype | None = None, device: str | None = None,
+                 tokenizer: object = None, chat_template: str | ChatTemplate | None = None,
+                 max_model_errors: int = 3,
                  readmit_after: float | None = 30.0, **engine_options: Any):
         if kv_memory_fraction is not None and not 0 < kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction}")
