@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import Any
 
 from ..text.reasoning import CLOSE, OPEN, ThoughtRule
+from ..types import JSONObject
 
 _ANSWER = "nbserve_answer"  # the name of the request's own grammar inside the wrapper
 
@@ -46,7 +46,7 @@ def after_thought(grammar: str, rule: ThoughtRule,
     return json.dumps({"grammars": [{"lark_grammar": lark}, *grammars]}, ensure_ascii=False)
 
 
-def _as_grammars(grammar: str) -> list[dict[str, Any]]:
+def _as_grammars(grammar: str) -> list[JSONObject]:
     """The grammar list of `grammar`: its JSON form's, or one entry for Lark text."""
     if grammar.lstrip().startswith("{"):
         top = json.loads(grammar)
