@@ -19,9 +19,9 @@ ROUND16_MAX_ROWS comes from; the same as without on a build that has no such ker
 With `--blocks`: the C kernels over GGUF's own blocks (`cpu/kernels/gguf_blocks.c`, exact
 mode), one input row against a weight of every block type larger than the caches (256 MB of
 random blocks, rows of 4096), at 1 and 2 threads: GB/s of blocks read, beside the machine's
-read bandwidth measured by a C loop over a buffer of the same size with the same threads (the
-bound a decode step's matmuls can reach). `NBSERVE_KERNEL_ISA=avx2` (or `plain`) times that
-path's build.
+read bandwidth measured by a C loop over a buffer of the same size with the same threads just
+before each (the bound a decode step's matmuls can reach). `NBSERVE_KERNEL_ISA=avx2` (or
+`plain`) times that path's build.
 
     python benchmarks/cpu_kernels.py               # ~1 minute on 2 cores
     python benchmarks/cpu_kernels.py --crossover   # ~1 minute; needs a C compiler
@@ -173,16 +173,12 @@ def block_throughput(n: int, size_mb: int = 256, k: int = 4096) -> None:
 
     def body() -> None:
         buf = np.ones(size_mb << 20, dtype=np.uint8)
-        bound = {}
-        for threads in (1, 2):
-            def read(t: int = threads, b: np.ndarray = buf) -> None:
-                reader.read_all(b.ctypes.data, b.nbytes // 8, t)
 
-            s = median_ms(read, n) / 1e3
-            bound[threads] = buf.nbytes / s / 1e9
-            print(f"blocks: C read loop, {threads} thread(s): {bound[threads]:6.1f} GB/s",
-                  flush=True)
-        del buf
+        def read_rate(threads: int) -> float:  # GB/s of the C read loop now
+            s = median_ms(lambda: reader.read_all(buf.ctypes.data, buf.nbytes // 8, threads),
+                          n) / 1e3
+            return buf.nbytes / s / 1e9
+
         x, y = torch.randn(1, k), torch.empty(1, (size_mb << 20) // 64)
         for block_type in BlockType:
             rows = (size_mb << 20) // row_bytes(block_type, k)
@@ -194,10 +190,10 @@ def block_throughput(n: int, size_mb: int = 256, k: int = 4096) -> None:
                     lib.nbq_blocks_matmul(x.data_ptr(), 1, k, kind, w.ctypes.data, n_out,
                                           y.data_ptr(), t, None, 0.0, 0)
 
-                s = median_ms(product, n) / 1e3
-                rate = raw.nbytes / s / 1e9
-                cells.append(f"{threads} thread(s) {rate:6.2f} GB/s "
-                             f"({100 * rate / bound[threads]:3.0f}% of the read loop)")
+                bound = read_rate(threads)  # just before: the machine's load moves
+                rate = raw.nbytes / (median_ms(product, n) / 1e3) / 1e9
+                cells.append(f"{threads} thread(s) {rate:6.2f} GB/s, read loop {bound:5.1f} "
+                             f"({100 * rate / bound:3.0f}%)")
             print(f"blocks: {block_type.name:<7} 1 row: " + " | ".join(cells), flush=True)
 
     release_openmp_pool()
