@@ -273,15 +273,17 @@ def test_a_gguf_of_q4_q8_blocks_keeps_them_by_default_on_cpu(q4_gguf, tiny_llama
     # built without the float32 model's copies (packed, transposed head): never made at all
     assert default._head_t is None and not default._wants["packed"]
     f16 = _gguf(tiny_llama_dir, tmp_path, blk__1__attn_v__weight="F16")
-    lossy = nbserve.load(str(f16), verbose=False).model
-    assert lossy.weight_format == "float32"  # lossy: no blocks; the float32 copies, as built
+    mixed = nbserve.load(str(f16), verbose=False).model  # any quantized file: its blocks
+    assert mixed.weight_format == "quantized"  # (the F16 v's fused q/k/v: Q8_0 made of it)
+    assert mixed._named_holders()[4][0].form.kernel.weight.kind == "q8"
+    assert nbserve.load(str(f16), dtype="float32", verbose=False).model.weight_format == \
+        "float32"  # float32 when asked
     as_built = nbserve.load(str(tiny_llama_dir), verbose=False).model
     assert as_built.weight_format == "float32"
-    for model in (lossy, as_built):
-        packed = [isinstance(h.form, Float32Form) and h.form.packed is not None
-                  for h in model._weight_holders()]
-        assert all(packed) if packing_available(model.lm_head.weight) else \
-            model._head_t is not None
+    packed = [isinstance(h.form, Float32Form) and h.form.packed is not None
+              for h in as_built._weight_holders()]
+    assert all(packed) if packing_available(as_built.lm_head.weight) else \
+        as_built._head_t is not None
     monkeypatch.setenv("NBSERVE_KERNELS", "0")
     assert nbserve.load(str(q4_gguf), verbose=False).model.weight_format == "float32"
 
@@ -429,8 +431,8 @@ def test_quantized_keeps_no_float32_copy_of_a_matmul_weight(q4_gguf, monkeypatch
     monkeypatch.undo()
     blocks = sum(holder.form.kernel.nbytes for holder, _ in model._named_holders())
     assert model.derived_bytes() == blocks  # the blocks and nothing else
-    monkeypatch.setattr("nbserve.loading._release_unread_weights", lambda loaded: None)
-    kept = nbserve.load(str(q4_gguf), verbose=False).model  # as before: dense weights kept
+    kept = nbserve.load(str(q4_gguf), dtype="float32", verbose=False).model
+    kept.use_quantized_weights(gguf.read_quant_blocks(q4_gguf))  # the blocks beside floats
     assert not kept.dense_released
     assert count_parameters(model)[0] == count_parameters(kept)[0]
     assert count_parameters(model)[1] < count_parameters(kept)[1]  # the copies are counted

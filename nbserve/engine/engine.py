@@ -27,6 +27,7 @@ import torch
 
 from ..cpu.openmp_pool import release_after_each_cell, release_openmp_pool
 from ..cpu.threads import torch_threads
+from ..execution.weights import weight_summary
 from ..models.adapters.step_model import served
 from ..models.base import LoadedModel, SlotModel, StepModel
 from ..text import IncrementalDetokenizer, StopStringMatcher
@@ -102,6 +103,7 @@ class Engine(SyncHelpers):
         self.vocab_size = int(model_.vocab_size)
         self.stop_token_ids = list(model.stop_token_ids)
         self._counters = EngineStats()
+        self._weights = weight_summary(model_)  # (bytes, format) as served: for stats()
         self._step = EngineStep(model, config, self._counters, self)
         self.max_batch, self.max_context = self._step.max_batch, self._step.max_context
         self._lock = threading.Condition()
@@ -260,6 +262,7 @@ class Engine(SyncHelpers):
             kv_budget_bytes=self._step.budget.budget_bytes if self._step.budget else
             self._step.cache_bytes, preemptions=s.preemptions,
             device=str(self.model.device), dtype=str(self.model.dtype).replace("torch.", ""),
+            weight_bytes=self._weights[0], weight_format=self._weights[1],
             threads=self.threads or (tuner.summary() if tuner else None))
 
     def counters(self) -> EngineStats:

@@ -8,6 +8,8 @@ with one interface (`WeightForm`) whatever it holds.
   as `Float32Form` does without the kernel.
 - `BlockForm` (dtype="quantized"): quantized blocks (`QuantBlocks`, any of `BLOCK_TYPES`)
   through the C kernel for every row count; the float32 weight is only their dense view.
+- `PartsForm`: fused weights whose parts are blocks of different types (Gemma 3's Q5_0 q and
+  k beside a Q8_0 v), each part's kernel giving its slice of the output.
 
 Each form decides which of its paths serves how many rows; the model's layers only call
 `matmul`. A holder of a weight (`Linear`, `FusedProjection`) has one declared slot for its
@@ -251,3 +253,53 @@ class BlockForm:
         blocks = copy.deepcopy(self.blocks, memo)  # shared blocks (a tied head's) stay shared
         return BlockForm(blocks, kernel=self._kernel.over(blocks,
                                                           copy.deepcopy(self._kernel.bias, memo)))
+
+
+class PartsForm:
+    """A fused projection (q/k/v, gate/up) whose parts are blocks of different types, which
+    no one kernel call multiplies (Gemma 3's Q5_0 q and k beside a Q8_0 v): each part's
+    `BlockForm` gives its slice of the output, the slices are concatenated, the fused bias
+    added. Nothing is requantized: the same values as one matmul over the dequantized parts,
+    up to rounding. A norm asked for runs inside each part's kernel call. No single kernel
+    serves it (`kernel` is None), so the decode stack leaves such a model to its layers."""
+
+    def __init__(self, parts: list[BlockForm], bias: torch.Tensor | None = None):
+        if len({p.shape[1] for p in parts}) != 1:
+            raise ValueError("fused parts must read the same input size")
+        self.parts = parts
+        self.bias = None if bias is None else bias.detach().float()
+
+    @property
+    def kernel(self) -> KernelLinear | None:
+        return None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def weight_format(self) -> str | None:
+        return self.parts[0].weight_format
+
+    @property
+    def serves_every_step(self) -> bool:
+        return True
+
+    def matmul(self, x: torch.Tensor, norm: RowNorm | None = None,
+               gated: bool = False) -> torch.Tensor:
+        y = torch.cat([p.matmul(x, norm, gated) for p in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias.to(y)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.dense())
+
+    def dense(self) -> torch.Tensor:
+        return torch.cat([p.dense() for p in self.parts])
+
+    def __deepcopy__(self, memo: dict[int, object]) -> PartsForm:
+        return PartsForm([copy.deepcopy(p, memo) for p in self.parts],
+                         copy.deepcopy(self.bias, memo))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .formats import WeightForm
+from .formats import PartsForm, WeightForm
 from .linear import split_linear
 
 
@@ -74,9 +74,10 @@ def gated_linear(gate_up: torch.Tensor, layer: Linear | FusedProjection) -> torc
 
 
 def runs_on_kernel(layer: Linear | FusedProjection) -> bool:
-    """Whether the layer's few-row steps run on nbserve's C kernel (the paged attention and
-    the decode stack go with it)."""
-    return layer.form is not None and layer.form.kernel is not None
+    """Whether the layer's few-row steps run on nbserve's C kernels (the paged attention and
+    the decode stack go with it): its form's kernel, or the kernels of its parts."""
+    form = layer.form
+    return form is not None and (form.kernel is not None or isinstance(form, PartsForm))
 
 
 class FusedProjection:
@@ -91,7 +92,13 @@ class FusedProjection:
     def __init__(self, owner: nn.Module, name: str, layers: Sequence[nn.Linear]):
         if len({layer.bias is None for layer in layers}) != 1:
             raise ValueError("fused layers must all have a bias or none")
-        weight = torch.cat([layer.weight.detach() for layer in layers]).contiguous()
+        parts = [layer.weight.detach() for layer in layers]
+        if all(w.device.type == "meta" for w in parts):  # weights served from blocks (no
+            # values to join; torch.cat on meta would import torch's compiler stack)
+            weight = torch.empty(sum(w.shape[0] for w in parts), parts[0].shape[1],
+                                 dtype=parts[0].dtype, device="meta")
+        else:
+            weight = torch.cat(parts).contiguous()
         bias = None if layers[0].bias is None else \
             torch.cat([layer.bias.detach() for layer in layers]).contiguous()
         self._install(owner, name, layers, weight, bias)

@@ -98,10 +98,16 @@ class QuantBlocks:
         return QuantBlocks(self.kind, self.codes[index].contiguous(),
                            self.scales[index].contiguous(), mins)
 
+    def row_range(self, start: int, stop: int) -> QuantBlocks:
+        """Output rows start..stop of these blocks, as views (no copy)."""
+        mins = None if self.mins is None else self.mins[start:stop]
+        return QuantBlocks(self.kind, self.codes[start:stop], self.scales[start:stop], mins)
+
     @classmethod
     def cat(cls, parts: list[QuantBlocks]) -> QuantBlocks | None:
         """The blocks of the weights stacked by output rows (a fused projection); None when the
-        parts differ in kind or input size."""
+        parts differ in kind or input size. Parts that are consecutive row ranges of one
+        tensor's blocks (a loader read them so: `row_range`) are joined without a copy."""
         first = parts[0]
         if len(parts) == 1:
             return first  # nothing to stack: the same blocks, not a copy
@@ -111,9 +117,9 @@ class QuantBlocks:
             return None
         # one kind: all parts have mins (q4) or none has (q8)
         mins = None if first.mins is None else \
-            torch.cat([cast(torch.Tensor, p.mins) for p in parts])
-        return cls(first.kind, torch.cat([p.codes for p in parts]),
-                   torch.cat([p.scales for p in parts]), mins)
+            _stacked([cast(torch.Tensor, p.mins) for p in parts])
+        return cls(first.kind, _stacked([p.codes for p in parts]),
+                   _stacked([p.scales for p in parts]), mins)
 
     def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` (any shape) of the float32 weight, (*index.shape, K): an embedding
@@ -147,10 +153,11 @@ class GGMLBlocks(QuantBlocks):
 
     @classmethod
     def of_file(cls, blocks: np.ndarray, block_type: GGMLType) -> GGMLBlocks:
-        """From a tensor's bytes as (rows, blocks, bytes a block) uint8 (a copy: the loader's
-        other readers copy too)."""
+        """From a tensor's bytes as (rows, blocks, bytes a block) uint8: a copy of a read-only
+        array (a file's memory map), else those bytes (a buffer a loader read them into)."""
         rows, per_row = blocks.shape[0], blocks.shape[1]
-        codes = torch.from_numpy(np.ascontiguousarray(blocks).reshape(rows, -1).copy())
+        flat = np.ascontiguousarray(blocks).reshape(rows, -1)
+        codes = torch.from_numpy(flat if flat.flags.writeable else flat.copy())
         return cls(f"ggml:{block_type.name}", codes, torch.empty(0), None, int(block_type),
                    per_row * _ggml_layout(block_type)[0])
 
@@ -166,6 +173,10 @@ class GGMLBlocks(QuantBlocks):
         return GGMLBlocks(self.kind, self.codes[index].contiguous(), self.scales, None,
                           self.block_type, self.in_features)
 
+    def row_range(self, start: int, stop: int) -> GGMLBlocks:
+        return GGMLBlocks(self.kind, self.codes[start:stop], self.scales, None,
+                          self.block_type, self.in_features)
+
     @classmethod
     def stack(cls, parts: list[QuantBlocks]) -> GGMLBlocks | None:
         """Blocks of one ggml type and input size stacked by output rows; None otherwise."""
@@ -174,7 +185,7 @@ class GGMLBlocks(QuantBlocks):
                    and p.shape[1] == first.shape[1] for p in parts):
             return None
         assert isinstance(first, GGMLBlocks)
-        return GGMLBlocks(first.kind, torch.cat([p.codes for p in parts]), first.scales, None,
+        return GGMLBlocks(first.kind, _stacked([p.codes for p in parts]), first.scales, None,
                           first.block_type, first.in_features)
 
     def dequantize_rows(self, index: torch.Tensor) -> torch.Tensor:
@@ -188,6 +199,19 @@ class GGMLBlocks(QuantBlocks):
 
         rows, k = self.shape
         return blocks_dequantize(self.block_type, self.codes.view(-1), rows, k)
+
+
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(tensors)` (by rows); a view, not a copy, where they are consecutive row
+    ranges of one contiguous tensor."""
+    first, end = tensors[0], tensors[0].data_ptr()
+    for t in tensors:
+        if not t.is_contiguous() or t.data_ptr() != end or t.shape[1:] != first.shape[1:] \
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return torch.cat(tensors)
+        end += t.numel() * t.element_size()
+    rows = sum(t.shape[0] for t in tensors)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 def _half_field(blocks: np.ndarray, offset: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .formats import BlockForm, Float16Form, Float32Form, WeightForm
+from .formats import BlockForm, Float16Form, Float32Form, PartsForm, WeightForm
 from .holders import FusedProjection, Linear
 from .linear import HalfCopy, PackedCopy, packing_affordable, packing_available
 from .quant import KernelLinear, QuantBlocks, float_kernel_serves
@@ -38,7 +38,8 @@ class WeightFormats(nn.Module):
         self._head_t: torch.Tensor | None = None  # (H, V) copy of the LM head
         self._wants = {"transposed_head": False, "16bit": False, "packed": False,
                        "quantized": False, "float_kernel": False, "release_dense": False}
-        self._quant_copies: list[BlockForm | None] = []  # per holder, kept across .to()
+        # per holder, kept across .to()
+        self._quant_copies: list[BlockForm | PartsForm | None] = []
         self._released: list[Holder] = []  # holders whose float32 weight lives in copies only
         self._embedding_source: QuantBlocks | None = None  # a checkpoint's own embedding blocks
         self._embedding_blocks: QuantBlocks | None = None  # set while the embedding is released
@@ -198,7 +199,7 @@ class WeightFormats(nn.Module):
                          else None)
         if only_lossless and any(b is None for b in found):
             return False
-        copies: list[BlockForm | None] = []
+        copies: list[BlockForm | PartsForm | None] = []
         for holder, own in zip(self._weight_holders(), found):
             made = own if own is not None else QuantBlocks.from_float(holder.weight)
             copies.append(None if made is None else BlockForm(made, holder.bias, round16))
@@ -206,6 +207,59 @@ class WeightFormats(nn.Module):
         self._wants["quantized"] = True
         self._attach_quant_copies()
         return True
+
+    def serve_file_blocks(self, blocks: dict[str, QuantBlocks], round16: bool = True) -> None:
+        """Serve a model built with some weights on the meta device from a checkpoint's own
+        blocks of them (a quantized GGUF: `loading.gguf.GGUFTensors.serve_blocks`), by
+        parameter name: each matmul whose weights are all blocks takes them as its form
+        (fused parts stacked where they are of one type, else a `PartsForm`), the token
+        embedding is looked up from its blocks (a tied LM head multiplies the same blocks),
+        and those weights stay on meta as `release_dense_weights` leaves them (read back out
+        of the blocks for `.to()`, `state_dict()`...): no float32 copy of them is ever made.
+        Takes `blocks` over: each part is dropped from it once stacked, so the weights are
+        never held twice. A matmul stored as floats (or fused with one) gets Q8_0 blocks made
+        of its float32 weight, which stays, as `use_quantized_weights` does. `round16`: see
+        there."""
+        if not blocks:
+            return
+        embedding = self.embedding_weight()
+        names = [n for n, p in self.named_parameters(remove_duplicate=False) if p is embedding]
+        source = next((blocks[n] for n in names if n in blocks), None)
+        if embedding.device.type == "meta":
+            if source is None:
+                raise RuntimeError(f"the token embedding of {type(self).__name__} was left to "
+                                   "blocks the checkpoint does not have")
+            self._embedding_source = self._embedding_blocks = source
+        tied = self.lm_head.weight is embedding
+        copies: list[BlockForm | PartsForm | None] = []
+        for holder, parts_names in self._named_holders():
+            if holder.weight.device.type != "meta":  # stored as floats: Q8_0 made of them,
+                made = QuantBlocks.from_float(holder.weight)  # as use_quantized_weights does
+                copies.append(None if made is None else BlockForm(made, holder.bias, round16))
+                if made is not None:
+                    holder.form = copies[-1]
+                continue
+            parts = [source if tied and name == "lm_head.weight" else blocks.pop(name, None)
+                     for name in parts_names]
+            present = [p for p in parts if p is not None]
+            if len(present) != len(parts):
+                raise RuntimeError(f"{parts_names} of {type(self).__name__} were left to "
+                                   "blocks the checkpoint does not have")
+            own = QuantBlocks.cat(present)
+            form: BlockForm | PartsForm = BlockForm(own, holder.bias, round16) \
+                if own is not None else \
+                PartsForm([BlockForm(p, None, round16) for p in present], holder.bias)
+            holder.form = form
+            copies.append(form)
+            if holder.weight is not embedding:  # a tied head comes back with the embedding
+                self._released.append(holder)
+        unserved = sorted(set(blocks) - set(names))
+        if unserved:
+            raise RuntimeError(f"blocks of {unserved[:3]} serve no matmul of "
+                               f"{type(self).__name__}")
+        blocks.clear()
+        self._quant_copies = copies
+        self._wants.update({"quantized": True, "release_dense": True})
 
     def _attach_quant_copies(self) -> None:
         """Make the blocks the form of their holders (a float form, its packed copy with it,
@@ -394,6 +448,11 @@ class WeightFormats(nn.Module):
         head: WeightForm | None = self.lm_head.form
         if head is not None and head.weight_format is not None:
             return head.weight_format
+        if self._wants["quantized"]:  # a head the file stores as floats: the layers' blocks
+            named = (h.form.weight_format for h in self._weight_holders() if h.form is not None)
+            found = next((name for name in named if name is not None), None)
+            if found is not None:
+                return found
         return str(self.dtype).replace("torch.", "")
 
 
@@ -408,3 +467,15 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     return (sum(p.numel() for p in seen.values()),
             sum(p.numel() * p.element_size() for p in seen.values() if p.device.type != "meta")
             + extra)
+
+
+def weight_summary(model: object) -> tuple[int, str]:
+    """(bytes, format) of a model's weights as served: `count_parameters`' bytes (blocks
+    counted as stored, released float32 weights not at all) and its `weight_format` (a torch
+    module's dtype otherwise); (0, "unknown") for a model that is not a torch module."""
+    if not isinstance(model, nn.Module):
+        return 0, "unknown"
+    if isinstance(model, WeightFormats):
+        return count_parameters(model)[1], model.weight_format
+    dtype = next((p.dtype for p in model.parameters()), None)
+    return count_parameters(model)[1], str(dtype).replace("torch.", "")

@@ -82,6 +82,36 @@ def _blocks_will_serve(source: object, copies: str | None, dtype: object, device
     return kernels_available()
 
 
+def _served_from_blocks(source: object, copies: str | None, dtype: object,
+                        device: str) -> bool:
+    """Whether this load reads a GGUF's blocks and serves them, never building those weights
+    in float32 (`gguf.load_gguf`'s weight_format): a .gguf file (the default model's too)
+    holding quantized weights, on CPU, asked for as dtype="quantized"/"quantized-exact" or
+    with no dtype given where the C kernels build (float32 only when asked)."""
+    if torch.device(device).type != "cpu" or not (copies in QUANTIZED_FORMATS or (
+            copies is None and dtype is None)):
+        return False
+    path = _gguf_file(str(source))
+    if path is None or not path.is_file():
+        return False
+    from ..cpu.kernels.build import kernels_available
+    from .gguf import serves_blocks
+
+    try:
+        quantized = serves_blocks(path)
+    except ValueError:  # not a readable GGUF: the loader says why
+        return False
+    return quantized and (copies is not None or kernels_available())
+
+
+def _serves_blocks(loaded: LoadedModel) -> bool:
+    """Whether the model serves from blocks already (`gguf.load_gguf` read them as such)."""
+    from ..execution.weights import WeightFormats
+
+    model = loaded.model
+    return isinstance(model, WeightFormats) and model.weight_format in QUANTIZED_FORMATS
+
+
 def _add_float_copies(model: WeightFormats) -> None:
     """What `build_llama` would have added to a CPU float32 model built without copies: the
     oneDNN-packed copies where they pay (`WeightFormats.packing_pays`), else a transposed head."""
@@ -157,22 +187,29 @@ def load(source: object, *, device: str | None = None, dtype: str | torch.dtype 
                         None if dtype is None else resolve_dtype(dtype, "cpu"))
         return loaded
     device = device or default_device()
-    torch_dtype = resolve_dtype("float32" if copies else dtype, device)
     t0 = time.perf_counter()
-    bare = _blocks_will_serve(source, copies, dtype, device)
+    served = _served_from_blocks(source, copies, dtype, device)
+    if served and copies is None:  # a quantized GGUF on CPU: its blocks by default
+        copies = QUANTIZED
+    torch_dtype = resolve_dtype("float32" if copies else dtype, device)
+    bare = served or _blocks_will_serve(source, copies, dtype, device)
+    options: dict[str, object] = {"pack": False, "transposed_head": False} if bare else {}
+    if served:
+        options["weight_format"] = copies
     with torch_threads(1):  # loading is I/O-bound; no OpenMP pool in the caller's thread
         try:
             # refused before any tensor is read when the weights cannot fit
             check_source(str(source), torch.device(device),
-                         load_form(torch_dtype, copies, bare, torch.device(device)))
-            loaded = _load_path(str(source), device, torch_dtype,
-                                {"pack": False, "transposed_head": False} if bare else {},
+                         load_form(torch_dtype, copies, bare, torch.device(device), served))
+            loaded = _load_path(str(source), device, torch_dtype, options,
                                 _Serving(tokenizer=tokenizer, chat_template=chat_template,
                                      max_context=max_context))
-            if copies:
-                _add_weight_copies(loaded, copies)
+            if _serves_blocks(loaded):
+                pass  # read as blocks (a quantized GGUF's layout that keeps its tensors)
             elif dtype is None and torch_dtype == torch.float32:
-                _use_lossless_blocks(loaded)
+                _use_lossless_blocks(loaded)  # the default, as before (GPT-2's Conv1D)
+            elif copies:
+                _add_weight_copies(loaded, copies)
         finally:
             _forget_files()
         _release_unread_weights(loaded)

@@ -8,6 +8,7 @@ transposes, stacked experts split), so the result feeds the same builder as a Hu
 from __future__ import annotations
 
 import functools
+import io
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -77,6 +78,7 @@ class GGUFTensors:
     def __init__(self, path: Path, tensors: list[ReaderTensor], layout: GGUFLayout,
                  cfg: dict[str, Any], dtype: torch.dtype) -> None:
         self._path, self._dtype = path, dtype
+        self._transposes = bool(layout.conv1d)  # names change on the way in: see serve_blocks
         self._plan: list[tuple[ReaderTensor, Rule]] = []
         for t in tensors:
             if t.name in CONFIG_ONLY:
@@ -86,17 +88,90 @@ class GGUFTensors:
                 raise ValueError(f"unexpected tensor {t.name!r} in {path} for architecture "
                                  f"{layout.architecture!r} (read as {cfg['architectures'][0]})")
             self._plan.append((t, rule))
+        self._served: set[str] = set()  # HF names streamed as meta, their blocks read (below)
+        self._groups: dict[str, tuple[str, ...]] = {}  # a served name: its fused group's names
+        self._shapes = {rule.hf_names[0]: tuple(int(d) for d in reversed(t.shape.tolist()))
+                        for t, rule in self._plan}  # HF names: torch-order shapes
+        self._blocks: dict[str, QuantBlocks] = {}
 
     def __len__(self) -> int:
         return sum(len(rule.hf_names) for _, rule in self._plan)
 
+    def serve_blocks(self) -> None:
+        """Stream the tensors stored in a type of `execution.quant.BLOCK_TYPES` as blocks
+        instead of float tensors: each such matmul weight (and the token embedding) is read
+        from the file into its blocks once (`take_blocks`), never dequantized, and streams as
+        a tensor on the meta device of its shape (the builder keeps it there; the model is
+        then served from the blocks, `WeightFormats.serve_file_blocks`). Left as floats:
+        1-D tensors (norms, biases), stacked experts, shifted tensors, every tensor of a
+        layout that transposes some (GPT-2's Conv1D), and a fused group (q/k/v, gate/up)
+        whose members are not all of such types."""
+        from ..execution.quant import BLOCK_TYPES
+
+        if self._transposes:  # GPT-2: its family renames the tensors, and the blocks of
+            return  # its matmul weights run along the other axis: built as floats, as before
+        served = {rule.hf_names[0]: t for t, rule in self._plan
+                  if t.tensor_type.name in BLOCK_TYPES and len(t.shape) == 2
+                  and len(rule.hf_names) == 1 and not (rule.transpose or rule.shift)}
+        self._served = {name for name in served
+                        if all(other in served for other in _fused_group(name))}
+        for name in self._served:  # a group of one type and row length is read as one
+            group = _fused_group(name)
+            kinds = {(served[m].tensor_type, tuple(served[m].data.shape[1:])) for m in group}
+            if len(group) > 1 and len(kinds) == 1:
+                self._groups[name] = group
+
+    def take_blocks(self) -> dict[str, QuantBlocks]:
+        """The blocks the last pass read (`serve_blocks`), by HF name; handed over once."""
+        found, self._blocks = self._blocks, {}
+        return found
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for t, rule in tqdm(self._plan, desc=f"Loading {self._path.name}", unit="tensor",
-                            leave=False):
-            arr = dequantize(t.data, t.tensor_type)  # numpy layout: (rows, cols) = (ne1, ne0)
-            w = torch.from_numpy(np.require(arr, np.float32, ["C", "W"]))  # copies memmap views
-            for name, part in rule.apply(w):
-                yield name, part.to(self._dtype)
+        pending: dict[tuple[str, ...], tuple[np.ndarray, set[str]]] = {}
+        with open(self._path, "rb", buffering=0) as file:
+            for t, rule in tqdm(self._plan, desc=f"Loading {self._path.name}", unit="tensor",
+                                leave=False):
+                name = rule.hf_names[0]
+                if name in self._served:
+                    self._read_served(file, t, rule, pending)
+                    yield name, torch.empty(int(t.shape[1]), int(t.shape[0]), device="meta")
+                    continue
+                arr = dequantize(t.data, t.tensor_type)  # numpy layout: (rows, cols) = (ne1, ne0)
+                w = torch.from_numpy(np.require(arr, np.float32, ["C", "W"]))  # copies views
+                for name, part in rule.apply(w):
+                    yield name, part.to(self._dtype)
+
+    def _read_served(self, file: io.FileIO, t: ReaderTensor, rule: Rule,
+                     pending: dict[tuple[str, ...], tuple[np.ndarray, set[str]]]) -> None:
+        """Read a served tensor's blocks (`serve_blocks`): alone, or into its rows of its
+        fused group's one buffer, whose blocks each member gets a row range of once the
+        group is complete (so the fused projection is those blocks, not a copy of them)."""
+        from ..execution.quant import QuantBlocks
+
+        name = rule.hf_names[0]
+        group = self._groups.get(name)
+        if group is None:
+            raw = np.empty(t.data.shape, dtype=np.uint8)  # (rows, bytes a row)
+            _read_rows(file, t, rule, raw)
+            blocks = QuantBlocks.from_gguf(raw, t.tensor_type.name)
+            assert blocks is not None  # `serve_blocks` picked only types of BLOCK_TYPES
+            self._blocks[name] = blocks
+            return
+        rows = {m: int(self._shapes[m][0]) for m in group}
+        if group not in pending:
+            pending[group] = (np.empty((sum(rows.values()), t.data.shape[1]), np.uint8), set())
+        raw, done = pending[group]
+        start = sum(rows[m] for m in group[:group.index(name)])
+        _read_rows(file, t, rule, raw[start:start + rows[name]])
+        done.add(name)
+        if len(done) == len(group):
+            blocks = QuantBlocks.from_gguf(raw, t.tensor_type.name)
+            assert blocks is not None
+            start = 0
+            for member in group:
+                self._blocks[member] = blocks.row_range(start, start + rows[member])
+                start += rows[member]
+            del pending[group]
 
     def quant_blocks(self) -> dict[str, QuantBlocks]:
         """The tensors stored in a type of `execution.quant.BLOCK_TYPES` (Q4_0, Q4_1, Q8_0, the
@@ -121,6 +196,40 @@ class GGUFTensors:
                     blocks = blocks.take_rows(order)
                 found[name] = blocks
         return found
+
+
+# the weights a decoder fuses into one matmul (models.decoder's fused projections)
+_FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          ("mlp.gate_proj", "mlp.up_proj"))
+
+
+def _fused_group(name: str) -> tuple[str, ...]:
+    """The HF names of the weights fused with `name` (itself included), or just `name`."""
+    for group in _FUSED:
+        for member in group:
+            suffix = f".{member}.weight"
+            if name.endswith(suffix):
+                base = name[:-len(suffix)]
+                return tuple(f"{base}.{m}.weight" for m in group)
+    return (name,)
+
+
+def _read_rows(file: io.FileIO, t: ReaderTensor, rule: Rule, out: np.ndarray) -> None:
+    """Tensor `t`'s bytes into `out` (rows, bytes a row), with plain reads (through the page
+    cache, not the reader's memory map, whose touched pages would count in the process's
+    memory beside the blocks), llama.cpp's Q/K row order undone."""
+    raw = np.empty(t.data.shape, dtype=np.uint8) if rule.heads else out
+    view, done = raw.data.cast("B"), 0
+    file.seek(int(t.data_offset))
+    while done < len(view):
+        got = file.readinto(view[done:])
+        if not got:
+            raise ValueError(f"{file.name}: tensor {t.name!r} ends past the end of the file; "
+                             "the file is truncated: download it again")
+        done += got
+    if rule.heads:
+        order = unpermute_qk(torch.arange(raw.shape[0])[:, None], rule.heads)[:, 0]
+        out[...] = raw[order.numpy()]
 
 
 def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
@@ -172,13 +281,30 @@ def read_quant_blocks(path: str | Path) -> dict[str, QuantBlocks]:
     return GGUFTensors(path, list(reader.tensors), layout, cfg, torch.float32).quant_blocks()
 
 
+def serves_blocks(path: str | Path) -> bool:
+    """Whether a .gguf file holds weights in a type served from its blocks
+    (`execution.quant.BLOCK_TYPES`): a quantized file, which `loading.load` serves from its
+    blocks on CPU by default."""
+    from ..execution.quant import BLOCK_TYPES
+
+    return any(t.tensor_type.name in BLOCK_TYPES and len(t.shape) >= 2
+               for t in _open(Path(path).expanduser()).tensors)
+
+
 def load_gguf(path: str | Path, device: str | torch.device | None = None,
               dtype: str | torch.dtype | None = None, name: str | None = None,
-              **options: Any) -> LoadedModel:
+              weight_format: str | None = None, **options: Any) -> LoadedModel:
     """Build a servable model from a .gguf file, weights dequantized to `dtype` (default float32
     on CPU, bfloat16 on CUDA). It is named after the file unless `name` is given; `options` go
-    to its family's `build` (pack, transposed_head...)."""
-    from ..models.dtypes import resolve_dtype
+    to its family's `build` (pack, transposed_head...).
+
+    `weight_format` "quantized" or "quantized-exact" (CPU, float32): the weights stored in a
+    type of `execution.quant.BLOCK_TYPES` are read as blocks and served from them
+    (`GGUFTensors.serve_blocks`, `WeightFormats.serve_file_blocks`), never built in float32;
+    the other tensors as above. A layout whose weights are transposed (GPT-2's Conv1D) is
+    built in float32 and given its blocks afterwards (`loading.load` does that)."""
+    from ..execution.weights import WeightFormats
+    from ..models.dtypes import QUANTIZED, QUANTIZED_FORMATS, resolve_dtype
     from ..text import ChatTemplate, Tokenizer
 
     device = torch.device(device if device is not None else "cpu")
@@ -186,7 +312,18 @@ def load_gguf(path: str | Path, device: str | torch.device | None = None,
     ckpt = read_gguf(path, dtype=dtype)
     name = name or ckpt.path.stem
     family, config = registry.read_config(ckpt.hf_config, name)
+    blocks = weight_format in QUANTIZED_FORMATS
+    if blocks:
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(f"weight_format={weight_format!r} serves blocks on CPU in float32, "
+                             f"not on {device.type} in {dtype}")
+        ckpt.tensors.serve_blocks()
     model = family.build(config, ckpt.tensors, device=device, dtype=dtype, **options)
+    if blocks:
+        if not isinstance(model, WeightFormats):
+            raise ValueError(f"weight_format={weight_format!r} needs nbserve's own model "
+                             f"implementation; {type(model).__name__} does not have it")
+        model.serve_file_blocks(ckpt.tensors.take_blocks(), round16=weight_format == QUANTIZED)
     tokenizer = Tokenizer(ckpt.tokenizer, bos_token_id=ckpt.bos_token_id,
                           eos_token_ids=ckpt.eos_token_ids, add_bos_token=ckpt.add_bos_token)
     template = (ChatTemplate(ckpt.chat_template, bos_token=ckpt.bos_token or "",

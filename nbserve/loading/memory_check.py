@@ -65,7 +65,9 @@ class WeightForm:
     """What a load builds of each tensor: dense weights in `dtype`, plus `copies` of the
     matmul weights: "none"; "file" (a GGUF's own Q4_0/Q4_1/Q8_0 blocks, the CPU default for
     a file whose matmul weights are all of those types); "blocks" (dtype="quantized": those
-    blocks, or Q8_0 made at load for the other weights); "float16" (dtype="mixed16").
+    blocks, or Q8_0 made at load for the other weights); "served" (a quantized GGUF on CPU,
+    by default: the file's blocks read as they are, those weights never dense); "float16"
+    (dtype="mixed16").
     `float_copies`: a CPU float32 model's copies for speed (oneDNN-packed weights where they
     fit a share of the RAM, else a transposed LM head), made unless blocks serve every step."""
 
@@ -77,15 +79,20 @@ class WeightForm:
         dense = f"{str(self.dtype).replace('torch.', '')} weights"
         return {"none": dense, "file": f"{dense} plus the file's own 4/8-bit blocks",
                 "blocks": f"{dense} plus 4/8-bit blocks (dtype='quantized')",
+                "served": "the file's own blocks (dtype='quantized'), other tensors "
+                          f"as {dense}",
                 "float16": f"{dense} plus float16 copies (dtype='mixed16')"}[self.copies] + \
             (" and copies for speed" if self.float_copies else "")
 
 
 def load_form(dtype: torch.dtype, weight_format: str | None, file_blocks: bool,
-              device: torch.device) -> WeightForm:
+              device: torch.device, served: bool = False) -> WeightForm:
     """The form `loading.load` builds: `dtype` the dense weights' dtype, `weight_format` a
     weight format asked for ("quantized", "mixed16"...), `file_blocks` whether a GGUF's own
-    blocks are kept by default (where they serve every matmul), on `device`."""
+    blocks are kept by default (where they serve every matmul), on `device`; `served`: a
+    GGUF's blocks read and served as they are (`gguf.load_gguf`'s weight_format)."""
+    if served:
+        return WeightForm(dtype, "served")
     if weight_format in QUANTIZED_FORMATS:
         return WeightForm(dtype, "blocks")
     float_copies = device.type == "cpu" and dtype == torch.float32
@@ -102,6 +109,12 @@ def weight_bytes(tensors: Iterable[StoredTensor], form: WeightForm) -> int:
     every step are counted: they exist until the load ends."""
     tensors = list(tensors)
     size = torch.tensor([], dtype=form.dtype).element_size()
+    if form.copies == "served":  # 2-D tensors of a served type as stored; the rest dense;
+        from ..execution.quant import BLOCK_TYPES  # one tensor read and reordered at a time
+
+        kept = [t.nbytes if t.stored in BLOCK_TYPES and len(t.shape) == 2 else t.numel * size
+                for t in tensors]
+        return sum(kept) + 2 * max(kept, default=0)
     dense = sum(t.numel * size for t in tensors)
     largest = max((t.numel * 4 for t in tensors), default=0)
     tied = not any(_named(t, HEADS) for t in tensors)
@@ -142,13 +155,16 @@ def check_fits(tensors: list[StoredTensor], form: WeightForm, device: torch.devi
     if needed <= available:
         return
     plain = weight_bytes(tensors, replace(form, copies="none"))
-    described = form.describe() if plain < needed else replace(form, copies="none").describe()
-    hints = [f"a model with fewer parameters (the weights are built in "
+    described = form.describe() if plain < needed or form.copies == "served" else \
+        replace(form, copies="none").describe()
+    hints = ["a model with fewer parameters, or a smaller quantization" if
+             form.copies == "served" else
+             f"a model with fewer parameters (the weights are built in "
              f"{str(form.dtype).replace('torch.', '')} whatever the file's quantization)"]
     if plain < needed:
         hints.append(f"dtype='{str(form.dtype).replace('torch.', '')}' without the copies "
                      f"({plain / GiB:.1f} GiB)")
-    if form.dtype == torch.float32:
+    if form.dtype == torch.float32 and form.copies != "served":
         half = weight_bytes(tensors, WeightForm(torch.bfloat16))
         hints.append(f"dtype='bfloat16' ({half / GiB:.1f} GiB; slower on most CPUs)")
     hints.append("a machine with more memory")

@@ -367,6 +367,7 @@ def build_decoder(cfg: DecoderConfig, tensors: Iterable[tuple[str, torch.Tensor]
     share every tensor with the caller. `float_kernel` (default: on for CPU float32 where the C
     kernel builds, see `kernels_available`) is `DecoderModel.use_float_kernel`; it copies nothing.
 
+    A tensor given on the meta device stays there (its loader serves it from blocks).
     Raises ValueError naming unknown or missing tensors.
     """
     with torch.device("meta"):
@@ -379,8 +380,7 @@ def build_decoder(cfg: DecoderConfig, tensors: Iterable[tuple[str, torch.Tensor]
             continue
         prefused = _prefused_key(name)
         if prefused is not None:
-            fused.setdefault(prefused[0], {})[prefused[1]] = tensor.to(device=device,
-                                                                       dtype=dtype)
+            fused.setdefault(prefused[0], {})[prefused[1]] = _placed(tensor, device, dtype)
             continue
         if name not in params:
             raise ValueError(f"unexpected tensor {name!r} for {cfg.architecture} ({cfg.name})")
@@ -388,7 +388,7 @@ def build_decoder(cfg: DecoderConfig, tensors: Iterable[tuple[str, torch.Tensor]
         if tuple(tensor.shape) != tuple(want):
             raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(want)} from the config of {cfg.name}")
-        _set_param(model, name, tensor.to(device=device, dtype=dtype))
+        _set_param(model, name, _placed(tensor, device, dtype))
         seen.add(name)
     for (layer, what), parts in fused.items():
         seen |= _set_prefused(model, cfg, layer, what, parts)
@@ -465,6 +465,13 @@ def _set_prefused(model: DecoderModel, cfg: DecoderConfig, layer: int, what: str
         owner.gate_up = projection
     provided = {f"{prefix}.{n}.weight" for n in names}
     return provided | ({f"{prefix}.{n}.bias" for n in names} if bias is not None else set())
+
+
+def _placed(tensor: torch.Tensor, device: torch.device | str, dtype: torch.dtype
+            ) -> torch.Tensor:
+    """`tensor` on (device, dtype); one on the meta device stays there: a loader that serves
+    that weight from its blocks (a GGUF's, `WeightFormats.serve_file_blocks`) never builds it."""
+    return tensor if tensor.device.type == "meta" else tensor.to(device=device, dtype=dtype)
 
 
 def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
