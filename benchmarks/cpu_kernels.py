@@ -16,12 +16,13 @@ the kernel's ROW_PATH_MAX (row kernels, then panels) come from (float32 weights 
 random Q4_1-style and Q8_0 blocks), and the blocks again with 16-bit inputs (`round16`, where
 ROUND16_MAX_ROWS comes from; the same as without on a build that has no such kernels).
 
-With `--blocks`: the C kernels over GGUF's own blocks (`cpu/kernels/gguf_blocks.c`, exact
-mode), one input row against a weight of every block type larger than the caches (256 MB of
-random blocks, rows of 4096), at 1 and 2 threads: GB/s of blocks read, beside the machine's
-read bandwidth measured by a C loop over a buffer of the same size with the same threads just
-before each (the bound a decode step's matmuls can reach). `NBSERVE_KERNEL_ISA=avx2` (or
-`plain`) times that path's build.
+With `--blocks`: the C kernels over GGUF's own blocks (`cpu/kernels/gguf_blocks.c`), one
+input row against a weight of every block type (or those of `--types`) larger than the caches
+(256 MB of random blocks, rows of 4096), at 1 and 2 threads, in exact mode and with the input
+rounded to 16 bits per block (`round16`, the integer row kernels; the same as exact on a build
+without them): GB/s of blocks read, beside the machine's read bandwidth measured by a C loop
+over a buffer of the same size with the same threads just before each (the bound a decode
+step's matmuls can reach). `NBSERVE_KERNEL_ISA=avx2` (or `plain`) times that path's build.
 
     python benchmarks/cpu_kernels.py               # ~1 minute on 2 cores
     python benchmarks/cpu_kernels.py --crossover   # ~1 minute; needs a C compiler
@@ -160,16 +161,21 @@ def read_loop() -> ctypes.CDLL:
     return lib
 
 
-def block_throughput(n: int, size_mb: int = 256, k: int = 4096) -> None:
-    """GB/s of blocks a one-row product reads, per GGUF block type, at 1 and 2 threads, beside
-    the read bandwidth of a C loop over as many bytes."""
+def block_throughput(n: int, types: list[str] | None = None, size_mb: int = 256,
+                     k: int = 4096) -> None:
+    """GB/s of blocks a one-row product reads, per GGUF block type (all, or `types`), exact and
+    rounded to 16 bits, at 1 and 2 threads, beside the read bandwidth of a C loop over as many
+    bytes."""
     from nbserve.cpu.kernels import build
-    from nbserve.cpu.kernels.blocks import BlockType, row_bytes
+    from nbserve.cpu.kernels.abi import KernelFlag
+    from nbserve.cpu.kernels.blocks import BlockType, blocks_rounded, row_bytes
 
     lib, reader = build.quant_kernels(), read_loop()
     rng = np.random.default_rng(0)
     print(f"blocks: simd width {lib.nbq_simd_width()}, NBSERVE_KERNEL_ISA="
-          f"{os.environ.get('NBSERVE_KERNEL_ISA', 'native')}, {size_mb} MB a weight, k={k}")
+          f"{os.environ.get('NBSERVE_KERNEL_ISA', 'native')}, {size_mb} MB a weight, k={k}, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    chosen = [BlockType[name] for name in types] if types else list(BlockType)
 
     def body() -> None:
         buf = np.ones(size_mb << 20, dtype=np.uint8)
@@ -180,21 +186,26 @@ def block_throughput(n: int, size_mb: int = 256, k: int = 4096) -> None:
             return buf.nbytes / s / 1e9
 
         x, y = torch.randn(1, k), torch.empty(1, (size_mb << 20) // 64)
-        for block_type in BlockType:
+        for block_type in chosen:
             rows = (size_mb << 20) // row_bytes(block_type, k)
             raw = rng.integers(0, 256, rows * row_bytes(block_type, k), dtype=np.uint8)
-            cells = []
-            for threads in (1, 2):
-                def product(t: int = threads, kind: int = int(block_type),
-                            w: np.ndarray = raw, n_out: int = rows) -> None:
-                    lib.nbq_blocks_matmul(x.data_ptr(), 1, k, kind, w.ctypes.data, n_out,
-                                          y.data_ptr(), t, None, 0.0, 0)
+            modes = [("exact", 0)]
+            if blocks_rounded(block_type, lib):
+                modes.append(("round16", int(KernelFlag.ROUND16)))
+            for mode, flags in modes:
+                cells = []
+                for threads in (1, 2):
+                    def product(t: int = threads, kind: int = int(block_type),
+                                w: np.ndarray = raw, n_out: int = rows, f: int = flags) -> None:
+                        lib.nbq_blocks_matmul(x.data_ptr(), 1, k, kind, w.ctypes.data, n_out,
+                                              y.data_ptr(), t, None, 0.0, f)
 
-                bound = read_rate(threads)  # just before: the machine's load moves
-                rate = raw.nbytes / (median_ms(product, n) / 1e3) / 1e9
-                cells.append(f"{threads} thread(s) {rate:6.2f} GB/s, read loop {bound:5.1f} "
-                             f"({100 * rate / bound:3.0f}%)")
-            print(f"blocks: {block_type.name:<7} 1 row: " + " | ".join(cells), flush=True)
+                    bound = read_rate(threads)  # just before: the machine's load moves
+                    rate = raw.nbytes / (median_ms(product, n) / 1e3) / 1e9
+                    cells.append(f"{threads} thread(s) {rate:6.2f} GB/s, read loop {bound:5.1f} "
+                                 f"({100 * rate / bound:3.0f}%)")
+                print(f"blocks: {block_type.name:<7} {mode:<7} 1 row: " + " | ".join(cells),
+                      flush=True)
 
     release_openmp_pool()
     t = threading.Thread(target=body)  # a fresh thread, as the engine's
@@ -247,9 +258,11 @@ def main() -> None:
                     help="only the C kernels against oneDNN, 1 to 128 rows")
     ap.add_argument("--blocks", action="store_true",
                     help="only the GGUF block kernels' throughput against the read bandwidth")
+    ap.add_argument("--types", default="",
+                    help="with --blocks: the block types to time, e.g. Q4_K,Q6_K (default all)")
     args = ap.parse_args()
     if args.blocks:
-        block_throughput(args.n)
+        block_throughput(args.n, args.types.split(",") if args.types else None)
         return
     if args.crossover:
         crossover([1, 2, 4, 8, 9, 12, 16, 32, 64, 128], args.n)

@@ -3,8 +3,9 @@ to the `gguf` package's dequantization (llama.cpp's, bit for bit) on every block
 code path (AVX-512 where this CPU has it, AVX2, plain C, each built with its own flags):
 dequantization equal bit for bit, products equal to a float64 product of the dequantized
 weights up to float32 rounding, at row counts of the row kernels and of the panels, with the
-RMSNorm and the SwiGLU gate folded in; and on one real tensor of each type of the real Gemma 3
-270M Q4_K_M file where it is cached."""
+RMSNorm and the SwiGLU gate folded in; with NBQ_ROUND16, the integer row kernels' products
+equal to the float64 product of the input rounded as the kernels round it; and on one real
+tensor of each type of the real Gemma 3 270M Q4_K_M file where it is cached."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from nbserve.cpu.kernels.blocks import (
     block_layout,
     blocks_dequantize,
     blocks_matmul,
+    blocks_rounded,
     row_bytes,
 )
 
@@ -152,6 +154,66 @@ def test_matmul_folds_in_the_norm_and_the_gate(arch, block_type):
         gated = torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]
         got = blocks_matmul(gate_up, block_type, blocks, n, k, gated=True, lib=lib)
         _assert_product(got, gated, w)
+
+
+def _round16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' 16-bit input (round16, matmul_common.h) as float64, and each input's bound
+    on its rounding error: per block of 32, s = max |x| / 32767 and q = rint(x * (32767 /
+    max |x|)) in float32 (ties to even, as the CPU's conversion), the input q s, within s / 2."""
+    rows, k = x.shape
+    blocks = x.reshape(rows, k // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(32767.0) / torch.where(amax > 0, amax, 1.0), 0.0)
+    q = torch.round(blocks * inv)  # float32 product, then round half to even
+    scale = amax / torch.tensor(32767.0)
+    rounded = (q.double() * scale.double()).reshape(rows, k)
+    return rounded, (scale.double() / 2).expand(-1, -1, 32).reshape(rows, k)
+
+
+@pytest.mark.parametrize("arch", PATHS)
+@pytest.mark.parametrize("block_type", TYPES, ids=[t.name for t in TYPES])
+def test_round16_multiplies_the_input_rounded_to_16_bits(arch, block_type):
+    """With round16, products of up to 8 rows (the row kernels) are the float64 product of the
+    input rounded to 16 bits per block of 32 with gguf's weights, up to float32 rounding (2e-6
+    of the products' sizes; measured within 3e-7), so within the rounding's bound of the exact
+    product; the inputs (one large value a block) make the exact product differ from the
+    rounded one by more than that tolerance, so a kernel that ignored the flag fails here. A
+    build without integer row kernels (plain C), and the panels (16 rows), stay exact."""
+    lib = _kernels(arch)
+    elems, _ = block_layout(block_type, lib)
+    g = torch.Generator().manual_seed(int(block_type) + 100)
+    for blocks_a_row, n in ((1, 7), (3, 13)):
+        k = max(elems, 64) * blocks_a_row
+        raw = _random_blocks(block_type, n, k, seed=n + 1)
+        w = _reference(raw, block_type, n, k).double()
+        blocks = torch.from_numpy(raw.reshape(-1).copy())
+        for rows in (1, 2, 3, 4, 7, 16):
+            x = torch.randn(rows, k, generator=g)
+            x[:, ::32] *= 300  # each block's step is then about 300 / 65534
+            got = blocks_matmul(x, block_type, blocks, n, k, round16=True, lib=lib,
+                                threads=2).double()
+            if rows > 8 or not blocks_rounded(block_type, lib):
+                _assert_product(got.float(), x, w.float())
+                continue
+            rounded, half_step = _round16(x)
+            want, exact = rounded @ w.t(), x.double() @ w.t()
+            size = x.double().abs() @ w.abs().t()
+            assert bool(((got - want).abs() <= 2e-6 * size).all()), \
+                float(((got - want).abs() / size).max())
+            assert bool(((got - exact).abs() <= half_step @ w.abs().t() + 2e-6 * size).all())
+            assert bool(((exact - want).abs() > 2e-6 * size).any())  # the flag matters here
+
+
+def test_round16_is_served_where_the_build_has_integer_kernels():
+    """Every served type has integer row kernels on the AVX2 and AVX-512 builds, none on the
+    plain C one (which keeps float32 inputs)."""
+    for param in PATHS:
+        arch = param.values[0]
+        if any(mark.name == "skipif" and mark.args and mark.args[0] for mark in param.marks):
+            continue
+        lib = _kernels(arch)
+        rounded = {t.name for t in TYPES if blocks_rounded(t, lib)}
+        assert rounded == (set() if lib.nbq_simd_width() == 1 else {t.name for t in TYPES})
 
 
 def test_what_is_not_served_is_refused_by_name():

@@ -3,7 +3,8 @@
 A weight is `n` rows of `k` inputs, each row k / elems blocks of its `BlockType` exactly as the
 GGUF file stores them, passed as a contiguous CPU uint8 tensor (e.g. `torch.frombuffer` over
 the mapped file): nothing is copied or repacked here. The arithmetic is the exact mode of the
-kernels: float32 products of the weights that `gguf.quants.dequantize` gives.
+kernels (float32 products of the weights that `gguf.quants.dequantize` gives), or with
+`round16` the integer row kernels over the input rounded to 16 bits per block of 32.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 from .abi import BlockType, KernelFlag
 from .build import quant_kernels
 
-__all__ = ["BlockType", "block_layout", "blocks_dequantize", "blocks_matmul", "row_bytes"]
+__all__ = ["BlockType", "block_layout", "blocks_dequantize", "blocks_matmul", "blocks_rounded",
+           "row_bytes"]
 
 
 def _lib(lib: ctypes.CDLL | None) -> ctypes.CDLL:
@@ -32,6 +34,12 @@ def block_layout(block_type: int, lib: ctypes.CDLL | None = None) -> tuple[int, 
         raise ValueError(f"GGUF type {block_type!r} is not served from its blocks by nbserve's "
                          f"kernels (served: {served})")
     return elems, size
+
+
+def blocks_rounded(block_type: int, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether `round16` products of `block_type` take integer row kernels in this build (AVX2
+    and AVX-512 builds; the plain C one keeps float32 inputs)."""
+    return bool(_lib(lib).nbq_blocks_rounded(int(block_type)))
 
 
 def row_bytes(block_type: int, k: int, lib: ctypes.CDLL | None = None) -> int:
@@ -55,9 +63,12 @@ def _check_blocks(blocks: torch.Tensor, block_type: int, n: int, k: int,
 
 def blocks_matmul(x: torch.Tensor, block_type: int, blocks: torch.Tensor, n: int, k: int, *,
                   norm: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-                  threads: int | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+                  round16: bool = False, threads: int | None = None,
+                  lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x (..., k) @ w.T -> (..., n) for the weight w in `blocks`; with `norm` (RMSNorm weights,
-    k floats) of RMSNorm(x, eps); `gated`: of silu(a) * b for x (..., 2k) = [a | b]."""
+    k floats) of RMSNorm(x, eps); `gated`: of silu(a) * b for x (..., 2k) = [a | b].
+    `round16`: inputs of a few rows rounded to 16 bits per block of 32 for the integer row
+    kernels, where the build has them for the type (`blocks_rounded`)."""
     kernels = _lib(lib)
     _check_blocks(blocks, block_type, n, k, kernels)
     width = 2 * k if gated else k
@@ -73,7 +84,7 @@ def blocks_matmul(x: torch.Tensor, block_type: int, blocks: torch.Tensor, n: int
     failed = kernels.nbq_blocks_matmul(
         flat.data_ptr(), rows, k, int(block_type), blocks.data_ptr(), n, y.data_ptr(),
         threads or torch.get_num_threads(), None if norm_c is None else norm_c.data_ptr(), eps,
-        int(KernelFlag.GATED) if gated else 0)
+        (int(KernelFlag.GATED) if gated else 0) | (int(KernelFlag.ROUND16) if round16 else 0))
     if failed == -1:
         raise MemoryError("block matmul: out of memory for its buffers")
     if failed:

@@ -8,7 +8,7 @@
  * the same float32 operations in the same order, e.g. Q4_K's (d * sc) * q - dmin * m) and one
  * DEFINE_TYPE line.
  *
- * Exact mode (the only one so far): a row kernel decodes a block of weights into float32, in L1,
+ * Exact mode (the default): a row kernel decodes a block of weights into float32, in L1,
  * exactly as gguf.quants.dequantize does, and multiplies it with up to TILE input rows (on AVX2
  * and AVX-512, every type's "direct dot" builds the same weights in registers instead); more
  * than ROW_PATH_MAX input rows take the panels (matmul_common.h) over weight rows dequantized
@@ -16,6 +16,13 @@
  * its sums. The same source is the AVX-512 (16 lanes), AVX2 (8) and plain C build: the block
  * decoders are plain loops the compiler vectorizes for the build's ISA (with a shuffle or two
  * where the build has SSSE3), the products GCC vector types (matmul_common.h) or intrinsics.
+ *
+ * Rounded mode (flag NBQ_ROUND16, AVX2 and AVX-512 builds, up to ROW_PATH_MAX input rows): the
+ * input is rounded once per call to 16 bits per block of 32 (round16, as quant_matmul.c's), and
+ * every type's row kernel multiplies its codes with the input's in integers ("rounded inputs"
+ * below). The product is then the one of gguf's weights with the rounded input, up to float32
+ * rounding: each input within max |x| / 65534 of its block's largest, never 8 bits per block
+ * as llama.cpp's CPU kernels round (benchmarks/activation_rounding.py).
  */
 #include "matmul_common.h"
 #include "nbserve_kernels.h"
@@ -31,6 +38,8 @@
 typedef void (*to_float_fn)(const uint8_t *blocks, int nblocks, float *out);
 typedef void (*dot_fn)(const float *x, int rows, int k, const uint8_t *w, float *out,
                        int n_out);
+typedef void (*dot16_fn)(const int16_t *xq, const float *xs, const float *xsum, int rows, int k,
+                         const uint8_t *w, float *out, int n_out);
 
 /* One GGUF block type: `elems` weights in `bytes` bytes a block; to_float: `nblocks`
  * consecutive blocks as float32; dot: out[i * n_out] = x[i] . (the weight row w) for 1 to
@@ -39,6 +48,7 @@ typedef struct {
     int elems, bytes;
     to_float_fn to_float;
     dot_fn dot;
+    dot16_fn dot16;  /* the same over the input rounded to 16 bits (NBQ_ROUND16); NULL: none */
 } block_type;
 
 INLINE float half_at(const uint8_t *p) {  /* a float16 where a block stores one (any address) */
@@ -201,13 +211,25 @@ INLINE void q3_k_block(const uint8_t *b, float *out) {
             }
 }
 
-/* The 6-bit scales and mins of Q4_K and Q5_K's 8 sub-blocks of 32, from their 12 bytes. */
+/* The 6-bit scales and mins of Q4_K and Q5_K's 8 sub-blocks of 32, from their 12 bytes, as 16
+ * bytes: the 8 scales, then the 8 mins (four at a time in 32-bit words, as llama.cpp does) */
+INLINE void k_scale_bytes(const uint8_t *s, uint8_t *out) {
+    uint32_t u[4];
+    memcpy(u, s, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    uint32_t mins_low = u[1] & 0x3f3f3f3fu;
+    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    u[2] = mins_low;
+    u[0] &= 0x3f3f3f3fu;
+    memcpy(out, u, 16);
+}
+
 INLINE void k_scales(const uint8_t *s, int *sc, int *mn) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        mn[j] = s[j + 4] & 63;
-        sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
-        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    uint8_t b[16];
+    k_scale_bytes(s, b);
+    for (int j = 0; j < 8; j++) {
+        sc[j] = b[j];
+        mn[j] = b[j + 8];
     }
 }
 
@@ -613,6 +635,259 @@ INLINE void q3_k_dot_n(const float *x, int rows, int k, const uint8_t *w, float 
 }
 #endif
 
+#if defined(HAS_DIRECT_DOTS) && (VL == 8 || defined(__AVX512BW__))
+/* ---------------------------------------------------------------- rounded inputs (NBQ_ROUND16)
+ * The integer row kernels: the input rounded once per call to 16 bits per block of 32 (round16,
+ * matmul_common.h: codes xq, scales xs, and the rounded input's sums per 16, xsum), and each
+ * weight taken as scale * (mul * code) + add: code a signed byte from the block (32 of them a
+ * chunk, in input order), mul an integer per 16 weights folded into the codes as int16 (Q6_K,
+ * Q3_K, Q2_K's sub-block scales; 1 elsewhere), scale a float per chunk (d, d sc, d (ls - 32)),
+ * add a float per 16 weights (- dmin m, or m; 0 for types without). A chunk's products with
+ * the input's codes are integers, exact in int32 (vpmaddwd: |mul code| <= 4096, so a lane's
+ * two products stay below 2^28), converted to float32 once per chunk and multiplied by scale
+ * times the input block's scale; the adds meet the rounded input's sums. So the product is
+ * the one of the exact weights with the rounded input, up to float32 rounding.
+ * (vpdpwssd, AVX-512 VNNI, would fold the add into the multiply, but each chunk's sum starts
+ * from zero, as its input block has its own scale: vpmaddwd is the same one instruction.) */
+#define HAS_ROUNDED 1
+typedef struct {
+    float scale[8], add[16];  /* per chunk of 32; per 16 weights */
+    int16_t mul[16];          /* per 16 weights */
+} block16;
+
+#if VL == 16
+typedef __m512i w16;  /* a chunk's 32 weights as int16 */
+INLINE w16 widen(__m256i b) { return _mm512_cvtepi8_epi16(b); }
+INLINE w16 mul16(w16 w, int16_t a, int16_t b) {
+    return _mm512_mullo_epi16(w, _mm512_inserti64x4(_mm512_set1_epi16(a), _mm256_set1_epi16(b), 1));
+}
+INLINE vi idot(w16 w, const int16_t *x) {  /* 16 lanes, each two products summed */
+    return _mm512_madd_epi16(w, _mm512_loadu_si512((const void *)x));
+}
+#else
+typedef struct { __m256i lo, hi; } w16;
+INLINE w16 widen(__m256i b) {
+    w16 r = {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(b)),
+             _mm256_cvtepi8_epi16(_mm256_extracti128_si256(b, 1))};
+    return r;
+}
+INLINE w16 mul16(w16 w, int16_t a, int16_t b) {
+    w.lo = _mm256_mullo_epi16(w.lo, _mm256_set1_epi16(a));
+    w.hi = _mm256_mullo_epi16(w.hi, _mm256_set1_epi16(b));
+    return w;
+}
+INLINE vi idot(w16 w, const int16_t *x) {  /* 8 lanes, each four products summed */
+    return _mm256_add_epi32(_mm256_madd_epi16(w.lo, _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(w.hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
+}
+#endif
+
+INLINE __m256i load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+INLINE __m256i bits_at(const uint8_t *p, int shift, int mask) {  /* (byte >> shift) & mask */
+    return _mm256_and_si256(_mm256_srli_epi16(load32(p), shift), _mm256_set1_epi8((char)mask));
+}
+
+/* The 32-weight types: one chunk, the codes of *_codes above less the bias */
+#define CHUNK32(T, BIAS)                                                                        \
+    INLINE __m256i T##_chunk(const uint8_t *blk, int c) {                                       \
+        (void)c;                                                                                \
+        __m128i h[2];                                                                           \
+        T##_codes(blk, h);                                                                      \
+        return _mm256_sub_epi8(_mm256_set_m128i(h[1], h[0]), _mm256_set1_epi8(BIAS));           \
+    }
+CHUNK32(q4_0, 8)
+CHUNK32(q4_1, 0)
+CHUNK32(q5_0, 16)
+CHUNK32(q5_1, 0)
+CHUNK32(q8_0, 0)
+CHUNK32(iq4_nl, 0)
+INLINE void d_prep(const uint8_t *blk, block16 *p) { p->scale[0] = half_at(blk); }
+INLINE void dm_prep(const uint8_t *blk, block16 *p) {  /* d q + m */
+    p->scale[0] = half_at(blk);
+    p->add[0] = p->add[1] = half_at(blk + 2);
+}
+#define q4_0_prep d_prep
+#define q5_0_prep d_prep
+#define q8_0_prep d_prep
+#define iq4_nl_prep d_prep
+#define q4_1_prep dm_prep
+#define q5_1_prep dm_prep
+
+/* Q4_K and Q5_K: chunk c is sub-block c, (d sc) q - dmin m */
+INLINE void k45_prep(const uint8_t *blk, block16 *p) {
+    uint8_t b[16];
+    k_scale_bytes(blk + 4, b);
+    __m128i bytes = _mm_loadu_si128((const __m128i *)b);
+    __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+    _mm256_storeu_ps(p->scale, _mm256_mul_ps(_mm256_set1_ps(half_at(blk)), sc));
+    mn = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(half_at(blk + 2)), mn),
+                       _mm256_set1_ps(-0.f));  /* - dmin m, each twice (per 16 weights) */
+    __m256 lo = _mm256_unpacklo_ps(mn, mn), hi = _mm256_unpackhi_ps(mn, mn);
+    _mm256_storeu_ps(p->add, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(p->add + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+#define q4_k_prep k45_prep
+#define q5_k_prep k45_prep
+INLINE __m256i q4_k_chunk(const uint8_t *blk, int c) {
+    return bits_at(blk + 16 + (c / 2) * 32, 4 * (c & 1), 15);
+}
+INLINE __m256i q5_k_chunk(const uint8_t *blk, int c) {
+    __m256i fifth = _mm256_slli_epi16(bits_at(blk + 16, c, 1), 4);
+    return _mm256_or_si256(bits_at(blk + 48 + (c / 2) * 32, 4 * (c & 1), 15), fifth);
+}
+
+/* Q6_K: d, sc as mul, q - 32 (see q6_k_block: chunk c = half c / 4, s = c % 4) */
+INLINE void q6_k_prep(const uint8_t *blk, block16 *p) {
+    float d = half_at(blk + 208);
+    for (int c = 0; c < 8; c++) p->scale[c] = d;
+    for (int sb = 0; sb < 16; sb++) p->mul[sb] = ((const int8_t *)(blk + 192))[sb];
+}
+INLINE __m256i q6_k_chunk(const uint8_t *blk, int c) {
+    int h = c / 4, s = c % 4;
+    __m256i lo = bits_at(blk + h * 64 + (s & 1) * 32, 4 * (s >> 1), 15);
+    __m256i hi = _mm256_slli_epi16(bits_at(blk + 128 + h * 32, 2 * s, 3), 4);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+}
+
+/* Q2_K: d, sc as mul, - dmin m as add (see q2_k_block) */
+INLINE void q2_k_prep(const uint8_t *blk, block16 *p) {
+    float d = half_at(blk + 80), dmin = half_at(blk + 82);
+    for (int c = 0; c < 8; c++) p->scale[c] = d;
+    for (int sb = 0; sb < 16; sb++) {
+        p->mul[sb] = blk[sb] & 15;
+        p->add[sb] = -(dmin * (float)(blk[sb] >> 4));
+    }
+}
+INLINE __m256i q2_k_chunk(const uint8_t *blk, int c) {
+    return bits_at(blk + 16 + (c / 4) * 32, 2 * (c % 4), 3);
+}
+
+/* Q3_K: d, sc - 32 as mul, q - 4 (1 - hbit) (see q3_k_block) */
+INLINE void q3_k_prep(const uint8_t *blk, block16 *p) {
+    const uint8_t *sc = blk + 96;
+    float d = half_at(blk + 108);
+    for (int c = 0; c < 8; c++) p->scale[c] = d;
+    for (int sb = 0; sb < 16; sb++) {
+        int lo = sb < 8 ? sc[sb] & 15 : sc[sb - 8] >> 4;
+        int hi = (sc[8 + sb % 4] >> (2 * (sb / 4))) & 3;
+        p->mul[sb] = (int16_t)((int8_t)(lo | (hi << 4)) - 32);
+    }
+}
+INLINE __m256i q3_k_chunk(const uint8_t *blk, int c) {
+    int h = c / 4, s = c % 4;
+    __m256i q = bits_at(blk + 32 + h * 32, 2 * s, 3);
+    __m256i high = _mm256_slli_epi16(bits_at(blk, h * 4 + s, 1), 2);
+    return _mm256_sub_epi8(_mm256_add_epi8(q, high), _mm256_set1_epi8(4));
+}
+
+/* IQ4_XS: d (ls - 32) per chunk, the table's values (see iq4_xs_block) */
+INLINE void iq4_xs_prep(const uint8_t *blk, block16 *p) {
+    float d = half_at(blk);
+    int sh = blk[2] | (blk[3] << 8);
+    for (int ib = 0; ib < 8; ib++) {
+        int ls = ((blk[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4);
+        p->scale[ib] = d * (float)(ls - 32);
+    }
+}
+INLINE __m256i iq4_xs_chunk(const uint8_t *blk, int c) {
+    __m128i h[2];
+    iq4_codes16(blk + 8 + c * 16, h);
+    return _mm256_set_m128i(h[1], h[0]);
+}
+
+/* lane c of f in every lane */
+INLINE vf lane_of(__m256 f, int c) {
+#if VL == 16
+    return _mm512_permutexvar_ps(_mm512_set1_epi32(c), _mm512_castps256_ps512(f));
+#else
+    return _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(c));
+#endif
+}
+
+/* a[0..] += add (16 floats) times su (16 floats) */
+INLINE void add16(const float *add, const float *su, vf *a) {
+    for (int h = 0; h < 16 / VL; h++) a[h] = vfma(vload(add + h * VL), vload(su + h * VL), a[h]);
+}
+
+/* T_dot16_n: the rounded input's rows xq (rows, k), xs (rows, k / 32), xsum (rows, k / 16)
+ * times one weight row, for a constant row count; MUL: whether the type has integer factors;
+ * ADD: whether it has adds. Per block of 256, each row's chunk factors (scale times the input
+ * block's scale) and the adds' dot with the input's sums are vector operations; per chunk, the
+ * codes are built once for every row, and each row takes one integer multiply-add, a
+ * conversion and an FMA (two accumulators a row, so that the FMA chains interleave). */
+#define ROUNDED(T, QK, BYTES, MUL, ADD)                                                          \
+    INLINE void T##_dot16_n(const int16_t *xq, const float *xs, const float *xsum, int rows,     \
+                            int k, const uint8_t *w, float *out, int n_out) {                    \
+        enum { NC = (QK) / 32 };                                                                 \
+        vf acc[TILE][2], adds[TILE][16 / VL];                                                    \
+        float add1[TILE];                                                                        \
+        int nb = k / 32;                                                                         \
+        for (int i = 0; i < TILE; i++) {                                                         \
+            acc[i][0] = acc[i][1] = vzero();                                                     \
+            for (int h = 0; h < 16 / VL; h++) adds[i][h] = vzero();                              \
+            add1[i] = 0.f;                                                                       \
+        }                                                                                        \
+        for (int b = 0; b < k / (QK); b++) {                                                     \
+            const uint8_t *blk = w + (size_t)b * (BYTES);                                        \
+            block16 p;                                                                           \
+            __m256 f[TILE];                                                                      \
+            T##_prep(blk, &p);                                                                   \
+            for (int i = 0; i < rows; i++) {                                                     \
+                const float *si = xs + (size_t)i * nb + (size_t)b * NC;                          \
+                const float *su = xsum + (size_t)i * 2 * nb + (size_t)b * 2 * NC;                \
+                if (NC == 8) {                                                                   \
+                    f[i] = _mm256_mul_ps(_mm256_loadu_ps(p.scale), _mm256_loadu_ps(si));         \
+                    if (ADD) add16(p.add, su, adds[i]);                                          \
+                } else {                                                                         \
+                    f[i] = _mm256_set1_ps(p.scale[0] * si[0]);                                   \
+                    if (ADD) add1[i] += p.add[0] * su[0] + p.add[1] * su[1];                     \
+                }                                                                                \
+            }                                                                                    \
+            _Pragma("GCC unroll 8")                                                              \
+            for (int c = 0; c < NC; c++) {                                                       \
+                w16 wv = widen(T##_chunk(blk, c));                                               \
+                if (MUL) wv = mul16(wv, p.mul[2 * c], p.mul[2 * c + 1]);                         \
+                const int16_t *xc = xq + (size_t)(b * NC + c) * 32;                              \
+                for (int i = 0; i < rows; i++) {                                                 \
+                    vf fc = NC == 8 ? lane_of(f[i], c) : vset(_mm256_cvtss_f32(f[i]));           \
+                    acc[i][c & 1] = vfma(vfloat(idot(wv, xc + (size_t)i * k)), fc,               \
+                                         acc[i][c & 1]);                                         \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        for (int i = 0; i < rows; i++) {                                                         \
+            float a = add1[i];                                                                   \
+            for (int h = 0; h < 16 / VL; h++) a += vsum(adds[i][h]);                             \
+            out[(size_t)i * n_out] = vsum(acc[i][0]) + vsum(acc[i][1]) + a;                     \
+        }                                                                                        \
+    }                                                                                            \
+    static void T##_dot16(const int16_t *xq, const float *xs, const float *xsum, int rows, int k, \
+                          const uint8_t *w, float *out, int n_out) {                             \
+        switch (rows) {                                                                          \
+        case 1: T##_dot16_n(xq, xs, xsum, 1, k, w, out, n_out); break;                          \
+        case 2: T##_dot16_n(xq, xs, xsum, 2, k, w, out, n_out); break;                          \
+        case 3: T##_dot16_n(xq, xs, xsum, 3, k, w, out, n_out); break;                          \
+        default: T##_dot16_n(xq, xs, xsum, TILE, k, w, out, n_out);                             \
+        }                                                                                        \
+    }
+ROUNDED(q4_0, 32, 18, 0, 0)
+ROUNDED(q4_1, 32, 20, 0, 1)
+ROUNDED(q5_0, 32, 22, 0, 0)
+ROUNDED(q5_1, 32, 24, 0, 1)
+ROUNDED(q8_0, 32, 34, 0, 0)
+ROUNDED(iq4_nl, 32, 18, 0, 0)
+ROUNDED(q2_k, 256, 84, 1, 1)
+ROUNDED(q3_k, 256, 110, 1, 0)
+ROUNDED(q4_k, 256, 144, 0, 1)
+ROUNDED(q5_k, 256, 176, 0, 1)
+ROUNDED(q6_k, 256, 210, 1, 0)
+ROUNDED(iq4_xs, 256, 136, 0, 0)
+#define DOT16(T) T##_dot16
+#else
+#define DOT16(T) NULL
+#endif
+
 #ifdef HAS_DIRECT_DOTS
 TO_FLOAT(q2_k, 256, 84) DOT_BY_ROWS(q2_k)
 TO_FLOAT(q3_k, 256, 110) DOT_BY_ROWS(q3_k)
@@ -643,18 +918,18 @@ DEFINE_TYPE(q6_k, 256, 210)
 
 /* The served types by ggml number (enum nbq_ggml_type); elems 0: not served. */
 static const block_type TYPES[N_TYPES] = {
-    [NBQ_GGML_Q4_0] = {32, 18, q4_0_to_float, q4_0_dot},
-    [NBQ_GGML_Q4_1] = {32, 20, q4_1_to_float, q4_1_dot},
-    [NBQ_GGML_Q5_0] = {32, 22, q5_0_to_float, q5_0_dot},
-    [NBQ_GGML_Q5_1] = {32, 24, q5_1_to_float, q5_1_dot},
-    [NBQ_GGML_Q8_0] = {32, 34, q8_0_to_float, q8_0_dot},
-    [NBQ_GGML_Q2_K] = {256, 84, q2_k_to_float, q2_k_dot},
-    [NBQ_GGML_Q3_K] = {256, 110, q3_k_to_float, q3_k_dot},
-    [NBQ_GGML_Q4_K] = {256, 144, q4_k_to_float, q4_k_dot},
-    [NBQ_GGML_Q5_K] = {256, 176, q5_k_to_float, q5_k_dot},
-    [NBQ_GGML_Q6_K] = {256, 210, q6_k_to_float, q6_k_dot},
-    [NBQ_GGML_IQ4_NL] = {32, 18, iq4_nl_to_float, iq4_nl_dot},
-    [NBQ_GGML_IQ4_XS] = {256, 136, iq4_xs_to_float, iq4_xs_dot},
+    [NBQ_GGML_Q4_0] = {32, 18, q4_0_to_float, q4_0_dot, DOT16(q4_0)},
+    [NBQ_GGML_Q4_1] = {32, 20, q4_1_to_float, q4_1_dot, DOT16(q4_1)},
+    [NBQ_GGML_Q5_0] = {32, 22, q5_0_to_float, q5_0_dot, DOT16(q5_0)},
+    [NBQ_GGML_Q5_1] = {32, 24, q5_1_to_float, q5_1_dot, DOT16(q5_1)},
+    [NBQ_GGML_Q8_0] = {32, 34, q8_0_to_float, q8_0_dot, DOT16(q8_0)},
+    [NBQ_GGML_Q2_K] = {256, 84, q2_k_to_float, q2_k_dot, DOT16(q2_k)},
+    [NBQ_GGML_Q3_K] = {256, 110, q3_k_to_float, q3_k_dot, DOT16(q3_k)},
+    [NBQ_GGML_Q4_K] = {256, 144, q4_k_to_float, q4_k_dot, DOT16(q4_k)},
+    [NBQ_GGML_Q5_K] = {256, 176, q5_k_to_float, q5_k_dot, DOT16(q5_k)},
+    [NBQ_GGML_Q6_K] = {256, 210, q6_k_to_float, q6_k_dot, DOT16(q6_k)},
+    [NBQ_GGML_IQ4_NL] = {32, 18, iq4_nl_to_float, iq4_nl_dot, DOT16(iq4_nl)},
+    [NBQ_GGML_IQ4_XS] = {256, 136, iq4_xs_to_float, iq4_xs_dot, DOT16(iq4_xs)},
 };
 
 static const block_type *type_of(int type) {
@@ -666,6 +941,8 @@ int nbq_blocks_supported(int type) { return type_of(type) != NULL; }
 int nbq_block_elems(int type) { return type_of(type) ? type_of(type)->elems : 0; }
 
 int nbq_block_bytes(int type) { return type_of(type) ? type_of(type)->bytes : 0; }
+
+int nbq_blocks_rounded(int type) { return type_of(type) && type_of(type)->dot16 ? 1 : 0; }
 
 /* ---------------------------------------------------------------- many rows: the panels */
 
@@ -703,8 +980,9 @@ static int blocks_panels(const block_type *t, const float *x, int rows, int k,
 
 /* y (rows, n) = prepare(x) (rows, k) @ w.T, w the n weight rows of `type`'s blocks (each row
  * k / elems blocks, in the file's order); prepare as nbq_q4_matmul's (RMSNorm with `norm`,
- * NBQ_GATED). Returns 0, -1 when out of memory, -2 for a type not served or k not a multiple
- * of its block. */
+ * NBQ_GATED); with NBQ_ROUND16, inputs of up to ROW_PATH_MAX rows are rounded to 16 bits per
+ * block of 32 (round16) for the integer row kernels, where the build has them (AVX2, AVX-512).
+ * Returns 0, -1 when out of memory, -2 for a type not served or k not a multiple of its block. */
 int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blocks, int n,
                       float *y, int threads, const float *norm, float eps, int flags) {
     const block_type *t = type_of(type);
@@ -715,11 +993,21 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
     if (!x) return -1;
     const uint8_t *w0 = blocks;
     size_t row_bytes = (size_t)(k / t->elems) * t->bytes;
-    int failed = 0;
+    int failed = 0, nb = k / 32;
+    int16_t *xq = NULL;
+    float *xs = NULL, *xsum = NULL;
+    if (rows <= ROW_PATH_MAX && (flags & NBQ_ROUND16) && t->dot16) {  /* rounded once a call */
+        xq = malloc(sizeof(int16_t) * (size_t)rows * k);
+        xs = malloc(sizeof(float) * (size_t)rows * nb);
+        xsum = malloc(sizeof(float) * (size_t)rows * 2 * nb);
+        if (!xq || !xs || !xsum) { free(xq); free(xs); free(xsum); free(buf); return -1; }
+        round16(x, rows, k, xq, xs, xsum);
+    }
     if (rows > ROW_PATH_MAX) {
         failed = blocks_panels(t, x, rows, k, w0, n, y, threads);
     } else {
         dot_fn dot = t->dot;
+        dot16_fn dot16 = t->dot16;
         #pragma omp parallel for schedule(static) num_threads(threads)
         for (int r = 0; r < n; r++) {
             const uint8_t *w = w0 + (size_t)r * row_bytes;
@@ -729,10 +1017,17 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
             }
             for (int i0 = 0; i0 < rows; i0 += TILE) {
                 int tr = rows - i0 < TILE ? rows - i0 : TILE;
-                dot(x + (size_t)i0 * k, tr, k, w, y + (size_t)i0 * n + r, n);
+                if (xq)
+                    dot16(xq + (size_t)i0 * k, xs + (size_t)i0 * nb, xsum + (size_t)i0 * 2 * nb,
+                          tr, k, w, y + (size_t)i0 * n + r, n);
+                else
+                    dot(x + (size_t)i0 * k, tr, k, w, y + (size_t)i0 * n + r, n);
             }
         }
     }
+    free(xq);
+    free(xs);
+    free(xsum);
     free(buf);
     return failed;
 }

@@ -65,6 +65,62 @@ static const float *prepare(const float *x, int rows, int k, const float *norm, 
     return out;
 }
 
+/* NBQ_ROUND16's input: x (rows, k) rounded per block of 32, q = round(x / s) as int16 with
+ * s = max |x| / 32767 (the block's largest magnitude becomes +-32767; s = 0 for a block of
+ * zeros), so q * s is x within s / 2 = max |x| / 65534. s: (rows, k / 32). sums, unless NULL:
+ * (rows, k / 16), each 16 inputs' s * sum(q), the rounded input's sum (for the weights' mins).
+ * One rounding for every kernel that takes it (quant_matmul.c, gguf_blocks.c). */
+__attribute__((unused)) static void round16(const float *x, int rows, int k, int16_t *q,
+                                            float *s, float *sums) {
+    int nb = k / 32;
+    for (int i = 0; i < rows; i++)
+        for (int b = 0; b < nb; b++) {
+            const float *v = x + (size_t)i * k + (size_t)b * 32;
+            int16_t *o = q + (size_t)i * k + (size_t)b * 32;
+#if defined(__AVX2__)  /* the same operations, 8 at a time (cvtps rounds to nearest even) */
+            __m256 part[4], m = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.f);
+            for (int h = 0; h < 4; h++) {
+                part[h] = _mm256_loadu_ps(v + 8 * h);
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, part[h]));
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            float inv = amax > 0.f ? 32767.f / amax : 0.f, scale = amax / 32767.f;
+            __m256i c[4];
+            for (int h = 0; h < 4; h++)
+                c[h] = _mm256_cvtps_epi32(_mm256_mul_ps(part[h], _mm256_set1_ps(inv)));
+            for (int h = 0; h < 2; h++) {  /* packs interleaves 128-bit lanes: put them back */
+                __m256i packed = _mm256_packs_epi32(c[2 * h], c[2 * h + 1]);
+                packed = _mm256_permute4x64_epi64(packed, 0xD8);
+                _mm256_storeu_si256((__m256i *)(o + 16 * h), packed);
+            }
+            s[i * nb + b] = scale;
+            if (sums)
+                for (int h = 0; h < 2; h++) {
+                    __m256i t = _mm256_add_epi32(c[2 * h], c[2 * h + 1]);
+                    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t),
+                                               _mm256_extracti128_si256(t, 1));
+                    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+                    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+                    sums[(size_t)i * 2 * nb + 2 * b + h] = scale * (float)_mm_cvtsi128_si32(t4);
+                }
+#else
+            float amax = 0.f;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
+            float inv = amax > 0.f ? 32767.f / amax : 0.f, scale = amax / 32767.f;
+            for (int j = 0; j < 32; j++) o[j] = (int16_t)lrintf(v[j] * inv);
+            s[i * nb + b] = scale;
+            if (sums)
+                for (int h = 0; h < 2; h++) {
+                    int total = 0;
+                    for (int j = 0; j < 16; j++) total += o[16 * h + j];
+                    sums[(size_t)i * 2 * nb + 2 * b + h] = scale * (float)total;
+                }
+#endif
+        }
+}
+
 /* ---------------------------------------------------------------- steps of many rows
  * Past ROW_PATH_MAX input rows: the input is laid out k-major once (xt, k x R rounded up to
  * LANES, zeros past R); then each thread takes the weights NW rows (outputs) at a time,

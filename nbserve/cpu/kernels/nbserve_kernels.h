@@ -45,7 +45,8 @@ enum nbq_ggml_type {
 enum nbq_flag {
     NBQ_GATED = 1,   /* x is [a | b]: multiply silu(a) * b */
     NBQ_ROUND16 = 2, /* inputs of a few rows are rounded to 16 bits per block for the integer
-                        row kernels, where the build has them (quant_matmul.c) */
+                        row kernels, where the build has them (quant_matmul.c,
+                        gguf_blocks.c) */
 };
 
 /* One weight: kind NBQ_Q4 (codes, d, m), NBQ_Q8 (codes, d), NBQ_F32 (codes: the float32
@@ -89,6 +90,7 @@ int nbq_blocks_dequantize(int type, const void *blocks, int n_rows, int k,
 int nbq_blocks_supported(int type); /* 1 where this build serves the type, else 0 */
 int nbq_block_elems(int type);      /* weights a block of the type (0: not served) */
 int nbq_block_bytes(int type);      /* bytes a block of the type (0: not served) */
+int nbq_blocks_rounded(int type);   /* 1 where NBQ_ROUND16 takes integer row kernels, else 0 */
 
 /* paged_attention.c, over a float32 cache and (_f16) a float16 one; 0, -1 when out of memory,
  * -2 for invalid arguments. */

@@ -389,25 +389,6 @@ INLINE void q8_row16(const int16_t *x16, const float *xsc, int rows, int k, cons
 
 #endif
 
-#ifdef HAS_ROUND16
-/* x (rows, k) rounded per block of 32: q = round(x / s) as int16, s = max |x| / 32767 (the
- * block's largest magnitude becomes +-32767; s = 0 for a block of zeros), so q * s is x within
- * s / 2 = max |x| / 65534. */
-static void round16(const float *x, int rows, int k, int16_t *q, float *s) {
-    int nb = k / BLOCK;
-    for (int i = 0; i < rows; i++)
-        for (int b = 0; b < nb; b++) {
-            const float *v = x + (size_t)i * k + (size_t)b * BLOCK;
-            int16_t *o = q + (size_t)i * k + (size_t)b * BLOCK;
-            float amax = 0.f;
-            for (int j = 0; j < BLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
-            float inv = amax > 0.f ? 32767.f / amax : 0.f;
-            for (int j = 0; j < BLOCK; j++) o[j] = (int16_t)lrintf(v[j] * inv);
-            s[i * nb + b] = amax / 32767.f;
-        }
-}
-#endif
-
 /* The panels' weights (the panels themselves: matmul_common.h).
  * Weight rows r0 .. r0 + nr - 1 of `kind` as float32 rows of k (buf, nr * k). */
 static void dequant_rows(int kind, const uint8_t *codes, const half_t *d, const half_t *m,
@@ -520,7 +501,7 @@ static int matmul(int kind, const float *x, int rows, int k, const void *codes, 
         x16 = malloc(sizeof(int16_t) * (size_t)rows * k);
         xsc = malloc(sizeof(float) * (size_t)rows * nb);
         if (!x16 || !xsc) { free(x16); free(xsc); free(buf); return -1; }
-        round16(x, rows, k, x16, xsc);
+        round16(x, rows, k, x16, xsc, NULL);
     }
 #endif
 #ifdef HAS_TABLE_PATH  /* the table path needs no block sums, the 16-bit kernels do */
