@@ -153,8 +153,9 @@ def load(source: object, *, device: str | None = None, dtype: str | torch.dtype 
     object (transformers model, StepModel, torch module) goes to `nbserve.models.adopt.adopt`
     with `tokenizer`, `chat_template` and `max_context`; it is served where it is, not copied.
 
-    `dtype`: "float32" (CPU default; for a GGUF made only of Q4_0/Q4_1/Q8_0 matmul weights,
-    "quantized", which is lossless there), "bfloat16" (CUDA default), "float16", "mixed16" (CPU:
+    `dtype`: "float32" (CPU default; for a quantized GGUF, "quantized": its blocks are read
+    as they are and serve every matmul, never built in float32, `gguf.load_gguf`),
+    "bfloat16" (CUDA default), "float16", "mixed16" (CPU:
     float32 plus float16 copies of the matmul weights for one- and two-row steps: a faster
     lone stream, +50% weight memory, outputs can differ from float32 in rare near-ties, see
     `WeightFormats.use_16bit_weights`), or "quantized" (CPU: every matmul, of any step size, over

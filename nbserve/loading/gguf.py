@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import io
 import warnings
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -431,18 +432,28 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, types: lis
         vocab.setdefault(t, i)
     scores = list(scores) if scores is not None else [-float(i) for i in range(len(tokens))]
     mergeable = {TokenType.NORMAL, TokenType.USER_DEFINED}
-    ranked = []  # a piece is made by merging any split of it whose halves are both pieces
+    # a piece is made by merging any split of it whose halves are both pieces: (piece, left,
+    # right) ids in compact arrays (a large vocabulary has hundreds of thousands of merges),
+    # ranked by the piece's score, then the halves' ids
+    piece_ids, lefts, rights = array("i"), array("i"), array("i")
     for i, (piece, ty) in enumerate(zip(tokens, types)):
         if ty not in mergeable or vocab[piece] != i:
             continue
         for k in range(1, len(piece)):
-            left, right = piece[:k], piece[k:]
-            if left in vocab and right in vocab:
-                ranked.append((-scores[i], vocab[left], vocab[right], left, right))
-    ranked.sort()
+            left, right = vocab.get(piece[:k]), vocab.get(piece[k:])
+            if left is not None and right is not None:
+                piece_ids.append(i)
+                lefts.append(left)
+                rights.append(right)
+    pieces, left_ids, right_ids = (np.frombuffer(a, dtype=np.int32)
+                                   for a in (piece_ids, lefts, rights))
+    order = np.lexsort((right_ids, left_ids, -np.asarray(scores, np.float64)[pieces]))
+    merges = [(tokens[left], tokens[right])
+              for left, right in zip(left_ids[order].tolist(), right_ids[order].tolist())]
     unk = tokens[unk_id] if unk_id is not None else None
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(r[3], r[4]) for r in ranked], unk_token=unk,
-                               fuse_unk=True, byte_fallback=True))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True,
+                               byte_fallback=True))
+    del merges
     scheme = "first" if add_space_prefix else "never"
     tok.pre_tokenizer = pre.Metaspace(replacement="\u2581", prepend_scheme=scheme, split=False)
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
