@@ -199,3 +199,18 @@ def test_a_quantized_load_peaks_near_the_file_size(tmp_path):
     growth = int(report["PEAK"]) - int(report["BEFORE"])
     assert growth <= size * 1.15 + 48 * MiB, \
         f"load peak {growth / MiB:.0f} MiB over the imports, file {size / MiB:.0f} MiB"
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_a_large_tensor_read_in_chunks_gives_the_same_blocks(tmp_path, monkeypatch, qtype):
+    """A tensor larger than a chunk (the real Gemma 3's 178 MB Q8_0 embedding) is read and
+    converted chunk by chunk into its blocks: the same blocks as read whole."""
+    hf = make_tiny_hf_dir(tmp_path / "hf", "llama", **K_DIMS)
+    path = hf_dir_to_gguf(hf, tmp_path / "m.gguf", qtype)
+    whole = nbserve.load(str(path), dtype="quantized-exact", verbose=False).model
+    monkeypatch.setattr("nbserve.loading.gguf.CHUNK_BYTES", 1000)  # a few rows a chunk
+    chunked = nbserve.load(str(path), dtype="quantized-exact", verbose=False).model
+    assert torch.equal(chunked._embedding_blocks.dequantize(),
+                       whole._embedding_blocks.dequantize())
+    for (a, names), (b, _) in zip(chunked._named_holders(), whole._named_holders()):
+        assert torch.equal(a.form.dense(), b.form.dense()), names

@@ -98,6 +98,22 @@ class QuantBlocks:
         return QuantBlocks(self.kind, self.codes[index].contiguous(),
                            self.scales[index].contiguous(), mins)
 
+    def empty_rows(self, rows: int) -> QuantBlocks:
+        """Blocks of the same kind and input size with `rows` rows, not filled yet (see
+        `put_rows`)."""
+        mins = None if self.mins is None else self.mins.new_empty(rows, self.mins.shape[1])
+        return QuantBlocks(self.kind, self.codes.new_empty(rows, self.codes.shape[1]),
+                           self.scales.new_empty(rows, self.scales.shape[1]), mins)
+
+    def put_rows(self, start: int, part: QuantBlocks) -> None:
+        """Copy `part`'s rows into these blocks' rows from `start` (a loader filling them
+        chunk by chunk)."""
+        stop = start + part.shape[0]
+        self.codes[start:stop] = part.codes
+        self.scales[start:stop] = part.scales
+        if self.mins is not None and part.mins is not None:
+            self.mins[start:stop] = part.mins
+
     def row_range(self, start: int, stop: int) -> QuantBlocks:
         """Output rows start..stop of these blocks, as views (no copy)."""
         mins = None if self.mins is None else self.mins[start:stop]
@@ -172,6 +188,13 @@ class GGMLBlocks(QuantBlocks):
     def take_rows(self, index: torch.Tensor) -> GGMLBlocks:
         return GGMLBlocks(self.kind, self.codes[index].contiguous(), self.scales, None,
                           self.block_type, self.in_features)
+
+    def empty_rows(self, rows: int) -> GGMLBlocks:
+        return GGMLBlocks(self.kind, self.codes.new_empty(rows, self.codes.shape[1]),
+                          self.scales, None, self.block_type, self.in_features)
+
+    def put_rows(self, start: int, part: QuantBlocks) -> None:
+        self.codes[start:start + part.shape[0]] = part.codes
 
     def row_range(self, start: int, stop: int) -> GGMLBlocks:
         return GGMLBlocks(self.kind, self.codes[start:stop], self.scales, None,

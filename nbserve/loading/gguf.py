@@ -152,11 +152,7 @@ class GGUFTensors:
         name = rule.hf_names[0]
         group = self._groups.get(name)
         if group is None:
-            raw = np.empty(t.data.shape, dtype=np.uint8)  # (rows, bytes a row)
-            _read_rows(file, t, rule, raw)
-            blocks = QuantBlocks.from_gguf(raw, t.tensor_type.name)
-            assert blocks is not None  # `serve_blocks` picked only types of BLOCK_TYPES
-            self._blocks[name] = blocks
+            self._blocks[name] = _read_single(file, t, rule)
             return
         rows = {m: int(self._shapes[m][0]) for m in group}
         if group not in pending:
@@ -215,19 +211,53 @@ def _fused_group(name: str) -> tuple[str, ...]:
     return (name,)
 
 
-def _read_rows(file: io.FileIO, t: ReaderTensor, rule: Rule, out: np.ndarray) -> None:
-    """Tensor `t`'s bytes into `out` (rows, bytes a row), with plain reads (through the page
-    cache, not the reader's memory map, whose touched pages would count in the process's
-    memory beside the blocks), llama.cpp's Q/K row order undone."""
-    raw = np.empty(t.data.shape, dtype=np.uint8) if rule.heads else out
-    view, done = raw.data.cast("B"), 0
-    file.seek(int(t.data_offset))
+CHUNK_BYTES = 32 * 2**20  # a large tensor is read and converted this much at a time
+
+
+def _read_single(file: io.FileIO, t: ReaderTensor, rule: Rule) -> QuantBlocks:
+    """The blocks of tensor `t` alone. A large one (a Q8_0 embedding) is read in chunks of
+    rows, each converted into its rows of the blocks, so that the file's bytes and the
+    blocks made of them (Q4_0/Q4_1/Q8_0 are rearranged) are never both held whole."""
+    from ..execution.quant import QuantBlocks
+
+    rows, row_bytes = t.data.shape
+    step = max(1, CHUNK_BYTES // row_bytes)
+    if rule.heads or rows <= 2 * step:
+        raw = np.empty((rows, row_bytes), dtype=np.uint8)
+        _read_rows(file, t, rule, raw)
+        blocks = QuantBlocks.from_gguf(raw, t.tensor_type.name)
+        assert blocks is not None  # `serve_blocks` picked only types of BLOCK_TYPES
+        return blocks
+    whole: QuantBlocks | None = None
+    for start in range(0, rows, step):
+        raw = np.empty((min(step, rows - start), row_bytes), dtype=np.uint8)
+        _read_at(file, t, int(t.data_offset) + start * row_bytes, raw)
+        part = QuantBlocks.from_gguf(raw, t.tensor_type.name)
+        assert part is not None
+        whole = whole if whole is not None else part.empty_rows(rows)
+        whole.put_rows(start, part)
+    assert whole is not None
+    return whole
+
+
+def _read_at(file: io.FileIO, t: ReaderTensor, offset: int, out: np.ndarray) -> None:
+    """Bytes of the file from `offset` into `out` (contiguous), with plain reads."""
+    view, done = out.data.cast("B"), 0
+    file.seek(offset)
     while done < len(view):
         got = file.readinto(view[done:])
         if not got:
             raise ValueError(f"{file.name}: tensor {t.name!r} ends past the end of the file; "
                              "the file is truncated: download it again")
         done += got
+
+
+def _read_rows(file: io.FileIO, t: ReaderTensor, rule: Rule, out: np.ndarray) -> None:
+    """Tensor `t`'s bytes into `out` (rows, bytes a row), with plain reads (through the page
+    cache, not the reader's memory map, whose touched pages would count in the process's
+    memory beside the blocks), llama.cpp's Q/K row order undone."""
+    raw = np.empty(t.data.shape, dtype=np.uint8) if rule.heads else out
+    _read_at(file, t, int(t.data_offset), raw)
     if rule.heads:
         order = unpermute_qk(torch.arange(raw.shape[0])[:, None], rule.heads)[:, 0]
         out[...] = raw[order.numpy()]
@@ -311,9 +341,14 @@ def load_gguf(path: str | Path, device: str | torch.device | None = None,
     device = torch.device(device if device is not None else "cpu")
     dtype = resolve_dtype(dtype, device)
     ckpt = read_gguf(path, dtype=dtype)
+    blocks = weight_format in QUANTIZED_FORMATS
+    if blocks:  # nothing reads the parsed metadata again (a large vocabulary's is hundreds
+        from . import _return_freed_memory  # of MB): dropped before the weights are read
+
+        forget_readers()
+        _return_freed_memory()
     name = name or ckpt.path.stem
     family, config = registry.read_config(ckpt.hf_config, name)
-    blocks = weight_format in QUANTIZED_FORMATS
     if blocks:
         if device.type != "cpu" or dtype != torch.float32:
             raise ValueError(f"weight_format={weight_format!r} serves blocks on CPU in float32, "
