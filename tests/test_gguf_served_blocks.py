@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf_util import hf_dir_to_gguf, random_blocks
 from kernel_paths import NEEDS_COMPILER
 from server_util import app_running
+from test_gguf_families import CASES, make_case_dir
 from test_quantized import _lone_steps
 from tiny_models import make_tiny_hf_dir
 
@@ -214,3 +215,30 @@ def test_a_large_tensor_read_in_chunks_gives_the_same_blocks(tmp_path, monkeypat
                        whole._embedding_blocks.dequantize())
     for (a, names), (b, _) in zip(chunked._named_holders(), whole._named_holders()):
         assert torch.equal(a.form.dense(), b.form.dense()), names
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory) -> dict[str, object]:
+    root = tmp_path_factory.mktemp("families")
+    return {case: make_case_dir(case, root / case) for case in CASES}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_family_served_from_its_blocks_computes_its_float32_load(family_dirs, tmp_path,
+                                                                       case):
+    """Each family's Q8_0 GGUF, served from its blocks by default, gives the logits of its
+    float32 load, and the weights read as blocks were never built in float32. Exceptions as
+    before: stacked experts are dequantized; GPT-2's file (its Conv1D blocks run along the
+    other axis) loads as float32 by default, as blocks when asked."""
+    path = hf_dir_to_gguf(family_dirs[case], tmp_path / "m.gguf", "Q8_0")
+    asked = "quantized" if case == "gpt2" else None
+    served = nbserve.load(str(path), dtype=asked, verbose=False).model
+    full = nbserve.load(str(path), dtype="float32", verbose=False).model
+    assert served.weight_format == "quantized" and full.weight_format == "float32"
+    if case == "gpt2":
+        assert nbserve.load(str(path), verbose=False).model.weight_format == "float32"
+    on_meta = [n for n, p in served.named_parameters() if p.device.type == "meta"]
+    assert on_meta, case  # GPT-2's: released once its blocks serve
+    ids = [1, 5, 70, 300, 12, 2, 9, 40, 41, 42, 43, 44, 45, 46, 47, 48, 7]
+    for got, want in zip(_lone_steps(served, ids), _lone_steps(full, ids)):
+        torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
