@@ -51,8 +51,9 @@ def _add_weight_copies(loaded: LoadedModel, weight_format: str) -> None:
 
 
 def _use_lossless_blocks(loaded: LoadedModel) -> None:
-    """CPU default for a GGUF whose matmul weights are all Q4_0, Q4_1 or Q8_0 blocks: keep
-    them (dtype="quantized") when the C kernel is available. The blocks hold the float32
+    """CPU default for a GGUF that was not read as blocks (GPT-2's Conv1D layout) whose
+    matmul weights are all Q4_0, Q4_1 or Q8_0 blocks: keep them (dtype="quantized") when the
+    C kernel is available. The blocks hold the float32
     weights' exact values, so nothing changes but the speed. The model was built without the
     float32 model's own copies (`_blocks_will_serve`); a file of other types gets them now."""
     from ..execution.weights import WeightFormats
@@ -159,7 +160,7 @@ def load(source: object, *, device: str | None = None, dtype: str | torch.dtype 
     float32 plus float16 copies of the matmul weights for one- and two-row steps: a faster
     lone stream, +50% weight memory, outputs can differ from float32 in rare near-ties, see
     `WeightFormats.use_16bit_weights`), or "quantized" (CPU: every matmul, of any step size, over
-    a GGUF's own Q4_0/Q4_1/Q8_0 blocks or Q8_0 made at load, with float32 arithmetic except that
+    a GGUF's own blocks of any served type or Q8_0 made at load, with float32 arithmetic except that
     on AVX2 CPUs (and AVX-512 ones where that measures faster, `cpu.kernels.tuning`) steps of
     one or two rows round their inputs to 16 bits per block of 32;
     "quantized-exact": float32 arithmetic throughout; compiles a

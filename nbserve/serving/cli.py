@@ -91,8 +91,9 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None,
                         choices=["float32", "bfloat16", "float16", "mixed16", "quantized",
                                  "quantized-exact"],
-                        help="weights: float32 (CPU default; for a GGUF of Q4_0/Q4_1/Q8_0 "
-                        "blocks, quantized, lossless there), bfloat16 (GPU default), float16, "
+                        help="weights: float32 (CPU default; for a quantized GGUF, "
+                        "quantized: its blocks read and served as they are, never dequantized "
+                        "to float32), bfloat16 (GPU default), float16, "
                         "mixed16 (CPU: float16 copies for one- and two-row steps, +50%% "
                         "memory), or quantized (CPU: every step over a GGUF's own 4/8-bit "
                         "blocks, or Q8_0 made at load: the fastest and about the file's size "
