@@ -242,3 +242,20 @@ def test_every_family_served_from_its_blocks_computes_its_float32_load(family_di
     ids = [1, 5, 70, 300, 12, 2, 9, 40, 41, 42, 43, 44, 45, 46, 47, 48, 7]
     for got, want in zip(_lone_steps(served, ids), _lone_steps(full, ids)):
         torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
+
+
+def test_the_memory_estimate_is_what_a_served_load_holds(tmp_path):
+    """memory_check's estimate for a quantized GGUF on CPU is the blocks as stored and the
+    float tensors (norms) in float32, plus the load's temporary (the largest tensor twice):
+    exactly what the served model holds, and far below its float32 load's."""
+    from nbserve.loading.memory_check import gguf_tensors, load_form, weight_bytes
+
+    hf = make_tiny_hf_dir(tmp_path / "hf", "llama", **K_DIMS)
+    path = hf_dir_to_gguf(hf, tmp_path / "m.gguf", "Q4_K")
+    tensors = gguf_tensors(path)
+    cpu = torch.device("cpu")
+    estimate = weight_bytes(tensors, load_form(torch.float32, "quantized", True, cpu, True))
+    held = count_parameters(nbserve.load(str(path), verbose=False).model)[1]
+    kept = [t.nbytes if len(t.shape) == 2 else t.numel * 4 for t in tensors]
+    assert estimate == held + 2 * max(kept)
+    assert estimate < weight_bytes(tensors, load_form(torch.float32, None, False, cpu)) / 3
