@@ -9,13 +9,24 @@ only the activations' rounding differs between the modes. 20 chat prompts, each 
 greedy tokens past end-of-text: how many answers stay identical to the unrounded run, and where
 the others first differ. Asserts nothing.
 
+With `--file FILE.gguf` (a quantized GGUF, e.g. a K-quant file): the real kernels instead of
+a simulation. The file loads twice, served from its blocks: dtype="quantized-exact" (float32
+arithmetic on gguf's dequantized weights, the reference) and dtype="quantized" with
+NBSERVE_ROUND16=1 (the integer row kernels of cpu/kernels/gguf_blocks.c and quant_matmul.c: a
+lone stream's matmul inputs rounded to 16 bits per block of 32); the same count of identical
+greedy answers. Chat prompts through the file's template, or plain text prompts for a base
+model without one.
+
     python benchmarks/activation_rounding.py            # ~6 minutes on 2 cores
+    python benchmarks/activation_rounding.py --file FILE.gguf   # Gemma 3 270M: ~5 minutes
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -72,11 +83,71 @@ def answers(levels: int | None, prompts: list[list[int]], loaded, max_tokens: in
         llama.linear, llama.normed_linear, llama.gated_linear = saved
 
 
+def greedy(loaded, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:  # noqa: ANN001
+    """Each prompt's greedy tokens, alone, through the engine as it serves the model."""
+    from nbserve.engine import Engine
+    from nbserve.types import Delta, Request, SamplingParams
+
+    out = []
+    with Engine(loaded, max_batch=1, max_context=512, quiet=True) as engine:
+        for ids in prompts:
+            got: list[int] = []
+            for ev in engine.stream(Request(prompt_ids=ids, params=SamplingParams(
+                    temperature=0.0, max_tokens=max_tokens, ignore_eos=True))):
+                if isinstance(ev, Delta):
+                    got += ev.token_ids
+            out.append(got)
+    return out
+
+
+def report(name: str, got: list[list[int]], reference: list[list[int]], what: str,
+           max_tokens: int) -> None:
+    first = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), None)
+             for x, y in zip(got, reference)]
+    same = sum(f is None for f in first)
+    print(f"{name}: {same} of {len(reference)} greedy answers ({max_tokens} tokens) identical "
+          f"to {what}; first differing token: {[f for f in first if f is not None]}", flush=True)
+
+
+def file_modes(path: Path, n_prompts: int, max_tokens: int) -> None:
+    """The real kernels on a quantized GGUF: exact against 16-bit inputs (see the docstring)."""
+    from engine_bench import TOPICS, chat_prompts
+
+    import nbserve
+
+    results, rates = {}, {}
+    for dtype, round16 in (("quantized-exact", "0"), ("quantized", "1")):
+        os.environ["NBSERVE_ROUND16"] = round16  # read when the kernels are made, at load
+        loaded = nbserve.load(str(path), dtype=dtype, verbose=False)
+        if loaded.template is not None:
+            prompts = chat_prompts(loaded.tokenizer, loaded.template, n_prompts)
+        else:  # a base model: plain text
+            prompts = [loaded.tokenizer.encode(f"Here is a short paragraph about "
+                                               f"{TOPICS[i % len(TOPICS)]}, with one surprising "
+                                               f"fact that most people do not know:")
+                       for i in range(n_prompts)]
+        start = time.perf_counter()
+        results[dtype] = greedy(loaded, prompts, max_tokens)
+        rates[dtype] = len(prompts) * max_tokens / (time.perf_counter() - start)
+        del loaded
+    print(f"{path.name}: served from its blocks, one stream (prefills included, load average "
+          f"{os.getloadavg()[0]:.1f}): {rates['quantized-exact']:.1f} tok/s exact, "
+          f"{rates['quantized']:.1f} with 16-bit inputs", flush=True)
+    report("16-bit inputs (dtype='quantized', NBSERVE_ROUND16=1)", results["quantized"],
+           results["quantized-exact"], "exact float32 arithmetic (dtype='quantized-exact')",
+           max_tokens)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--file", type=Path, default=None,
+                    help="a quantized GGUF: its real kernels, exact against 16-bit inputs")
     args = ap.parse_args(argv)
+    if args.file is not None:
+        file_modes(args.file.expanduser(), args.prompts, args.max_tokens)
+        return
     from engine_bench import chat_prompts
 
     import nbserve

@@ -658,8 +658,11 @@ typedef struct {
 #if VL == 16
 typedef __m512i w16;  /* a chunk's 32 weights as int16 */
 INLINE w16 widen(__m256i b) { return _mm512_cvtepi8_epi16(b); }
-INLINE w16 mul16(w16 w, int16_t a, int16_t b) {
-    return _mm512_mullo_epi16(w, _mm512_inserti64x4(_mm512_set1_epi16(a), _mm256_set1_epi16(b), 1));
+INLINE w16 mul16(w16 w, const int16_t *mul, int c) {  /* by mul[2c] (weights 0-15), mul[2c + 1] */
+    __m512i idx = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)),
+                                     _mm256_set1_epi16((short)(2 * c + 1)), 1);
+    __m512i all = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)mul));
+    return _mm512_mullo_epi16(w, _mm512_permutexvar_epi16(idx, all));
 }
 INLINE vi idot(w16 w, const int16_t *x) {  /* 16 lanes, each two products summed */
     return _mm512_madd_epi16(w, _mm512_loadu_si512((const void *)x));
@@ -671,9 +674,9 @@ INLINE w16 widen(__m256i b) {
              _mm256_cvtepi8_epi16(_mm256_extracti128_si256(b, 1))};
     return r;
 }
-INLINE w16 mul16(w16 w, int16_t a, int16_t b) {
-    w.lo = _mm256_mullo_epi16(w.lo, _mm256_set1_epi16(a));
-    w.hi = _mm256_mullo_epi16(w.hi, _mm256_set1_epi16(b));
+INLINE w16 mul16(w16 w, const int16_t *mul, int c) {
+    w.lo = _mm256_mullo_epi16(w.lo, _mm256_set1_epi16(mul[2 * c]));
+    w.hi = _mm256_mullo_epi16(w.hi, _mm256_set1_epi16(mul[2 * c + 1]));
     return w;
 }
 INLINE vi idot(w16 w, const int16_t *x) {  /* 8 lanes, each four products summed */
@@ -847,7 +850,7 @@ INLINE void add16(const float *add, const float *su, vf *a) {
             _Pragma("GCC unroll 8")                                                              \
             for (int c = 0; c < NC; c++) {                                                       \
                 w16 wv = widen(T##_chunk(blk, c));                                               \
-                if (MUL) wv = mul16(wv, p.mul[2 * c], p.mul[2 * c + 1]);                         \
+                if (MUL) wv = mul16(wv, p.mul, c);                                               \
                 const int16_t *xc = xq + (size_t)(b * NC + c) * 32;                              \
                 for (int i = 0; i < rows; i++) {                                                 \
                     vf fc = NC == 8 ? lane_of(f[i], c) : vset(_mm256_cvtss_f32(f[i]));           \
