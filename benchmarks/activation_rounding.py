@@ -53,11 +53,9 @@ def rounded(x: torch.Tensor, levels: int | None) -> torch.Tensor:
 def answers(levels: int | None, prompts: list[list[int]], loaded, max_tokens: int
             ) -> list[list[int]]:
     """Greedy answers with every matmul input rounded to `levels` (see `rounded`)."""
-    from nbserve.engine import Engine
-    from nbserve.models import llama
-    from nbserve.types import Request, SamplingParams
+    from nbserve.models import attention, decoder, layers
 
-    def lin(x, layer):  # noqa: ANN001, ANN202 -- llama.linear's signature
+    def lin(x, layer):  # noqa: ANN001, ANN202 -- holders.linear's signature
         return F.linear(rounded(x, levels), layer.weight, layer.bias)
 
     def normed(x, norm, layer):  # noqa: ANN001, ANN202
@@ -67,20 +65,18 @@ def answers(levels: int | None, prompts: list[list[int]], loaded, max_tokens: in
         half = gate_up.shape[-1] // 2
         return lin(F.silu(gate_up[..., :half]) * gate_up[..., half:], layer)
 
-    saved = llama.linear, llama.normed_linear, llama.gated_linear
-    llama.linear, llama.normed_linear, llama.gated_linear = lin, normed, gated
+    # where the model's modules call execution.holders' three functions
+    patches = [(layers, "linear", lin), (layers, "normed_linear", normed),
+               (layers, "gated_linear", gated), (attention, "linear", lin),
+               (decoder, "normed_linear", normed)]
+    saved = [(module, name, vars(module)[name]) for module, name, _ in patches]
+    for module, name, fn in patches:
+        setattr(module, name, fn)
     try:
-        out = []
-        with Engine(loaded, max_batch=1, max_context=512, quiet=True) as engine:
-            for ids in prompts:
-                got: list[int] = []
-                for ev in engine.stream(Request(prompt_ids=ids, params=SamplingParams(
-                        temperature=0.0, max_tokens=max_tokens, ignore_eos=True))):
-                    got += getattr(ev, "token_ids", [])
-                out.append(got)
-        return out
+        return greedy(loaded, prompts, max_tokens)
     finally:
-        llama.linear, llama.normed_linear, llama.gated_linear = saved
+        for module, name, fn in saved:
+            setattr(module, name, fn)
 
 
 def greedy(loaded, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:  # noqa: ANN001
