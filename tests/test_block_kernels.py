@@ -65,7 +65,7 @@ def _mapped(raw: np.ndarray) -> torch.Tensor:
     once that it cannot mark it read-only; the kernels only read it)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(memoryview(raw.reshape(-1)), dtype=torch.uint8)
+        return torch.frombuffer(raw.reshape(-1).data, dtype=torch.uint8)
 
 
 def _reference(raw: np.ndarray, block_type: BlockType, n: int, k: int) -> torch.Tensor:
@@ -204,16 +204,42 @@ def test_round16_multiplies_the_input_rounded_to_16_bits(arch, block_type):
             assert bool(((exact - want).abs() > 2e-6 * size).any())  # the flag matters here
 
 
-def test_round16_is_served_where_the_build_has_integer_kernels():
+@pytest.mark.parametrize("block_type", [BlockType.Q4_K, BlockType.Q6_K, BlockType.Q5_0],
+                         ids=["Q4_K", "Q6_K", "Q5_0"])
+def test_a_weight_rounds_where_its_kernel_is_allowed_to(block_type, monkeypatch):
+    """The choice is per weight, as for the other kinds: a KernelLinear over a GGUF file's
+    blocks made with round16 (dtype="quantized") multiplies a lone row's input rounded to 16 bits
+    where the build rounds (here forced by NBSERVE_ROUND16=1), one made without
+    (dtype="quantized-exact") the exact input."""
+    from nbserve.execution.quant import GGMLBlocks, KernelLinear
+
+    monkeypatch.setenv("NBSERVE_ROUND16", "1")
+    lib = _kernels(None)
+    elems, size = block_layout(block_type, lib)
+    n, k = 9, 2 * max(elems, 64)
+    raw = _random_blocks(block_type, n, k, seed=5)
+    w = _reference(raw, block_type, n, k).double()
+    weight = GGMLBlocks.of_file(raw.reshape(n, k // elems, size), block_type)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(2))
+    x[:, ::32] *= 300
+    sizes = x.double().abs() @ w.abs().t()
+    rounded = KernelLinear(weight, kernels=lib, round16=True)(x).double()
+    exact = KernelLinear(weight, kernels=lib, round16=False)(x).double()
+    if not blocks_rounded(block_type, lib):
+        assert torch.equal(rounded, exact)
+        return
+    assert bool(((rounded - _round16(x)[0] @ w.t()).abs() <= 2e-6 * sizes).all())
+    assert bool(((exact - x.double() @ w.t()).abs() <= 2e-6 * sizes).all())
+    assert not torch.equal(rounded, exact)
+
+
+@pytest.mark.parametrize("arch", PATHS)
+def test_round16_is_served_where_the_build_has_integer_kernels(arch):
     """Every served type has integer row kernels on the AVX2 and AVX-512 builds, none on the
     plain C one (which keeps float32 inputs)."""
-    for param in PATHS:
-        arch = param.values[0]
-        if any(mark.name == "skipif" and mark.args and mark.args[0] for mark in param.marks):
-            continue
-        lib = _kernels(arch)
-        rounded = {t.name for t in TYPES if blocks_rounded(t, lib)}
-        assert rounded == (set() if lib.nbq_simd_width() == 1 else {t.name for t in TYPES})
+    lib = _kernels(arch)
+    rounded = {t.name for t in TYPES if blocks_rounded(t, lib)}
+    assert rounded == (set() if lib.nbq_simd_width() == 1 else {t.name for t in TYPES})
 
 
 def test_what_is_not_served_is_refused_by_name():
