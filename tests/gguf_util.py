@@ -14,8 +14,8 @@ types, merges, `pre`, special ids, add_bos, chat template; scores for sentencepi
 Shapes: quantized weights are cut into blocks along each row, so every row length (hidden_size,
 intermediate_size, num_attention_heads * head_dim) must be a multiple of 32 for Q4_0, Q4_1, Q5_0,
 Q5_1 and Q8_0, and of 256 for the K-quants. The `gguf` package cannot quantize K-quants: for
-Q2_K..Q6_K the 2-D weights are replaced by random valid blocks (seeded), so compare such a file
-with another GGUF reader (transformers), not with the checkpoint.
+Q2_K..Q6_K, IQ4_NL and IQ4_XS the 2-D weights are replaced by random valid blocks (seeded), so
+compare such a file with another GGUF reader (transformers), not with the checkpoint.
 """
 
 from __future__ import annotations
@@ -40,10 +40,11 @@ ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
          "Phi3ForCausalLM": "phi3", "GPT2LMHeadModel": "gpt2"}
 PERMUTED = {"llama", "smollm3"}  # the converter's LlamaModel subclasses (undo_permute = True)
 QUANTIZABLE = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"}
-RANDOM_BLOCKS = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
-# Byte offsets of the float16 scale fields inside one block of each K-quant (ggml-common.h).
+RANDOM_BLOCKS = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
+# Byte offsets of the float16 scale fields inside one block of each K-quant and IQ4 type
+# (ggml-common.h).
 _K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-                    "Q6_K": (208,)}
+                    "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 _ARCH_ENUM = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
 _EXPERT = re.compile(r"(model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)"
                      r"\.weight")
@@ -426,3 +427,54 @@ def _infer_pre(tj: dict[str, Any]) -> str:
         if regex in named:
             return named[regex]
     raise ValueError(f"cannot name the pre-tokenizer {pt}; pass pre=...")
+
+
+def q4_k_m_llama_tensors(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int,
+                         vocab: int, embedding: str = "Q6_K", head: str | None = None
+                         ) -> list[tuple[str, tuple[int, ...], str]]:
+    """(GGUF name, torch-order shape, type) of every tensor of a Llama laid out as llama.cpp's
+    Q4_K_M lays it out: Q4_K q/k/o/gate/up, Q6_K v/down, F32 norms; the embedding in
+    `embedding`, and an untied LM head in `head` (None: tied)."""
+    kv = hidden // heads * kv_heads
+    out = [("token_embd.weight", (vocab, hidden), embedding),
+           ("output_norm.weight", (hidden,), "F32")]
+    if head is not None:
+        out.append(("output.weight", (vocab, hidden), head))
+    for i in range(layers):
+        out += [(f"blk.{i}.attn_norm.weight", (hidden,), "F32"),
+                (f"blk.{i}.attn_q.weight", (hidden, hidden), "Q4_K"),
+                (f"blk.{i}.attn_k.weight", (kv, hidden), "Q4_K"),
+                (f"blk.{i}.attn_v.weight", (kv, hidden), "Q6_K"),
+                (f"blk.{i}.attn_output.weight", (hidden, hidden), "Q4_K"),
+                (f"blk.{i}.ffn_norm.weight", (hidden,), "F32"),
+                (f"blk.{i}.ffn_gate.weight", (ffn, hidden), "Q4_K"),
+                (f"blk.{i}.ffn_up.weight", (ffn, hidden), "Q4_K"),
+                (f"blk.{i}.ffn_down.weight", (hidden, ffn), "Q6_K")]
+    return out
+
+
+def llama_writer(path: str | Path, name: str, layers: int, hidden: int, ffn: int, heads: int,
+                 kv_heads: int, vocab: int, context: int = 4096, rope_base: float = 10000.0
+                 ) -> gguf.GGUFWriter:
+    """A GGUFWriter with a Llama's hyperparameters and a placeholder byte-level vocabulary of
+    `vocab` tokens written in: the caller adds the tensors (or their infos) and closes it."""
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name(name)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(rope_base)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([f"t{i}" for i in range(vocab)])
+    writer.add_token_types([gguf.TokenType.NORMAL] * vocab)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    return writer

@@ -9,13 +9,12 @@ import os
 import subprocess
 import sys
 
-import gguf
 import httpx
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf_util import hf_dir_to_gguf, random_blocks
+from gguf_util import hf_dir_to_gguf, llama_writer, q4_k_m_llama_tensors, random_blocks
 from kernel_paths import NEEDS_COMPILER
 from server_util import app_running
 from test_gguf_families import CASES, make_case_dir
@@ -118,38 +117,9 @@ def write_random_kquant_llama(path, layers: int = LAYERS):
     Q4_K_M file (Q4_K q/k/o/gate/up, Q6_K v/down and the tied embedding, F32 norms), written
     with gguf's writer tensor by tensor."""
     rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_name("random-kquant-llama")
-    writer.add_context_length(4096)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_block_count(layers)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
-    writer.add_vocab_size(VOCAB)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list([f"t{i}" for i in range(VOCAB)])
-    writer.add_token_types([gguf.TokenType.NORMAL] * VOCAB)
-    writer.add_token_merges([])
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(1)
-    kv = HIDDEN // HEADS * KV_HEADS
-    shapes = [("token_embd.weight", (VOCAB, HIDDEN), "Q6_K"),
-              ("output_norm.weight", (HIDDEN,), "F32")]
-    for i in range(layers):
-        shapes += [(f"blk.{i}.attn_norm.weight", (HIDDEN,), "F32"),
-                   (f"blk.{i}.attn_q.weight", (HIDDEN, HIDDEN), "Q4_K"),
-                   (f"blk.{i}.attn_k.weight", (kv, HIDDEN), "Q4_K"),
-                   (f"blk.{i}.attn_v.weight", (kv, HIDDEN), "Q6_K"),
-                   (f"blk.{i}.attn_output.weight", (HIDDEN, HIDDEN), "Q4_K"),
-                   (f"blk.{i}.ffn_norm.weight", (HIDDEN,), "F32"),
-                   (f"blk.{i}.ffn_gate.weight", (FFN, HIDDEN), "Q4_K"),
-                   (f"blk.{i}.ffn_up.weight", (FFN, HIDDEN), "Q4_K"),
-                   (f"blk.{i}.ffn_down.weight", (HIDDEN, FFN), "Q6_K")]
+    writer = llama_writer(path, "random-kquant-llama", layers, HIDDEN, FFN, HEADS, KV_HEADS,
+                          VOCAB)
+    shapes = q4_k_m_llama_tensors(layers, HIDDEN, FFN, HEADS, KV_HEADS, VOCAB)
     for name, shape, kind in shapes:
         if kind == "F32":
             writer.add_tensor(name, np.ones(shape, np.float32))
@@ -259,3 +229,39 @@ def test_the_memory_estimate_is_what_a_served_load_holds(tmp_path):
     kept = [t.nbytes if len(t.shape) == 2 else t.numel * 4 for t in tensors]
     assert estimate == held + 2 * max(kept)
     assert estimate < weight_bytes(tensors, load_form(torch.float32, None, False, cpu)) / 3
+
+
+# ----------------------------------------------------------------------------- the IQ4 types
+
+def test_an_iq4_file_loads_as_blocks_and_computes_its_float32_load(tmp_path):
+    """An IQ4_XS file (IQ4_NL where a row is not whole 256-weight blocks: llama.cpp's
+    fallback) loads as its blocks by default, with the float32 load's logits (issue 42: it
+    was refused at read time although the kernels serve both types)."""
+    hf = make_tiny_hf_dir(tmp_path / "hf", "llama", **K_DIMS)
+    path = hf_dir_to_gguf(hf, tmp_path / "m.gguf", "IQ4_XS",
+                          tensor_types={f"blk.{i}.ffn_down.weight": "IQ4_NL" for i in range(2)})
+    model = nbserve.load(str(path), verbose=False).model
+    kinds = set()
+    for holder, names in model._named_holders():
+        assert isinstance(holder.form, BlockForm), names
+        assert holder.weight.device.type == "meta", names
+        kinds.add(holder.form.blocks.kind)
+    assert kinds == {"ggml:IQ4_XS", "ggml:IQ4_NL"}
+    full = nbserve.load(str(path), dtype="float32", verbose=False).model
+    ids = [3, 17, 5, 9, 11, 2] * 3
+    exact = nbserve.load(str(path), dtype="quantized-exact", verbose=False).model
+    for got, want in zip(_lone_steps(exact, ids), _lone_steps(full, ids)):
+        _close(got, want)
+
+
+def test_a_type_not_served_is_refused_naming_the_served_types(tmp_path):
+    """An IQ2_XXS tensor is refused at read time with the list of served types (never
+    dequantized to float32 in silence)."""
+    hf = make_tiny_hf_dir(tmp_path / "hf", "llama", **K_DIMS)
+    path = hf_dir_to_gguf(hf, tmp_path / "m.gguf", "Q4_K",
+                          tensor_types={"blk.0.attn_q.weight": "IQ2_XXS"})
+    with pytest.raises(ValueError, match="IQ2_XXS") as refused:
+        nbserve.load(str(path), verbose=False)
+    message = str(refused.value)
+    for served in ("F32", "F16", "BF16", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS"):
+        assert served in message, served

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader, ReaderTensor, TokenType
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, processors
@@ -34,9 +33,14 @@ from .gguf_reader import BulkArrayReader
 if TYPE_CHECKING:
     from ..execution.quant import QuantBlocks
 
-SUPPORTED_TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1,
-                   QType.Q5_0, QType.Q5_1, QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K,
-                   QType.Q6_K)
+FLOAT_TYPES = ("F32", "F16", "BF16")  # tensors read as floats; every other type is blocks
+
+
+def served_types() -> tuple[str, ...]:
+    """The tensor types a GGUF may hold: the float types and every type the kernels serve
+    from its blocks (`execution.quant.BLOCK_TYPES`, the one list of them)."""
+    from ..execution.quant import BLOCK_TYPES
+    return (*FLOAT_TYPES, *BLOCK_TYPES)
 
 # Pre-tokenizer split regexes, by `tokenizer.ggml.pre` (the same splits as the models'
 # tokenizer.json).
@@ -268,13 +272,13 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheck
     path = Path(path).expanduser()
     reader = _open(path)
     meta = Meta(reader)
+    served = served_types()
     for t in reader.tensors:
-        if t.tensor_type not in SUPPORTED_TYPES:
+        if t.tensor_type.name not in served:
             raise ValueError(
-                f"tensor {t.name!r} in {path} has type {t.tensor_type.name}, "
-                "which nbserve does not "
-                f"dequantize; supported: {', '.join(q.name for q in SUPPORTED_TYPES)}. "
-                "Use a GGUF quantized with one of these (e.g. Q4_K_M, Q8_0 or F16).")
+                f"tensor {t.name!r} in {path} has type {t.tensor_type.name}, which nbserve "
+                f"does not serve; served types: {', '.join(served)}. "
+                "Use a GGUF quantized with one of these (e.g. Q4_K_M, IQ4_XS, Q8_0 or F16).")
     layout, cfg = _checked_config(meta, reader, path)
     tensors = GGUFTensors(path, list(reader.tensors), layout, cfg, dtype)
     tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
