@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
+from gguf_util import llama_writer, q4_k_m_llama_tensors
 
 from nbserve.loading import load
 from nbserve.loading.memory_check import (
@@ -53,49 +54,15 @@ def _layers(bytes_per_weight: float = 4) -> int:
     return max(32, math.ceil(1.25 * _mem_total() / per_layer))
 
 
-def _llama_shapes(layers: int) -> list[tuple[str, tuple[int, ...], str]]:
-    """(GGUF name, torch-order shape, Q4_K_M-like type) of every tensor of the big Llama."""
-    kv = HIDDEN // HEADS * KV_HEADS
-    out = [("token_embd.weight", (VOCAB, HIDDEN), "Q4_K"), ("output_norm.weight", (HIDDEN,), "F32"),
-           ("output.weight", (VOCAB, HIDDEN), "Q6_K")]
-    for i in range(layers):
-        out += [(f"blk.{i}.attn_norm.weight", (HIDDEN,), "F32"),
-                (f"blk.{i}.attn_q.weight", (HIDDEN, HIDDEN), "Q4_K"),
-                (f"blk.{i}.attn_k.weight", (kv, HIDDEN), "Q4_K"),
-                (f"blk.{i}.attn_v.weight", (kv, HIDDEN), "Q6_K"),
-                (f"blk.{i}.attn_output.weight", (HIDDEN, HIDDEN), "Q4_K"),
-                (f"blk.{i}.ffn_norm.weight", (HIDDEN,), "F32"),
-                (f"blk.{i}.ffn_gate.weight", (FFN, HIDDEN), "Q4_K"),
-                (f"blk.{i}.ffn_up.weight", (FFN, HIDDEN), "Q4_K"),
-                (f"blk.{i}.ffn_down.weight", (HIDDEN, FFN), "Q6_K")]
-    return out
-
-
 def write_sparse_llama_gguf(path: Path, layers: int) -> Path:
     """A Llama GGUF with real metadata (hyperparameters, a 49152-token vocabulary) and tensor
     infos, whose tensor data is a hole: the file's size is the model's, its blocks on disk
     almost none."""
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_name("sparse-llama")
-    writer.add_context_length(8192)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_block_count(layers)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(500000.0)
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
-    writer.add_vocab_size(VOCAB)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list([f"t{i}" for i in range(VOCAB)])
-    writer.add_token_types([gguf.TokenType.NORMAL] * VOCAB)
-    writer.add_token_merges([])
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(1)
+    writer = llama_writer(path, "sparse-llama", layers, HIDDEN, FFN, HEADS, KV_HEADS, VOCAB,
+                          context=8192, rope_base=500000.0)
     total = 0
-    for name, shape, kind in _llama_shapes(layers):
+    for name, shape, kind in q4_k_m_llama_tensors(layers, HIDDEN, FFN, HEADS, KV_HEADS, VOCAB,
+                                                  embedding="Q4_K", head="Q6_K"):
         qtype = QType[kind]
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         row_bytes = shape[-1] // block * size
