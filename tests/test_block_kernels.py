@@ -156,25 +156,27 @@ def test_matmul_folds_in_the_norm_and_the_gate(arch, block_type):
         _assert_product(got, gated, w)
 
 
-def _round16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _round16(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' 16-bit input (round16, matmul_common.h) as float64, and each input's bound
-    on its rounding error: per block of 32, s = max |x| / 32767 and q = rint(x * (32767 /
-    max |x|)) in float32 (ties to even, as the CPU's conversion), the input q s, within s / 2."""
+    on its rounding error: per group of `group` inputs (the weight type's block: 32, or 256),
+    s = max |x| / 32767 and q = rint(x * (32767 / max |x|)) in float32 (ties to even, as the
+    CPU's conversion), the input q s, within s / 2."""
     rows, k = x.shape
-    blocks = x.reshape(rows, k // 32, 32)
+    blocks = x.reshape(rows, k // group, group)
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.tensor(32767.0) / torch.where(amax > 0, amax, 1.0), 0.0)
     q = torch.round(blocks * inv)  # float32 product, then round half to even
     scale = amax / torch.tensor(32767.0)
     rounded = (q.double() * scale.double()).reshape(rows, k)
-    return rounded, (scale.double() / 2).expand(-1, -1, 32).reshape(rows, k)
+    return rounded, (scale.double() / 2).expand(-1, -1, group).reshape(rows, k)
 
 
 @pytest.mark.parametrize("arch", PATHS)
 @pytest.mark.parametrize("block_type", TYPES, ids=[t.name for t in TYPES])
 def test_round16_multiplies_the_input_rounded_to_16_bits(arch, block_type):
     """With round16, products of up to 8 rows (the row kernels) are the float64 product of the
-    input rounded to 16 bits per block of 32 with gguf's weights, up to float32 rounding (2e-6
+    input rounded to 16 bits per block of the type (32 inputs, or 256 for the K-quants and
+    IQ4_XS) with gguf's weights, up to float32 rounding (2e-6
     of the products' sizes; measured within 3e-7), so within the rounding's bound of the exact
     product; the inputs (one large value a block) make the exact product differ from the
     rounded one by more than that tolerance, so a kernel that ignored the flag fails here. A
@@ -195,7 +197,7 @@ def test_round16_multiplies_the_input_rounded_to_16_bits(arch, block_type):
             if rows > 8 or not blocks_rounded(block_type, lib):
                 _assert_product(got.float(), x, w.float())
                 continue
-            rounded, half_step = _round16(x)
+            rounded, half_step = _round16(x, elems)
             want, exact = rounded @ w.t(), x.double() @ w.t()
             size = x.double().abs() @ w.abs().t()
             assert bool(((got - want).abs() <= 2e-6 * size).all()), \
@@ -228,9 +230,31 @@ def test_a_weight_rounds_where_its_kernel_is_allowed_to(block_type, monkeypatch)
     if not blocks_rounded(block_type, lib):
         assert torch.equal(rounded, exact)
         return
-    assert bool(((rounded - _round16(x)[0] @ w.t()).abs() <= 2e-6 * sizes).all())
+    assert bool(((rounded - _round16(x, elems)[0] @ w.t()).abs() <= 2e-6 * sizes).all())
     assert bool(((exact - x.double() @ w.t()).abs() <= 2e-6 * sizes).all())
     assert not torch.equal(rounded, exact)
+
+
+@pytest.mark.parametrize("arch", PATHS)
+def test_round16_sums_of_the_largest_products_stay_exact(arch):
+    """The 256-weight types add a block's integer products up in int32: the largest ones (Q6_K's
+    scale -128 times code -32, IQ4_XS's scale -32 times value -127, every input code 32767)
+    still give the exact product."""
+    lib = _kernels(arch)
+    n, k = 3, 512
+    half = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    q6 = np.zeros((n, k // 256, 210), np.uint8)
+    q6[..., 192:208] = 0x80  # int8 -128
+    q6[..., 208:210] = half
+    iq4 = np.zeros((n, k // 256, 136), np.uint8)  # scales 0 (-32), codes 0 (-127)
+    iq4[..., 0:2] = half
+    x = torch.ones(1, k)
+    for block_type, blocks3 in ((BlockType.Q6_K, q6), (BlockType.IQ4_XS, iq4)):
+        raw = blocks3.reshape(n, -1)
+        w = _reference(raw, block_type, n, k).double()
+        blocks = torch.from_numpy(raw.reshape(-1).copy())
+        got = blocks_matmul(x, block_type, blocks, n, k, round16=True, lib=lib).double()
+        assert torch.allclose(got, x.double() @ w.t(), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("arch", PATHS)

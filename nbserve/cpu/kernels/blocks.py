@@ -4,7 +4,8 @@ A weight is `n` rows of `k` inputs, each row k / elems blocks of its `BlockType`
 GGUF file stores them, passed as a contiguous CPU uint8 tensor (e.g. `torch.frombuffer` over
 the mapped file): nothing is copied or repacked here. The arithmetic is the exact mode of the
 kernels (float32 products of the weights that `gguf.quants.dequantize` gives), or with
-`round16` the integer row kernels over the input rounded to 16 bits per block of 32.
+`round16` the integer row kernels over the input rounded to 16 bits per block of the type
+(32 inputs, or 256 for the K-quants and IQ4_XS).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def blocks_matmul(x: torch.Tensor, block_type: int, blocks: torch.Tensor, n: int
                   lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x (..., k) @ w.T -> (..., n) for the weight w in `blocks`; with `norm` (RMSNorm weights,
     k floats) of RMSNorm(x, eps); `gated`: of silu(a) * b for x (..., 2k) = [a | b].
-    `round16`: inputs of a few rows rounded to 16 bits per block of 32 for the integer row
+    `round16`: inputs of a few rows rounded to 16 bits per block of the type for the integer row
     kernels, where the build has them for the type (`blocks_rounded`)."""
     kernels = _lib(lib)
     _check_blocks(blocks, block_type, n, k, kernels)

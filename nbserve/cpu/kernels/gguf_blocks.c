@@ -18,11 +18,12 @@
  * where the build has SSSE3), the products GCC vector types (matmul_common.h) or intrinsics.
  *
  * Rounded mode (flag NBQ_ROUND16, AVX2 and AVX-512 builds, up to ROW_PATH_MAX input rows): the
- * input is rounded once per call to 16 bits per block of 32 (round16, as quant_matmul.c's), and
- * every type's row kernel multiplies its codes with the input's in integers ("rounded inputs"
- * below). The product is then the one of gguf's weights with the rounded input, up to float32
- * rounding: each input within max |x| / 65534 of its block's largest, never 8 bits per block
- * as llama.cpp's CPU kernels round (benchmarks/activation_rounding.py).
+ * input is rounded once per call to 16 bits per block of the weight type (32 inputs, or 256
+ * for the K-quants and IQ4_XS, as llama.cpp's Q8_0 and Q8_K; round16, as quant_matmul.c's),
+ * and every type's row kernel multiplies its codes with the input's in integers ("rounded
+ * inputs" below). The product is then the one of gguf's weights with the rounded input, up to
+ * float32 rounding: each input within max |x| / 65534 of its block's largest, never 8 bits per
+ * block as llama.cpp's CPU kernels round (benchmarks/activation_rounding.py).
  */
 #include "matmul_common.h"
 #include "nbserve_kernels.h"
@@ -637,18 +638,16 @@ INLINE void q3_k_dot_n(const float *x, int rows, int k, const uint8_t *w, float 
 
 #if defined(HAS_DIRECT_DOTS) && (VL == 8 || defined(__AVX512BW__))
 /* ---------------------------------------------------------------- rounded inputs (NBQ_ROUND16)
- * The integer row kernels: the input rounded once per call to 16 bits per block of 32 (round16,
- * matmul_common.h: codes xq, scales xs, and the rounded input's sums per 16, xsum), and each
- * weight taken as scale * (mul * code) + add: code a signed byte from the block (32 of them a
- * chunk, in input order), mul an integer per 16 weights folded into the codes as int16 (Q6_K,
- * Q3_K, Q2_K's sub-block scales; 1 elsewhere), scale a float per chunk (d, d sc, d (ls - 32)),
- * add a float per 16 weights (- dmin m, or m; 0 for types without). A chunk's products with
- * the input's codes are integers, exact in int32 (vpmaddwd: |mul code| <= 4096, so a lane's
- * two products stay below 2^28), converted to float32 once per chunk and multiplied by scale
- * times the input block's scale; the adds meet the rounded input's sums. So the product is
- * the one of the exact weights with the rounded input, up to float32 rounding.
- * (vpdpwssd, AVX-512 VNNI, would fold the add into the multiply, but each chunk's sum starts
- * from zero, as its input block has its own scale: vpmaddwd is the same one instruction.) */
+ * The integer row kernels: the input rounded once per call to 16 bits per block of the type
+ * (round16, matmul_common.h: codes xq, scales xs, and the rounded input's sums per 16, xsum),
+ * and each weight taken as scale * (mul * code) + add: code a signed byte from the block (32
+ * of them a chunk, in input order), mul an integer per 16 weights folded into the codes as
+ * int16 (the 256-weight types' sub-block scales; 1 elsewhere), scale a float (d), add a float
+ * per 16 weights (- dmin m, or m; 0 for types without). A chunk's products with the input's
+ * codes are integers, exact in int32 (vpmaddwd); the adds meet the rounded input's sums. So the
+ * product is the one of the exact weights with the rounded input, up to float32 rounding.
+ * The 32-weight types convert each chunk's sum at once (its input block has its own scale, so
+ * vpdpwssd would save nothing there); the 256-weight ones add a block's up first (below). */
 #define HAS_ROUNDED 1
 typedef struct {
     float scale[8], add[16];  /* per chunk of 32; per 16 weights */
@@ -716,14 +715,14 @@ INLINE void dm_prep(const uint8_t *blk, block16 *p) {  /* d q + m */
 #define q4_1_prep dm_prep
 #define q5_1_prep dm_prep
 
-/* Q4_K and Q5_K: chunk c is sub-block c, (d sc) q - dmin m */
+/* Q4_K and Q5_K: chunk c is sub-block c, d (sc q) - dmin m */
 INLINE void k45_prep(const uint8_t *blk, block16 *p) {
     uint8_t b[16];
     k_scale_bytes(blk + 4, b);
     __m128i bytes = _mm_loadu_si128((const __m128i *)b);
-    __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
     __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
-    _mm256_storeu_ps(p->scale, _mm256_mul_ps(_mm256_set1_ps(half_at(blk)), sc));
+    p->scale[0] = half_at(blk);  /* d; sc as mul, each twice (per 16 weights) */
+    _mm256_storeu_si256((__m256i *)p->mul, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(bytes, bytes)));
     mn = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(half_at(blk + 2)), mn),
                        _mm256_set1_ps(-0.f));  /* - dmin m, each twice (per 16 weights) */
     __m256 lo = _mm256_unpacklo_ps(mn, mn), hi = _mm256_unpackhi_ps(mn, mn);
@@ -784,13 +783,13 @@ INLINE __m256i q3_k_chunk(const uint8_t *blk, int c) {
     return _mm256_sub_epi8(_mm256_add_epi8(q, high), _mm256_set1_epi8(4));
 }
 
-/* IQ4_XS: d (ls - 32) per chunk, the table's values (see iq4_xs_block) */
+/* IQ4_XS: d, ls - 32 as mul, the table's values (see iq4_xs_block) */
 INLINE void iq4_xs_prep(const uint8_t *blk, block16 *p) {
-    float d = half_at(blk);
     int sh = blk[2] | (blk[3] << 8);
+    p->scale[0] = half_at(blk);
     for (int ib = 0; ib < 8; ib++) {
         int ls = ((blk[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4);
-        p->scale[ib] = d * (float)(ls - 32);
+        p->mul[2 * ib] = p->mul[2 * ib + 1] = (int16_t)(ls - 32);
     }
 }
 INLINE __m256i iq4_xs_chunk(const uint8_t *blk, int c) {
@@ -812,6 +811,77 @@ INLINE vf lane_of(__m256 f, int c) {
 INLINE void add16(const float *add, const float *su, vf *a) {
     for (int h = 0; h < 16 / VL; h++) a[h] = vfma(vload(add + h * VL), vload(su + h * VL), a[h]);
 }
+
+#define DOT16_BY_ROWS(T)                                                                         \
+    static void T##_dot16(const int16_t *xq, const float *xs, const float *xsum, int rows, int k, \
+                          const uint8_t *w, float *out, int n_out) {                             \
+        switch (rows) {                                                                          \
+        case 1: T##_dot16_n(xq, xs, xsum, 1, k, w, out, n_out); break;                          \
+        case 2: T##_dot16_n(xq, xs, xsum, 2, k, w, out, n_out); break;                          \
+        case 3: T##_dot16_n(xq, xs, xsum, 3, k, w, out, n_out); break;                          \
+        default: T##_dot16_n(xq, xs, xsum, TILE, k, w, out, n_out);                             \
+        }                                                                                        \
+    }
+
+/* The 256-weight types (the K-quants, IQ4_XS): the input rounded per 256 (one scale a block, as
+ * llama.cpp's Q8_K) and every weight d * (mul * code) + add with an integer mul per 16 weights
+ * (a sub-block's scale), so that a block's products add up in int32 (|mul code| <= 4096: on
+ * AVX-512 a lane sums 16 products, below 2^31; on AVX2 32, so there the sums are converted
+ * every 4 chunks) before one conversion and FMA by d times the input's scale; vpdpwssd where
+ * the CPU has AVX-512 VNNI. The adds meet the rounded input's sums per 16. */
+#if VL == 16
+INLINE vi izero(void) { return _mm512_setzero_si512(); }
+INLINE vi iacc(vi acc, w16 w, const int16_t *x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, w, _mm512_loadu_si512((const void *)x));
+#else
+    return _mm512_add_epi32(acc, idot(w, x));
+#endif
+}
+#define FLUSH_EVERY 8
+#else
+INLINE vi izero(void) { return _mm256_setzero_si256(); }
+INLINE vi iacc(vi acc, w16 w, const int16_t *x) { return _mm256_add_epi32(acc, idot(w, x)); }
+#define FLUSH_EVERY 4
+#endif
+#define ROUNDED256(T, BYTES, ADD)                                                                \
+    INLINE void T##_dot16_n(const int16_t *xq, const float *xs, const float *xsum, int rows,     \
+                            int k, const uint8_t *w, float *out, int n_out) {                    \
+        vf acc[TILE], adds[TILE][16 / VL];                                                       \
+        int nb = k / 256;                                                                        \
+        for (int i = 0; i < TILE; i++) {                                                         \
+            acc[i] = vzero();                                                                    \
+            for (int h = 0; h < 16 / VL; h++) adds[i][h] = vzero();                              \
+        }                                                                                        \
+        for (int b = 0; b < nb; b++) {                                                           \
+            const uint8_t *blk = w + (size_t)b * (BYTES);                                        \
+            block16 p;                                                                           \
+            vi isum[TILE];                                                                       \
+            T##_prep(blk, &p);                                                                   \
+            for (int i = 0; i < rows; i++) {                                                     \
+                isum[i] = izero();                                                               \
+                if (ADD) add16(p.add, xsum + (size_t)i * (k / 16) + (size_t)b * 16, adds[i]);    \
+            }                                                                                    \
+            _Pragma("GCC unroll 8")                                                              \
+            for (int c = 0; c < 8; c++) {                                                        \
+                w16 wv = mul16(widen(T##_chunk(blk, c)), p.mul, c);                              \
+                const int16_t *xc = xq + (size_t)(b * 8 + c) * 32;                               \
+                for (int i = 0; i < rows; i++) isum[i] = iacc(isum[i], wv, xc + (size_t)i * k); \
+                if (c % FLUSH_EVERY == FLUSH_EVERY - 1)                                          \
+                    for (int i = 0; i < rows; i++) {                                             \
+                        vf f = vset(p.scale[0] * xs[(size_t)i * nb + b]);                        \
+                        acc[i] = vfma(vfloat(isum[i]), f, acc[i]);                               \
+                        isum[i] = izero();                                                       \
+                    }                                                                            \
+            }                                                                                    \
+        }                                                                                        \
+        for (int i = 0; i < rows; i++) {                                                         \
+            float a = 0.f;                                                                       \
+            for (int h = 0; h < 16 / VL; h++) a += vsum(adds[i][h]);                             \
+            out[(size_t)i * n_out] = vsum(acc[i]) + a;                                           \
+        }                                                                                        \
+    }                                                                                            \
+    DOT16_BY_ROWS(T)
 
 /* T_dot16_n: the rounded input's rows xq (rows, k), xs (rows, k / 32), xsum (rows, k / 16)
  * times one weight row, for a constant row count; MUL: whether the type has integer factors;
@@ -865,27 +935,19 @@ INLINE void add16(const float *add, const float *su, vf *a) {
             out[(size_t)i * n_out] = vsum(acc[i][0]) + vsum(acc[i][1]) + a;                     \
         }                                                                                        \
     }                                                                                            \
-    static void T##_dot16(const int16_t *xq, const float *xs, const float *xsum, int rows, int k, \
-                          const uint8_t *w, float *out, int n_out) {                             \
-        switch (rows) {                                                                          \
-        case 1: T##_dot16_n(xq, xs, xsum, 1, k, w, out, n_out); break;                          \
-        case 2: T##_dot16_n(xq, xs, xsum, 2, k, w, out, n_out); break;                          \
-        case 3: T##_dot16_n(xq, xs, xsum, 3, k, w, out, n_out); break;                          \
-        default: T##_dot16_n(xq, xs, xsum, TILE, k, w, out, n_out);                             \
-        }                                                                                        \
-    }
+    DOT16_BY_ROWS(T)
 ROUNDED(q4_0, 32, 18, 0, 0)
 ROUNDED(q4_1, 32, 20, 0, 1)
 ROUNDED(q5_0, 32, 22, 0, 0)
 ROUNDED(q5_1, 32, 24, 0, 1)
 ROUNDED(q8_0, 32, 34, 0, 0)
 ROUNDED(iq4_nl, 32, 18, 0, 0)
-ROUNDED(q2_k, 256, 84, 1, 1)
-ROUNDED(q3_k, 256, 110, 1, 0)
-ROUNDED(q4_k, 256, 144, 0, 1)
-ROUNDED(q5_k, 256, 176, 0, 1)
-ROUNDED(q6_k, 256, 210, 1, 0)
-ROUNDED(iq4_xs, 256, 136, 0, 0)
+ROUNDED256(q2_k, 84, 1)
+ROUNDED256(q3_k, 110, 0)
+ROUNDED256(q4_k, 144, 1)
+ROUNDED256(q5_k, 176, 1)
+ROUNDED256(q6_k, 210, 0)
+ROUNDED256(iq4_xs, 136, 0)
 #define DOT16(T) T##_dot16
 #else
 #define DOT16(T) NULL
@@ -984,7 +1046,8 @@ static int blocks_panels(const block_type *t, const float *x, int rows, int k,
 /* y (rows, n) = prepare(x) (rows, k) @ w.T, w the n weight rows of `type`'s blocks (each row
  * k / elems blocks, in the file's order); prepare as nbq_q4_matmul's (RMSNorm with `norm`,
  * NBQ_GATED); with NBQ_ROUND16, inputs of up to ROW_PATH_MAX rows are rounded to 16 bits per
- * block of 32 (round16) for the integer row kernels, where the build has them (AVX2, AVX-512).
+ * block of the type (round16) for the integer row kernels, where the build has them (AVX2,
+ * AVX-512).
  * Returns 0, -1 when out of memory, -2 for a type not served or k not a multiple of its block. */
 int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blocks, int n,
                       float *y, int threads, const float *norm, float eps, int flags) {
@@ -1004,7 +1067,7 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
         xs = malloc(sizeof(float) * (size_t)rows * nb);
         xsum = malloc(sizeof(float) * (size_t)rows * 2 * nb);
         if (!xq || !xs || !xsum) { free(xq); free(xs); free(xsum); free(buf); return -1; }
-        round16(x, rows, k, xq, xs, xsum);
+        round16(x, rows, k, t->elems, xq, xs, xsum);  /* per block of the type: 32 or 256 */
     }
     if (rows > ROW_PATH_MAX) {
         failed = blocks_panels(t, x, rows, k, w0, n, y, threads);
@@ -1021,7 +1084,8 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
             for (int i0 = 0; i0 < rows; i0 += TILE) {
                 int tr = rows - i0 < TILE ? rows - i0 : TILE;
                 if (xq)
-                    dot16(xq + (size_t)i0 * k, xs + (size_t)i0 * nb, xsum + (size_t)i0 * 2 * nb,
+                    dot16(xq + (size_t)i0 * k, xs + (size_t)i0 * (k / t->elems),
+                          xsum + (size_t)i0 * 2 * nb,
                           tr, k, w, y + (size_t)i0 * n + r, n);
                 else
                     dot(x + (size_t)i0 * k, tr, k, w, y + (size_t)i0 * n + r, n);

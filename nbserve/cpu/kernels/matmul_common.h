@@ -65,59 +65,58 @@ static const float *prepare(const float *x, int rows, int k, const float *norm, 
     return out;
 }
 
-/* NBQ_ROUND16's input: x (rows, k) rounded per block of 32, q = round(x / s) as int16 with
- * s = max |x| / 32767 (the block's largest magnitude becomes +-32767; s = 0 for a block of
- * zeros), so q * s is x within s / 2 = max |x| / 65534. s: (rows, k / 32). sums, unless NULL:
- * (rows, k / 16), each 16 inputs' s * sum(q), the rounded input's sum (for the weights' mins).
- * One rounding for every kernel that takes it (quant_matmul.c, gguf_blocks.c). */
-__attribute__((unused)) static void round16(const float *x, int rows, int k, int16_t *q,
-                                            float *s, float *sums) {
-    int nb = k / 32;
+/* NBQ_ROUND16's input: x (rows, k) rounded per group of `group` inputs (32, or 256 for the
+ * GGUF types of 256-weight blocks), q = round(x / s) as int16 with s = max |x| / 32767 over
+ * the group (its largest magnitude becomes +-32767; s = 0 for a group of zeros), so q * s is
+ * x within s / 2 = max |x| / 65534. s: (rows, k / group). sums, unless NULL: (rows, k / 16),
+ * each 16 inputs' s * sum(q), the rounded input's sum (for the weights' mins). One rounding
+ * for every kernel that takes it (quant_matmul.c, gguf_blocks.c). */
+__attribute__((unused)) static void round16(const float *x, int rows, int k, int group,
+                                            int16_t *q, float *s, float *sums) {
+    int ng = k / group;
     for (int i = 0; i < rows; i++)
-        for (int b = 0; b < nb; b++) {
-            const float *v = x + (size_t)i * k + (size_t)b * 32;
-            int16_t *o = q + (size_t)i * k + (size_t)b * 32;
+        for (int g = 0; g < ng; g++) {
+            const float *v = x + (size_t)i * k + (size_t)g * group;
+            int16_t *o = q + (size_t)i * k + (size_t)g * group;
+            float *su = sums ? sums + (size_t)i * (k / 16) + (size_t)g * (group / 16) : NULL;
 #if defined(__AVX2__)  /* the same operations, 8 at a time (cvtps rounds to nearest even) */
-            __m256 part[4], m = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.f);
-            for (int h = 0; h < 4; h++) {
-                part[h] = _mm256_loadu_ps(v + 8 * h);
-                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, part[h]));
-            }
+            __m256 m = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.f);
+            for (int j = 0; j < group; j += 8)
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
             __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
             m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
             float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
             float inv = amax > 0.f ? 32767.f / amax : 0.f, scale = amax / 32767.f;
-            __m256i c[4];
-            for (int h = 0; h < 4; h++)
-                c[h] = _mm256_cvtps_epi32(_mm256_mul_ps(part[h], _mm256_set1_ps(inv)));
-            for (int h = 0; h < 2; h++) {  /* packs interleaves 128-bit lanes: put them back */
-                __m256i packed = _mm256_packs_epi32(c[2 * h], c[2 * h + 1]);
-                packed = _mm256_permute4x64_epi64(packed, 0xD8);
-                _mm256_storeu_si256((__m256i *)(o + 16 * h), packed);
-            }
-            s[i * nb + b] = scale;
-            if (sums)
-                for (int h = 0; h < 2; h++) {
-                    __m256i t = _mm256_add_epi32(c[2 * h], c[2 * h + 1]);
+            for (int j = 0; j < group; j += 16) {
+                __m256i c0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + j),
+                                                              _mm256_set1_ps(inv)));
+                __m256i c1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + j + 8),
+                                                              _mm256_set1_ps(inv)));
+                /* packs interleaves 128-bit lanes: put them back */
+                __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(c0, c1), 0xD8);
+                _mm256_storeu_si256((__m256i *)(o + j), packed);
+                if (su) {
+                    __m256i t = _mm256_add_epi32(c0, c1);
                     __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t),
                                                _mm256_extracti128_si256(t, 1));
                     t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
                     t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
-                    sums[(size_t)i * 2 * nb + 2 * b + h] = scale * (float)_mm_cvtsi128_si32(t4);
+                    su[j / 16] = scale * (float)_mm_cvtsi128_si32(t4);
                 }
+            }
 #else
             float amax = 0.f;
-            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
+            for (int j = 0; j < group; j++) amax = fmaxf(amax, fabsf(v[j]));
             float inv = amax > 0.f ? 32767.f / amax : 0.f, scale = amax / 32767.f;
-            for (int j = 0; j < 32; j++) o[j] = (int16_t)lrintf(v[j] * inv);
-            s[i * nb + b] = scale;
-            if (sums)
-                for (int h = 0; h < 2; h++) {
+            for (int j = 0; j < group; j++) o[j] = (int16_t)lrintf(v[j] * inv);
+            if (su)
+                for (int h = 0; h < group / 16; h++) {
                     int total = 0;
                     for (int j = 0; j < 16; j++) total += o[16 * h + j];
-                    sums[(size_t)i * 2 * nb + 2 * b + h] = scale * (float)total;
+                    su[h] = scale * (float)total;
                 }
 #endif
+            s[(size_t)i * ng + g] = scale;
         }
 }
 

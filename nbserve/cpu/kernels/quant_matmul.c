@@ -501,7 +501,7 @@ static int matmul(int kind, const float *x, int rows, int k, const void *codes, 
         x16 = malloc(sizeof(int16_t) * (size_t)rows * k);
         xsc = malloc(sizeof(float) * (size_t)rows * nb);
         if (!x16 || !xsc) { free(x16); free(xsc); free(buf); return -1; }
-        round16(x, rows, k, x16, xsc, NULL);
+        round16(x, rows, k, 32, x16, xsc, NULL);
     }
 #endif
 #ifdef HAS_TABLE_PATH  /* the table path needs no block sums, the 16-bit kernels do */
