@@ -179,7 +179,7 @@ def run_watched(args: list[str], timeout: float = 300) -> tuple[int, str, int]:
 # The child measures its own growth: resident memory before the call (imports done) against
 # the process's peak after it.
 CHILD = """
-import os, resource, sys
+import os, sys
 import nbserve, nbserve.loading, nbserve.serving.launch, nbserve.serving.app
 def rss():
     with open("/proc/self/statm") as f:
@@ -197,7 +197,9 @@ try:
     print("LOADED")
 except Exception as exc:
     print("REFUSED", type(exc).__name__, exc)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+with open("/proc/self/status") as f:  # VmHWM: this process's own peak. ru_maxrss would
+    # count the parent's resident memory too: the spawn (vfork) borrowed pytest's pages
+    peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 print("GROWTH", peak - before)
 """
 

@@ -8,12 +8,25 @@ Read by the KV budget (`engine.kv_budget`) and by the loaders' check that a mode
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import torch
 
 PROC, CGROUP = Path("/proc"), Path("/sys/fs/cgroup")
 NO_LIMIT = 2**60  # cgroup v1 writes "no limit" as the largest page-aligned int64
+
+
+def return_freed_memory() -> None:
+    """Give the heap pages that freed temporaries left back to the system: glibc keeps them
+    for the process otherwise (loading's dequantized tensors, unfused projections, a parsed
+    file). No-op where there is no malloc_trim."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
 
 
 def available_bytes(device: torch.device, proc: Path = PROC,

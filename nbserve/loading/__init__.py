@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 import time
@@ -11,6 +10,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
+from ..cpu.memory import return_freed_memory
 from ..cpu.threads import torch_threads
 from ..models.base import LoadedModel
 from ..models.dtypes import MIXED16, QUANTIZED, QUANTIZED_FORMATS, WEIGHT_FORMATS, resolve_dtype
@@ -215,7 +215,7 @@ def load(source: object, *, device: str | None = None, dtype: str | torch.dtype 
         finally:
             _forget_files()
         _release_unread_weights(loaded)
-    _return_freed_memory()
+    return_freed_memory()  # loading's temporaries (about 100 MB after SmolLM2)
     if verbose:
         print(summary_line(loaded, time.perf_counter() - t0), flush=True)
     return loaded
@@ -237,18 +237,6 @@ def _release_unread_weights(loaded: LoadedModel) -> None:
     model = loaded.model
     if isinstance(model, WeightFormats) and model.weight_format in QUANTIZED_FORMATS:
         model.release_dense_weights()
-
-
-def _return_freed_memory() -> None:
-    """Give the heap pages that loading's temporaries (dequantized tensors, the unfused
-    projections, the parsed file) freed back to the system: glibc keeps them for the
-    process otherwise (about 100 MB after SmolLM2). No-op where there is no malloc_trim."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    trim(0)
 
 
 def _load_path(src: str, device: str, dtype: torch.dtype,

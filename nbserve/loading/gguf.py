@@ -24,6 +24,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from tokenizers import pre_tokenizers as pre
 from tqdm.auto import tqdm
 
+from ..cpu.memory import return_freed_memory
 from ..models import registry
 from ..models.base import LoadedModel
 from ..models.family import GGUFLayout
@@ -347,10 +348,8 @@ def load_gguf(path: str | Path, device: str | torch.device | None = None,
     ckpt = read_gguf(path, dtype=dtype)
     blocks = weight_format in QUANTIZED_FORMATS
     if blocks:  # nothing reads the parsed metadata again (a large vocabulary's is hundreds
-        from . import _return_freed_memory  # of MB): dropped before the weights are read
-
-        forget_readers()
-        _return_freed_memory()
+        forget_readers()  # of MB): dropped before the weights are read
+        return_freed_memory()
     name = name or ckpt.path.stem
     family, config = registry.read_config(ckpt.hf_config, name)
     if blocks:
