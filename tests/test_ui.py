@@ -9,7 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from nbserve.serving.ui import ERROR_PREFIX, make_chat_fn, to_messages
+from nbserve.serving.ui import make_chat_fn
+from nbserve.serving.ui_answer import ERROR_PREFIX, to_messages
 from nbserve.types import (
     BackendDefaults,
     BusyError,

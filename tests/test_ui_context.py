@@ -10,7 +10,8 @@ from gradio_client import Client
 from server_util import engine_running
 from test_ui import FakeBackend, collect
 
-from nbserve.serving.ui import ERROR_PREFIX, make_chat_fn
+from nbserve.serving.ui import make_chat_fn
+from nbserve.serving.ui_answer import ERROR_PREFIX
 from nbserve.types import Request
 
 NOTE = "Older turns were left out"

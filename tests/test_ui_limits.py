@@ -18,7 +18,8 @@ from test_ui import FakeBackend, collect
 from nbserve.api.auth import RateLimiter
 from nbserve.api.limits import Limits
 from nbserve.server import create_app
-from nbserve.serving.ui import ERROR_PREFIX, make_chat_fn
+from nbserve.serving.ui import make_chat_fn
+from nbserve.serving.ui_answer import ERROR_PREFIX
 
 CHAT = [{"role": "user", "content": "hi"}]
 

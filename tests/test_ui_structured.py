@@ -12,19 +12,15 @@ import pytest
 from server_util import engine_running
 from test_ui import collect
 
-from nbserve.serving.ui import (
+from nbserve.serving.ui import FAILED_LINE, make_chat_fn
+from nbserve.serving.ui_answer import (
     ERROR_PREFIX,
-    FAILED_LINE,
-    JSON_BOX,
     THOUGHT_TITLE,
     TOOL_CALL_TITLE,
-    TOOLS_BOX,
-    answer_constraint,
-    chat_tools,
-    make_chat_fn,
     to_messages,
     tool_call_message,
 )
+from nbserve.serving.ui_settings import JSON_BOX, TOOLS_BOX, answer_constraint, chat_tools
 from nbserve.types import (
     BackendDefaults,
     Delta,

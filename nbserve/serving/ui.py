@@ -17,14 +17,11 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import json
 import logging
-import math
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, TypedDict
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Literal
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -36,153 +33,31 @@ from starlette.routing import Mount
 from ..api.auth import KeyAuth, RateLimiter
 from ..api.errors import APIError
 from ..api.limits import Limits
-from ..text.reasoning import ReasoningSplitter
-from ..text.tool_calls import FORMATS, HERMES, Piece, ToolCallParser
 from ..types import (
     Backend,
     ChatMessage,
-    Constraint,
     Delta,
     ErrorEvent,
     Event,
     Finished,
-    FunctionSpec,
-    InvalidRequestError,
-    JSONValue,
     NbserveError,
     Request,
     SamplingParams,
     Started,
     ToolSpec,
 )
-from .ui_context import NOTE_START, Message, fit_conversation
+from .ui_answer import Answer, ShownMessage, to_messages
+from .ui_context import Message, fit_conversation
+from .ui_settings import JSON_BOX, TOOLS_BOX, answer_constraint, chat_params, chat_tools
 
 if TYPE_CHECKING:
     from gradio.routes import App
 
 log = logging.getLogger("nbserve.ui")
 
-ERROR_PREFIX = "⚠️ "
 DEFAULT_MAX_TOKENS = 512
 API_NAME = "chat"
 FAILED_LINE = "Last answer: failed (the reason is in the chat)"
-JSON_BOX = "JSON answer"  # the settings' labels, which errors about them name
-TOOLS_BOX = "Tools"
-TOOL_CALL_TITLE = "🔧 Tool call: "  # a tool-call message's title: this, then the function name
-THOUGHT_TITLE = "💭 Thought"  # a thinking model's thought, shown collapsed above the answer
-
-
-# ----------------------------------------------------------------------------- messages
-
-
-class _Shown(TypedDict):
-    role: str
-    content: str
-
-
-class ShownMessage(_Shown, total=False):
-    """A message as the chat shows it; `metadata` ("title", "status") makes it a collapsible
-    block with that title."""
-
-    metadata: dict[str, str]
-
-
-def _text(content: object) -> str:
-    """The text of a Gradio message content (a string, a text part, or a list of parts)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, dict):
-        if isinstance(content.get("text"), str):
-            return content["text"]
-        return ""  # a file or a component: nothing the model can read
-    if isinstance(content, (list, tuple)):
-        return "".join(_text(part) for part in content)
-    # a gradio message object (not a dict) carries its text as an attribute
-    return str(getattr(content, "text", "") or "")
-
-
-def _strip_note(text: str) -> str:
-    """Drop the note on left-out turns that starts an answer: it is for the user, not the model."""
-    if not text.startswith(NOTE_START):
-        return text
-    cut = text.find("\n\n")
-    return "" if cut < 0 else text[cut + 2:]
-
-
-def _strip_error(text: str) -> str:
-    """Drop an error notice that the UI appended to an answer, so it never reaches the model."""
-    if text.startswith(ERROR_PREFIX):
-        return ""
-    cut = text.find("\n\n" + ERROR_PREFIX)
-    return text if cut < 0 else text[:cut]
-
-
-def _title(turn: Mapping[str, object]) -> str:
-    """The title of a Gradio message's metadata ("" when it has none)."""
-    metadata = turn.get("metadata")
-    # gradio's metadata is a dict, or an object with the same fields as attributes
-    title = metadata.get("title") if isinstance(metadata, dict) else getattr(metadata, "title",
-                                                                             None)
-    return title if isinstance(title, str) else ""
-
-
-def _unfence(text: str) -> str:
-    """The text inside a Markdown code block (the text itself when it is not one)."""
-    body = text.strip()
-    if body.startswith("```") and body.endswith("```") and len(body) >= 6:
-        body = body[3:-3]
-        first, _, rest = body.partition("\n")
-        body = rest if first.strip().isidentifier() or not first.strip() else body
-    return body.strip()
-
-
-def _called_text(name: str, arguments: str) -> str:
-    """How a shown tool call goes back to the model: a short note of the call, in one line."""
-    try:
-        arguments = json.dumps(json.loads(arguments), ensure_ascii=False)
-    except ValueError:
-        pass  # as the model wrote it (an answer cut short mid-call)
-    return f"(called {name} with {arguments})"
-
-
-def to_messages(message: object, history: Sequence[Mapping[str, object]],
-                system_prompt: str | None = None) -> list[Message]:
-    """OpenAI-style messages for the model: system prompt, past turns, then the new message.
-
-    A tool-call message of the chat (titled `TOOL_CALL_TITLE` and the name) goes back as the
-    assistant's text "(called NAME with ARGUMENTS)", not as its display text, and not as a real
-    `tool_calls` message: the chat runs no tools, so no tool result could follow it, which some
-    chat templates refuse. An answer's text and its calls (separate chat messages) become one
-    assistant message, as the model wrote them.
-    """
-    messages: list[Message] = []
-    if system_prompt and system_prompt.strip():
-        messages.append({"role": "system", "content": system_prompt.strip()})
-    for turn in history:
-        role = turn.get("role")
-        text = _text(turn.get("content"))
-        title = _title(turn)
-        if role == "assistant" and title == THOUGHT_TITLE:
-            continue  # a thought is not sent back, as chat templates leave earlier thoughts out
-        if role == "assistant" and title.startswith(TOOL_CALL_TITLE):
-            text = _called_text(title[len(TOOL_CALL_TITLE):].strip(), _unfence(text))
-        elif role == "assistant":
-            text = _strip_error(_strip_note(text))
-        if not isinstance(role, str) or role not in ("user", "assistant") or not text:
-            continue
-        if role == "assistant" and messages and messages[-1]["role"] == "assistant":
-            messages[-1]["content"] += "\n\n" + text
-        else:
-            messages.append({"role": role, "content": text})
-    messages.append({"role": "user", "content": _text(message)})
-    return messages
-
-
-def _error_text(partial: str, message: str) -> str:
-    notice = ERROR_PREFIX + message
-    return f"{partial}\n\n{notice}" if partial else notice
 
 
 # ----------------------------------------------------------------------------- the chat function
@@ -222,231 +97,6 @@ def _speed_line(tokens: int, start: float, first: float | None, end: float, reas
     if reason and reason != "stop":
         line += f", ended by {reason}"
     return line
-
-
-def _number(name: str, value: object) -> float:
-    try:
-        number = float(value) if isinstance(value, (int, float, str)) else math.nan
-    except ValueError:
-        number = math.nan
-    if not math.isfinite(number):
-        raise InvalidRequestError(f"{name} must be a number, got {value!r}", param=name)
-    return number
-
-
-def chat_params(limits: Limits, temperature: object, top_p: object, max_tokens: object,
-                constraint: Constraint | None = None) -> SamplingParams:
-    """The sampling settings of one chat turn, checked against the same `limits` as /v1."""
-    params = SamplingParams(temperature=_number("temperature", temperature),
-                            top_p=_number("top_p", top_p),
-                            max_tokens=int(_number("max_tokens", max_tokens)),
-                            constraint=constraint)
-    limits.check_sampling(temperature=params.temperature, top_k=None, n=None,
-                          max_tokens=params.max_tokens)
-    params.validate()
-    return params
-
-
-# ----------------------------------------------------------------------------- structured answers
-
-
-def _box_json(box: str, text: str, limits: Limits, want: str) -> JSONValue:
-    """The JSON value a settings box holds; a readable error naming the box when it is none."""
-    limits.check_text(box, len(text), limits.max_conversation_chars, f"The {box} box")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidRequestError(f"{box}: not valid JSON ({exc.msg} at line {exc.lineno}, "
-                                  f"column {exc.colno}); {want}", param=box) from None
-
-
-def _json_type(value: object) -> str:
-    """The JSON name of a value's type, for errors."""
-    names = {dict: "an object", list: "a list", str: "a string", bool: "true/false",
-             int: "a number", float: "a number", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
-
-
-def answer_constraint(text: object, limits: Limits | None = None) -> Constraint | None:
-    """What the "JSON answer" box asks for: empty, free text (None); `json` or `{}`, any JSON
-    object; otherwise the JSON schema it holds, which the answer must match."""
-    raw = text.strip() if isinstance(text, str) else ""
-    if not raw:
-        return None
-    if raw.lower() == "json":
-        return Constraint("json_object", param=JSON_BOX)
-    want = "leave it empty for free text, write json for any JSON object, or give a JSON schema"
-    schema = _box_json(JSON_BOX, raw, limits or Limits(), want)
-    if not isinstance(schema, dict):
-        raise InvalidRequestError(f"{JSON_BOX}: a JSON schema is a JSON object ({{...}}), got "
-                                  f"{_json_type(schema)}; {want}", param=JSON_BOX)
-    if not schema:
-        return Constraint("json_object", param=JSON_BOX)
-    return Constraint("json_schema", schema, param=JSON_BOX)
-
-
-_TOOL_KEYS = ("name", "description", "parameters", "strict")
-
-
-def _tool(i: int, item: JSONValue, names: set[str]) -> ToolSpec:
-    """Tool `i` of the "Tools" box as an OpenAI function tool (a bare function is wrapped)."""
-    where = f"{TOOLS_BOX}: tool {i + 1}"
-    if not isinstance(item, dict):
-        raise InvalidRequestError(f"{where} is {_json_type(item)}, not an object", TOOLS_BOX)
-    fn = item
-    if "type" in item or "function" in item:
-        if item.get("type") != "function" or not isinstance(item.get("function"), dict):
-            raise InvalidRequestError(f'{where} must be {{"type": "function", "function": '
-                                      '{...}} or a bare function {"name", "description", '
-                                      '"parameters"}', TOOLS_BOX)
-        inner = item["function"]
-        fn = inner if isinstance(inner, dict) else {}  # (checked just above)
-    unknown = sorted(set(fn) - set(_TOOL_KEYS))
-    if unknown:
-        raise InvalidRequestError(f"{where} has unknown keys ({', '.join(unknown)}); a function "
-                                  f"has {', '.join(_TOOL_KEYS)}", TOOLS_BOX)
-    name = fn.get("name")
-    if not isinstance(name, str) or not name.strip():
-        raise InvalidRequestError(f'{where} needs a "name" (a non-empty string)', TOOLS_BOX)
-    if name in names:
-        raise InvalidRequestError(f"{where}: another tool is named {name!r} too", TOOLS_BOX)
-    names.add(name)
-    function: FunctionSpec = {"name": name}
-    for key, kind, what in (("description", str, "a string"), ("parameters", dict,
-                                                                "a JSON schema object"),
-                            ("strict", bool, "true or false")):
-        value = fn.get(key)
-        if value is not None and not isinstance(value, kind):
-            raise InvalidRequestError(f"{where} ({name}): {key} must be {what}, got "
-                                      f"{_json_type(value)}", TOOLS_BOX)
-    description, parameters, strict = fn.get("description"), fn.get("parameters"), fn.get(
-        "strict")
-    if isinstance(description, str):
-        function["description"] = description
-    if isinstance(parameters, dict):
-        function["parameters"] = parameters
-    if isinstance(strict, bool):
-        function["strict"] = strict
-    return {"type": "function", "function": function}
-
-
-def chat_tools(text: object, limits: Limits | None = None) -> list[ToolSpec] | None:
-    """The tools of the "Tools" box, as OpenAI function tools: None when empty; else a JSON
-    list of tools (or one tool), each `{"type": "function", "function": {...}}` or the bare
-    function `{"name", "description", "parameters"}`."""
-    raw = text.strip() if isinstance(text, str) else ""
-    if not raw:
-        return None
-    want = ('give a list of functions such as [{"name": "get_weather", "description": "...", '
-            '"parameters": {"type": "object", "properties": {...}}}], or leave it empty')
-    value = _box_json(TOOLS_BOX, raw, limits or Limits(), want)
-    items = [value] if isinstance(value, dict) else value
-    if not isinstance(items, list) or not items:
-        raise InvalidRequestError(f"{TOOLS_BOX}: got {_json_type(value)}"
-                                  f"{' with no tools' if value == [] else ''}; {want}",
-                                  param=TOOLS_BOX)
-    names: set[str] = set()
-    return [_tool(i, item, names) for i, item in enumerate(items)]
-
-
-def _pretty_arguments(arguments: str) -> str:
-    """A call's arguments for the chat: indented JSON in a code block (as written while they
-    are still incomplete)."""
-    try:
-        arguments = json.dumps(json.loads(arguments), indent=2, ensure_ascii=False)
-    except ValueError:
-        pass
-    return f"```json\n{arguments}\n```"
-
-
-def tool_call_message(name: str, arguments: str) -> ShownMessage:
-    """A tool call as a chat message: a collapsible block titled with the function's name that
-    holds its arguments. It has no "pending" status while it streams: a spinner would stay on
-    after Stop, which ends the answer without a last update."""
-    return {"role": "assistant", "content": _pretty_arguments(arguments),
-            "metadata": {"title": TOOL_CALL_TITLE + name}}
-
-
-@dataclass
-class _Answer:
-    """What the chat shows of one answer: the note on left-out turns (`lead`), a thinking
-    model's thought, its text, and, when the turn has tools, the calls a parser reads out of
-    the model's text."""
-
-    lead: str = ""
-    tools: set[str] | None = None
-    parallel: bool = True
-    text: str = ""
-    thought: str = ""
-    calls: list[tuple[str, str]] = field(default_factory=list)  # (name, arguments so far)
-    parser: ToolCallParser | None = None
-    splitter: ReasoningSplitter | None = None
-
-    def started(self, tool_format: str | None, reasoning: bool = False,
-                thought_open: bool = False) -> None:
-        """Read calls in the format the backend says the model writes (Hermes if unsaid),
-        and the thought apart when the model thinks."""
-        if self.tools and self.parser is None:
-            self.parser = FORMATS.get(tool_format or "", HERMES).parser(self.tools,
-                                                                        self.parallel)
-        if reasoning and self.splitter is None:
-            self.splitter = ReasoningSplitter(thought_open)
-
-    def add(self, delta: str) -> bool:
-        """Take new model text; True when what the chat shows changed."""
-        thought = ""
-        if self.splitter is not None:
-            thought, delta = self.splitter.feed(delta)
-            self.thought += thought
-        return self._answer(delta) or bool(thought)
-
-    def _answer(self, delta: str) -> bool:
-        if not self.tools:
-            self.text += delta
-            return bool(delta)
-        self.started(None)
-        assert self.parser is not None
-        return self._apply(self.parser.feed(delta))
-
-    def finish(self) -> None:
-        """The answer ended: what the splitter and the parser held back is shown now."""
-        if self.splitter is not None:
-            thought, rest = self.splitter.finish()
-            self.thought += thought
-            self._answer(rest)
-        if self.parser is not None:
-            self._apply(self.parser.finish())
-
-    def _apply(self, pieces: list[Piece]) -> bool:
-        for p in pieces:
-            if p.kind == "content":
-                self.text += p.text
-            elif p.kind == "start":
-                self.calls.append((p.name, ""))
-            elif p.kind == "args" and p.index < len(self.calls):
-                name, args = self.calls[p.index]
-                self.calls[p.index] = (name, args + p.text)
-        return bool(pieces)
-
-    def shown(self, error: str | None = None) -> str | list[ShownMessage]:
-        """The chat's value for the answer: its text (with `error` after it) while it has no
-        calls or thought, as ever; else a list of messages: the thought (collapsed), the text,
-        one per call, then the error."""
-        if not self.calls and not self.thought:
-            if error is None:
-                return self.lead + self.text
-            return _error_text(self.lead + self.text if self.text else "", error)
-        out: list[ShownMessage] = []
-        if self.thought:
-            out.append({"role": "assistant", "content": self.thought,
-                        "metadata": {"title": THOUGHT_TITLE, "status": "done"}})
-        text = self.text.strip()  # the space between text and calls is no part of either
-        if self.lead or text:
-            out.append({"role": "assistant", "content": self.lead + text})
-        out += [tool_call_message(name, args) for name, args in self.calls]
-        if error is not None:
-            out.append({"role": "assistant", "content": ERROR_PREFIX + error})
-        return out
 
 
 class UILogin:
@@ -523,7 +173,7 @@ def _max_context(backend: Backend) -> int | None:
     return int(limit) if limit else None
 
 
-def _calls_note(answer: _Answer) -> str:
+def _calls_note(answer: Answer) -> str:
     """The speed line's note on the calls of an answer ("" without any)."""
     n = len(answer.calls)
     return "" if not n else f", {n} tool call{'s' if n > 1 else ''}"
@@ -547,7 +197,7 @@ def make_chat_fn(backend: Backend, *, limits: Limits | None = None,
                    max_tokens: float = DEFAULT_MAX_TOKENS, json_answer: str = "",
                    tools_json: str = "", request: gr.Request | None = None
                    ) -> AsyncIterator[tuple[str | list[ShownMessage], str | dict[str, object]]]:
-        answer = _Answer()
+        answer = Answer()
         tokens, first, reason = 0, None, ""
         start = time.perf_counter()
         shown = 0.0  # when the speed line last showed progress
