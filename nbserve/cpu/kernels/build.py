@@ -35,7 +35,8 @@ from .abi import declare
 SOURCES = [Path(__file__).with_name(name)
            for name in ("quant_matmul.c", "gguf_blocks.c", "paged_attention.c", "decode_stack.c")]
 HEADERS = [Path(__file__).with_name(name)  # in the cache key, not built
-           for name in ("nbserve_kernels.h", "matmul_common.h", "paged_attention_body.h")]
+           for name in ("nbserve_kernels.h", "matmul_common.h", "paged_attention_body.h",
+                        "gguf_blocks_decode.h", "gguf_blocks_round16.h")]
 # -ffp-contract=off: a * b + c stays two roundings, as in torch's separate ops (no silent FMA)
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11", "-ffp-contract=off"]
 BUILD_TIMEOUT_S = 120
@@ -107,10 +108,10 @@ def compiler() -> str:
     found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not found or not shutil.which(found.split()[0]):
         raise KernelBuildError(
-            "nbserve's C kernel (one-stream speed for float32 and dtype='quantized') is "
+            "nbserve's C kernel (one-stream speed for float32 and weights='blocks') is "
             "compiled at first use, and no C compiler was found (tried $CC, cc, gcc). Install "
-            "one (Debian/Ubuntu: `apt install gcc`), or load the model with dtype='mixed16' "
-            "or 'float32' (NBSERVE_KERNELS=0 turns the kernel off).")
+            "one (Debian/Ubuntu: `apt install gcc`), or load the model with weights='mixed16' "
+            "or weights='dense' (NBSERVE_KERNELS=0 turns the kernel off).")
     return found
 
 
@@ -163,5 +164,5 @@ def _build(sources: list[Path], arch_options: list[list[str]]) -> Path:
                                f"({exc}); point NBSERVE_CACHE at a writable folder, or set "
                                "NBSERVE_KERNELS=0 to run without them") from exc
     raise KernelBuildError(f"compiling nbserve's kernels with {cc} failed:\n{errors}\n"
-                           "Load the model with dtype='mixed16' or 'float32' instead "
+                           "Load the model with weights='mixed16' or weights='dense' instead "
                            "(NBSERVE_KERNELS=0 turns the kernel off).")
