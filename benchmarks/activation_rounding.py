@@ -10,8 +10,8 @@ greedy tokens past end-of-text: how many answers stay identical to the unrounded
 the others first differ. Asserts nothing.
 
 With `--file FILE.gguf` (a quantized GGUF, e.g. a K-quant file): the real kernels instead of
-a simulation. The file loads twice, served from its blocks: dtype="quantized-exact" (float32
-arithmetic on gguf's dequantized weights, the reference) and dtype="quantized" with
+a simulation. The file loads twice, served from its blocks: weights="blocks", exact=True (float32
+arithmetic on gguf's dequantized weights, the reference) and weights="blocks" with
 NBSERVE_ROUND16=1 (the integer row kernels of cpu/kernels/gguf_blocks.c and quant_matmul.c: a
 lone stream's matmul inputs rounded to 16 bits per block of 32); the same count of identical
 greedy answers. Chat prompts through the file's template, or plain text prompts for a base
@@ -114,7 +114,8 @@ def file_modes(path: Path, n_prompts: int, max_tokens: int) -> None:
     results, rates = {}, {}
     for dtype, round16 in (("quantized-exact", "0"), ("quantized", "1")):
         os.environ["NBSERVE_ROUND16"] = round16  # read when the kernels are made, at load
-        loaded = nbserve.load(str(path), dtype=dtype, verbose=False)
+        loaded = nbserve.load(str(path), weights="blocks", exact=dtype == "quantized-exact",
+                              verbose=False)
         if loaded.template is not None:
             prompts = chat_prompts(loaded.tokenizer, loaded.template, n_prompts)
         else:  # a base model: plain text
@@ -129,8 +130,8 @@ def file_modes(path: Path, n_prompts: int, max_tokens: int) -> None:
     print(f"{path.name}: served from its blocks, one stream (prefills included, load average "
           f"{os.getloadavg()[0]:.1f}): {rates['quantized-exact']:.1f} tok/s exact, "
           f"{rates['quantized']:.1f} with 16-bit inputs", flush=True)
-    report("16-bit inputs (dtype='quantized', NBSERVE_ROUND16=1)", results["quantized"],
-           results["quantized-exact"], "exact float32 arithmetic (dtype='quantized-exact')",
+    report("16-bit inputs (weights='blocks', NBSERVE_ROUND16=1)", results["quantized"],
+           results["quantized-exact"], "exact float32 arithmetic (weights='blocks', exact=True)",
            max_tokens)
 
 

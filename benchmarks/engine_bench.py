@@ -1,7 +1,7 @@
 """In-process engine benchmark on the default model, beside `transformers` generate, in one run.
 
 Prints: load time, parameters, weight bytes; prefill tokens/s; single-stream decode tokens/s
-(float32, and dtype="mixed16" and "quantized" with how many of 20 greedy answers differ from
+(float32, and weights="mixed16" and "blocks" with how many of 20 greedy answers differ from
 float32); aggregate decode tokens/s at 1, 4, 16, 32 concurrent requests; transformers
 `generate` at batch 1 and a left-padded batch of 16 on the same weights and prompts; llama.cpp
 single-stream on the same GGUF (`--llama-cpp-python`); and the ratios. Single-stream figures,
@@ -29,6 +29,7 @@ import nbserve  # noqa: E402
 from nbserve.engine import Engine  # noqa: E402
 from nbserve.execution.weights import count_parameters  # noqa: E402
 from nbserve.loading import summary_line  # noqa: E402
+from nbserve.models.dtypes import FORMAT_ALIASES, load_kwargs  # noqa: E402
 from nbserve.types import Delta, Request, SamplingParams  # noqa: E402
 
 TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "owls", "the piano", "glaciers",
@@ -128,20 +129,22 @@ async def answers(engine: Engine, prompts: list[list[int]], max_tokens: int,
 
 
 QUALITY_PROMPTS = 20  # greedy answers compared: formats against float32, float32 against HF
-WEIGHT_FORMATS = ("mixed16", "quantized", "quantized-exact")  # dtypes that add copies
+WEIGHT_FORMATS = tuple(FORMAT_ALIASES)  # mixed16, quantized, quantized-exact: the formats
+# timed, named as the model's weight_format names them
 
 
 def format_figures(fmt: str, model: str, prompts: list[list[int]], reference: list[list[int]],
                    max_tokens: int, quality_tokens: int,
                    hf_greedy: list[list[int]] | None = None) -> list[tuple[str, float]]:
-    """dtype=`fmt` (mixed16, quantized, quantized-exact): single-stream decode, and how many
+    """Weight format `fmt` (mixed16; quantized: weights="blocks"; quantized-exact: blocks with
+    exact=True): single-stream decode, and how many
     greedy answers differ from float32 (each answered alone, so that its steps use the
     copies); with `hf_greedy`, how many equal transformers', answered alone (one-row steps:
     for quantized on AVX2, inputs rounded to 16 bits) and all together (steps of 20 rows: for
     quantized, the panel kernel). `fmt` "quantized:float16": the same
     with a float16 KV cache (`kv_dtype`)."""
-    weights, _, kv_dtype = fmt.partition(":")
-    loaded = nbserve.load(model, dtype=weights, verbose=False)
+    name, _, kv_dtype = fmt.partition(":")
+    loaded = nbserve.load(model, verbose=False, **load_kwargs(name))
     with Engine(loaded, max_batch=max(4, len(reference)), max_context=512, quiet=True,
                 kv_dtype=kv_dtype or None) as engine:
         _, decode = steady_single_stream(engine, prompts[0], max_tokens)
@@ -271,7 +274,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
     t0 = time.perf_counter()
-    loaded = nbserve.load(args.model, dtype="float32", verbose=False)  # not the default for
+    loaded = nbserve.load(args.model, weights="dense", verbose=False)  # not the default for
     # a GGUF of Q4/Q8 blocks ("quantized", timed below with the other formats): the baseline
     load_s = time.perf_counter() - t0
     n_params, n_bytes = count_parameters(loaded.model)

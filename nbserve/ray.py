@@ -160,7 +160,8 @@ def deployment(model: object, *, num_replicas: int = 1, gpus_per_replica: float 
         only: Gradio's queue needs all requests of a chat on the same replica).
     ray_actor_options, serve_options: extra Ray settings (resources, runtime_env; or
         logging_config, health_check_period_s, graceful_shutdown_timeout_s, ...).
-    engine_options: go to each Engine (max_batch, max_context, ...) and the loader (dtype).
+    engine_options: go to each Engine (max_batch, max_context, ...) and the loader (dtype,
+        weights, exact).
     """
     build_options = _build_options(gpus_per_replica, engine_options)
     max_batch = int(engine_options.get("max_batch", DEFAULT_MAX_BATCH))

@@ -34,7 +34,7 @@ def test_a_gguf_is_served_from_its_own_blocks_of_every_type(qtype, tmp_path, mon
     hf = make_tiny_hf_dir(tmp_path / "hf", "llama", **K_DIMS)
     path = hf_dir_to_gguf(hf, tmp_path / "m.gguf", qtype)
     full = nbserve.load(str(path), dtype="float32", verbose=False).model
-    model = nbserve.load(str(path), dtype="quantized-exact", verbose=False).model
+    model = nbserve.load(str(path), weights="blocks", exact=True, verbose=False).model
     holders = model._named_holders()
     blocks = [holder.form.kernel.weight for holder, _ in holders]
     # every matmul weight of that type is the file's blocks (the tied head: the embedding's)

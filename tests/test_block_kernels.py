@@ -210,9 +210,9 @@ def test_round16_multiplies_the_input_rounded_to_16_bits(arch, block_type):
                          ids=["Q4_K", "Q6_K", "Q5_0"])
 def test_a_weight_rounds_where_its_kernel_is_allowed_to(block_type, monkeypatch):
     """The choice is per weight, as for the other kinds: a KernelLinear over a GGUF file's
-    blocks made with round16 (dtype="quantized") multiplies a lone row's input rounded to 16 bits
+    blocks made with round16 (weights="blocks") multiplies a lone row's input rounded to 16 bits
     where the build rounds (here forced by NBSERVE_ROUND16=1), one made without
-    (dtype="quantized-exact") the exact input."""
+    (weights="blocks", exact=True) the exact input."""
     from nbserve.execution.quant import GGMLBlocks, KernelLinear
 
     monkeypatch.setenv("NBSERVE_ROUND16", "1")

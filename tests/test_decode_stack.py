@@ -18,6 +18,7 @@ import nbserve
 from nbserve.cpu.kernels import build
 from nbserve.execution.decode_stack import DecodeStack, unfit_reason
 from nbserve.execution.quant import FLOAT_MAX_ROWS
+from nbserve.models.dtypes import load_kwargs
 
 pytestmark = NEEDS_COMPILER
 IDS = [3, 17, 5, 9, 11, 2, 40, 7]
@@ -76,7 +77,7 @@ def test_the_stack_gives_the_per_layer_logits_bit_for_bit(arch, dtype, kv, q4_gg
     if arch is not None:  # every kernel of the step (matmuls, attention, the stack) this build
         monkeypatch.setattr(build, "_loaded", build.quant_kernels(arch))
     source = q4_gguf if dtype == "quantized" else tiny_llama_dir
-    model = nbserve.load(str(source), dtype=dtype, verbose=False).model
+    model = nbserve.load(str(source), verbose=False, **load_kwargs(dtype)).model
     assert unfit_reason(model) is None
     want, none = _decode(model, 12, stacked=False, kv_dtype=kv, monkeypatch=monkeypatch)
     got, served = _decode(model, 12, stacked=True, kv_dtype=kv, monkeypatch=monkeypatch)
@@ -177,7 +178,7 @@ def _batch_decode(model, rows: int, stacked: bool, monkeypatch) -> tuple[list, i
 def test_a_decode_batch_in_one_call_gives_the_per_layer_logits(rows, dtype, q4_gguf,
                                                                tiny_llama_dir, monkeypatch):
     source = q4_gguf if dtype == "quantized" else tiny_llama_dir
-    model = nbserve.load(str(source), dtype=dtype, verbose=False).model
+    model = nbserve.load(str(source), verbose=False, **load_kwargs(dtype)).model
     want, none = _batch_decode(model, rows, False, monkeypatch)
     got, served = _batch_decode(model, rows, True, monkeypatch)
     # the float32 kernel takes up to FLOAT_MAX_ROWS rows; more go to oneDNN, layer by layer

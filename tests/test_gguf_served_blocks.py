@@ -25,6 +25,7 @@ import nbserve
 from nbserve.engine import Engine
 from nbserve.execution.formats import BlockForm, PartsForm
 from nbserve.execution.weights import count_parameters
+from nbserve.models.dtypes import load_kwargs
 
 pytestmark = NEEDS_COMPILER
 K_DIMS = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
@@ -49,7 +50,7 @@ def test_a_quantized_gguf_is_served_from_its_blocks_by_default(tmp_path):
     full = nbserve.load(str(path), dtype="float32", verbose=False).model  # when asked
     assert full.weight_format == "float32" and not full.dense_released
     assert all(p.device.type == "cpu" for p in full.parameters())
-    exact = nbserve.load(str(path), dtype="quantized-exact", verbose=False).model
+    exact = nbserve.load(str(path), weights="blocks", exact=True, verbose=False).model
     assert exact.weight_format == "quantized-exact" and exact.dense_released
     for got, want in zip(_lone_steps(exact, [3, 17, 5, 9, 11, 2] * 3),
                          _lone_steps(full, [3, 17, 5, 9, 11, 2] * 3)):
@@ -63,7 +64,7 @@ def test_fused_parts_of_different_types_are_served_as_they_are(tmp_path):
     hf = make_tiny_hf_dir(tmp_path / "hf", "llama")
     path = hf_dir_to_gguf(hf, tmp_path / "m.gguf", "Q5_0",
                           tensor_types={f"blk.{i}.attn_v.weight": "Q8_0" for i in range(2)})
-    model = nbserve.load(str(path), dtype="quantized-exact", verbose=False).model
+    model = nbserve.load(str(path), weights="blocks", exact=True, verbose=False).model
     qkv = model.model.layers[0].self_attn.qkv
     assert isinstance(qkv.form, PartsForm) and qkv.weight.device.type == "meta"
     assert [p.blocks.kind for p in qkv.form.parts] == ["ggml:Q5_0", "ggml:Q5_0", "q8"]
@@ -84,7 +85,7 @@ def test_greedy_answers_over_http_equal_the_float32_load(tmp_path):
     path = hf_dir_to_gguf(hf, tmp_path / "m.gguf", "Q6_K")
     answers, stats = {}, {}
     for dtype in ("quantized-exact", "float32"):
-        loaded = nbserve.load(str(path), dtype=dtype, verbose=False)
+        loaded = nbserve.load(str(path), verbose=False, **load_kwargs(dtype))
         engine = Engine(loaded, quiet=True, max_batch=2, max_context=128)
         try:
             with app_running(engine) as url:
@@ -178,9 +179,9 @@ def test_a_large_tensor_read_in_chunks_gives_the_same_blocks(tmp_path, monkeypat
     converted chunk by chunk into its blocks: the same blocks as read whole."""
     hf = make_tiny_hf_dir(tmp_path / "hf", "llama", **K_DIMS)
     path = hf_dir_to_gguf(hf, tmp_path / "m.gguf", qtype)
-    whole = nbserve.load(str(path), dtype="quantized-exact", verbose=False).model
+    whole = nbserve.load(str(path), weights="blocks", exact=True, verbose=False).model
     monkeypatch.setattr("nbserve.loading.gguf.CHUNK_BYTES", 1000)  # a few rows a chunk
-    chunked = nbserve.load(str(path), dtype="quantized-exact", verbose=False).model
+    chunked = nbserve.load(str(path), weights="blocks", exact=True, verbose=False).model
     assert torch.equal(chunked._embedding_blocks.dequantize(),
                        whole._embedding_blocks.dequantize())
     for (a, names), (b, _) in zip(chunked._named_holders(), whole._named_holders()):
@@ -201,9 +202,9 @@ def test_every_family_served_from_its_blocks_computes_its_float32_load(family_di
     before: stacked experts are dequantized; GPT-2's file (its Conv1D blocks run along the
     other axis) loads as float32 by default, as blocks when asked."""
     path = hf_dir_to_gguf(family_dirs[case], tmp_path / "m.gguf", "Q8_0")
-    asked = "quantized" if case == "gpt2" else None
-    served = nbserve.load(str(path), dtype=asked, verbose=False).model
-    full = nbserve.load(str(path), dtype="float32", verbose=False).model
+    asked = "blocks" if case == "gpt2" else "auto"
+    served = nbserve.load(str(path), weights=asked, verbose=False).model
+    full = nbserve.load(str(path), weights="dense", verbose=False).model
     assert served.weight_format == "quantized" and full.weight_format == "float32"
     if case == "gpt2":
         assert nbserve.load(str(path), verbose=False).model.weight_format == "float32"
@@ -249,7 +250,7 @@ def test_an_iq4_file_loads_as_blocks_and_computes_its_float32_load(tmp_path):
     assert kinds == {"ggml:IQ4_XS", "ggml:IQ4_NL"}
     full = nbserve.load(str(path), dtype="float32", verbose=False).model
     ids = [3, 17, 5, 9, 11, 2] * 3
-    exact = nbserve.load(str(path), dtype="quantized-exact", verbose=False).model
+    exact = nbserve.load(str(path), weights="blocks", exact=True, verbose=False).model
     for got, want in zip(_lone_steps(exact, ids), _lone_steps(full, ids)):
         _close(got, want)
 

@@ -250,7 +250,7 @@ def test_the_cli_refuses_a_model_too_large_with_the_message(cli, big_gguf):
 def test_the_estimate_is_what_the_loader_builds(tiny_llama_dir, tmp_path):
     """weight_bytes follows the loader: a tiny GGUF's dense float32 weights are its
     parameters at 4 bytes, plus the copies for speed that a float32 load adds, and
-    dtype="quantized" adds exactly the Q8_0 blocks it makes."""
+    weights="blocks" adds exactly the Q8_0 blocks it makes."""
     from gguf_util import hf_dir_to_gguf
 
     path = hf_dir_to_gguf(tiny_llama_dir, tmp_path / "tiny.gguf", "F32")
@@ -261,7 +261,7 @@ def test_the_estimate_is_what_the_loader_builds(tiny_llama_dir, tmp_path):
     assert dense == 4 * sum(p.numel() for p in loaded.parameters())
     speed = weight_bytes(tensors, WeightForm(torch.float32, "none", True)) - largest - dense
     assert speed > 0 and speed == loaded.derived_bytes()  # packed copies (or a head's)
-    quantized = load(str(path), device="cpu", dtype="quantized-exact", verbose=False).model
+    quantized = load(str(path), device="cpu", weights="blocks", exact=True, verbose=False).model
     blocks = weight_bytes(tensors, WeightForm(torch.float32, "blocks")) - largest - dense
     assert blocks == quantized.derived_bytes()
 

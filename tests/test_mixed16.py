@@ -1,4 +1,4 @@
-"""dtype="mixed16": float16 copies of the matmul weights for one- and two-row steps."""
+"""weights="mixed16": float16 copies of the matmul weights for one- and two-row steps."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _steps(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_half_copies_serve_small_steps_and_float32_serves_the_rest(tiny_llama_dir):
     full = nbserve.load(str(tiny_llama_dir), verbose=False).model
-    mixed = nbserve.load(str(tiny_llama_dir), dtype="mixed16", verbose=False).model
+    mixed = nbserve.load(str(tiny_llama_dir), weights="mixed16", verbose=False).model
     assert mixed.weight_format == "mixed16" and full.weight_format == "float32"
     ids = [3, 17, 5, 9, 11, 2]
     (pre_f, one_f), (pre_m, one_m) = _steps(full, ids), _steps(mixed, ids)
@@ -47,7 +47,7 @@ def test_half_copy_applies_to_one_or_two_float32_rows_only():
 
 def test_mixed16_errors_say_what_to_do(tiny_llama_dir):
     with pytest.raises(ValueError, match="applies to checkpoints nbserve loads itself"):
-        nbserve.load(torch.nn.Linear(2, 2), dtype="mixed16")
+        nbserve.load(torch.nn.Linear(2, 2), weights="mixed16")
     with pytest.raises(ValueError, match="mixed16"):  # listed among the valid names
         nbserve.load(str(tiny_llama_dir), dtype="float8")
     model = nbserve.load(str(tiny_llama_dir), dtype="bfloat16", verbose=False).model
@@ -57,7 +57,7 @@ def test_mixed16_errors_say_what_to_do(tiny_llama_dir):
 
 @pytest.mark.slow
 def test_default_model_keeps_its_answer_with_mixed16():
-    engine = nbserve.Engine(nbserve.load("smollm2", dtype="mixed16", verbose=False),
+    engine = nbserve.Engine(nbserve.load("smollm2", weights="mixed16", verbose=False),
                             max_batch=2, max_context=256, quiet=True)
     with engine:
         answer = engine.chat([{"role": "user", "content": "What is the capital of France?"}],
@@ -68,15 +68,18 @@ def test_default_model_keeps_its_answer_with_mixed16():
 @pytest.mark.parametrize("fmt", ["mixed16", "quantized", "quantized-exact"])
 def test_cli_and_launch_pass_the_weight_format_to_the_loader(tiny_llama_dir, fmt):
     from nbserve.models.decoder import kernels_available
+    from nbserve.models.dtypes import load_kwargs
     from nbserve.serving.backend_ref import build_backend
     from nbserve.serving.cli import build_parser, serve_kwargs
 
     if fmt.startswith("quantized") and not kernels_available():
-        pytest.skip("dtype='quantized' needs nbserve's C kernels (a C compiler)")
+        pytest.skip("weights='blocks' needs nbserve's C kernels (a C compiler)")
 
-    args = build_parser().parse_args(["serve", str(tiny_llama_dir), "--dtype", fmt])
-    assert serve_kwargs(args)["dtype"] == fmt
-    backend, owned = build_backend(str(tiny_llama_dir), dtype=fmt, max_batch=2,
+    options = load_kwargs(fmt)  # weights= (and exact=True)
+    flags = ["--weights", str(options["weights"])] + ["--exact"] * ("exact" in options)
+    args = build_parser().parse_args(["serve", str(tiny_llama_dir), *flags])
+    assert {k: serve_kwargs(args)[k] for k in options} == options
+    backend, owned = build_backend(str(tiny_llama_dir), **options, max_batch=2,
                                    max_context=64, quiet=True)
     with backend:
         assert backend.model.weight_format == fmt
@@ -84,7 +87,7 @@ def test_cli_and_launch_pass_the_weight_format_to_the_loader(tiny_llama_dir, fmt
 
 
 def test_moving_the_model_rebuilds_what_derives_from_its_weights(tiny_llama_dir):
-    model = nbserve.load(str(tiny_llama_dir), dtype="mixed16", verbose=False).model
+    model = nbserve.load(str(tiny_llama_dir), weights="mixed16", verbose=False).model
     ids = torch.tensor([[3, 17, 5]])
 
     def logits(m):

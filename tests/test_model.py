@@ -10,6 +10,7 @@ import transformers
 from nbserve.execution.step_inputs import StepInputs
 from nbserve.models.attention import Attention
 from nbserve.models.decoder import build_llama
+from nbserve.models.dtypes import load_kwargs
 from nbserve.models.families.llama import read_config as read_llama
 from nbserve.models.rope import apply_rope
 
@@ -170,9 +171,9 @@ def test_a_lone_decode_step_takes_the_short_path_to_the_same_values(tiny_llama_d
     from nbserve.models.decoder import DecoderLayer, DecoderModel, kernels_available
 
     if dtype == "quantized" and not kernels_available():
-        pytest.skip("dtype='quantized' needs nbserve's C kernels (a C compiler)")
+        pytest.skip("weights='blocks' needs nbserve's C kernels (a C compiler)")
     monkeypatch.setenv("NBSERVE_KERNELS", kernels)
-    model = nbserve.load(str(tiny_llama_dir), dtype=dtype, verbose=False).model
+    model = nbserve.load(str(tiny_llama_dir), verbose=False, **load_kwargs(dtype)).model
     in_c = runs_on_kernel(model.model.layers[0].self_attn.qkv)
     assert in_c == (dtype != "mixed16" and kernels == "1" and kernels_available())
     caches = [model.make_cache(3, 64), model.make_cache(3, 64)]

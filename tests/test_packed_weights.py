@@ -81,7 +81,7 @@ def test_packing_follows_the_weights_across_dtype_changes(tiny_llama_dir):
 
 
 def test_mixed16_keeps_packed_copies_for_batches(tiny_llama_dir):
-    model = nbserve.load(str(tiny_llama_dir), dtype="mixed16", verbose=False).model
+    model = nbserve.load(str(tiny_llama_dir), weights="mixed16", verbose=False).model
     holder = model._weight_holders()[0]
     assert isinstance(holder.form, Float16Form) and holder.form.packed is not None
     calls = []

@@ -597,10 +597,10 @@ def test_a_quantized_model_without_its_float32_weights_still_copies_to_another_d
     from nbserve.pool.setup import replicate
 
     if not kernels_available():
-        pytest.skip("dtype='quantized' needs nbserve's C kernels (a C compiler)")
+        pytest.skip("weights='blocks' needs nbserve's C kernels (a C compiler)")
     path = hf_dir_to_gguf(tiny_llama_dir, tmp_path / "m.gguf", "Q4_1",
                           tensor_types={"token_embd.weight": "Q8_0"})
-    loaded = nbserve.load(str(path), dtype="quantized", verbose=False)  # the file's own blocks
+    loaded = nbserve.load(str(path), weights="blocks", verbose=False)  # the file's own blocks
     assert loaded.model.dense_released  # its float32 matmul weights were dropped at load
     copy = replicate(loaded, "meta").model
     att = copy.model.layers[0].self_attn

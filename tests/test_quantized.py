@@ -1,4 +1,4 @@
-"""dtype="quantized": matmuls of any row count over 4/8-bit blocks, through nbserve's C kernel
+"""weights="blocks": matmuls of any row count over 4/8-bit blocks, through nbserve's C kernel
 (row kernels for a few rows, panels of dequantized weight rows for more).
 
 The kernel is checked against a float64 product on every code path it has (AVX-512 where this
@@ -229,8 +229,8 @@ def _lone_steps(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_a_gguf_is_multiplied_by_its_own_blocks(q4_gguf, monkeypatch):
     full = nbserve.load(str(q4_gguf), dtype="float32", verbose=False).model  # the float kernel
-    model = nbserve.load(str(q4_gguf), dtype="quantized-exact", verbose=False).model
-    rounded = nbserve.load(str(q4_gguf), dtype="quantized", verbose=False).model
+    model = nbserve.load(str(q4_gguf), weights="blocks", exact=True, verbose=False).model
+    rounded = nbserve.load(str(q4_gguf), weights="blocks", verbose=False).model
     monkeypatch.setenv("NBSERVE_KERNELS", "0")
     plain = nbserve.load(str(q4_gguf), verbose=False).model  # float32 without the C kernel
     assert model.weight_format == "quantized-exact" and full.weight_format == "float32"
@@ -250,7 +250,7 @@ def test_a_gguf_is_multiplied_by_its_own_blocks(q4_gguf, monkeypatch):
         assert not torch.equal(got, want)  # the blocks ran, in another summation order
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert not any(h.form.kernel.round16 for h in model._weight_holders())
-    assert all(h.form.kernel.round16 for h in rounded._weight_holders())  # dtype="quantized"
+    assert all(h.form.kernel.round16 for h in rounded._weight_holders())  # weights="blocks"
     pre_r, one_r = _lone_steps(rounded, ids)
     assert torch.equal(pre_r, pre_q)  # 18 rows: the panels, never rounded
     if round16_pays(build.quant_kernels()):  # a lone row: its input rounded
@@ -292,7 +292,7 @@ def test_a_gguf_of_q4_q8_blocks_keeps_them_by_default_on_cpu(q4_gguf, tiny_llama
 
 def test_a_fused_projection_with_other_types_gets_q8_0_made_at_load(tiny_llama_dir, tmp_path):
     path = _gguf(tiny_llama_dir, tmp_path, blk__1__attn_v__weight="F16")
-    model = nbserve.load(str(path), dtype="quantized", verbose=False).model
+    model = nbserve.load(str(path), weights="blocks", verbose=False).model
     holder, names = model._named_holders()[4]
     assert names[2] == "model.layers.1.self_attn.v_proj.weight"
     blocks = holder.form.kernel.weight  # Q4_1 q/k and an F16 v: one Q8_0 made from the floats
@@ -304,7 +304,7 @@ def test_a_fused_projection_with_other_types_gets_q8_0_made_at_load(tiny_llama_d
 
 def test_a_float_checkpoint_gets_q8_0_copies(tiny_llama_dir):
     full = nbserve.load(str(tiny_llama_dir), verbose=False).model
-    model = nbserve.load(str(tiny_llama_dir), dtype="quantized", verbose=False).model
+    model = nbserve.load(str(tiny_llama_dir), weights="blocks", verbose=False).model
     assert {h.form.kernel.weight.kind for h in model._weight_holders()} == {"q8"}
     ids = [3, 17, 5, 9, 11, 2]
     (_, one_f), (_, one_q) = _lone_steps(full, ids), _lone_steps(model, ids)
@@ -320,7 +320,7 @@ def test_a_float_checkpoint_gets_q8_0_copies(tiny_llama_dir):
 
 
 def test_moving_or_copying_the_model_keeps_the_copies_right(q4_gguf):
-    model = nbserve.load(str(q4_gguf), dtype="quantized", verbose=False).model
+    model = nbserve.load(str(q4_gguf), weights="blocks", verbose=False).model
     ids = [3, 17, 5]
     _, before = _lone_steps(model, ids)
     model.to(torch.float64)
@@ -340,8 +340,8 @@ def test_without_a_compiler_the_error_says_what_to_do(tiny_llama_dir, monkeypatc
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("NBSERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(build, "_loaded", None)
-    with pytest.raises(build.KernelBuildError, match="apt install gcc.*dtype='mixed16'"):
-        nbserve.load(str(tiny_llama_dir), dtype="quantized", verbose=False)
+    with pytest.raises(build.KernelBuildError, match="apt install gcc.*weights='mixed16'"):
+        nbserve.load(str(tiny_llama_dir), weights="blocks", verbose=False)
     failing = tmp_path / "failing-cc"
     failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && exit 0\n"
                        "echo 'fatal: no such target' >&2; exit 1\n")
@@ -356,7 +356,7 @@ def test_quantized_needs_a_cpu_float32_model(tiny_llama_dir):
     with pytest.raises(ValueError, match="CPU float32 option"):
         model.use_quantized_weights()
     with pytest.raises(ValueError, match="applies to checkpoints nbserve loads itself"):
-        nbserve.load(torch.nn.Linear(2, 2), dtype="quantized")
+        nbserve.load(torch.nn.Linear(2, 2), weights="blocks")
 
 
 @pytest.mark.slow
@@ -381,7 +381,7 @@ def test_an_unwritable_cache_falls_back_with_a_warning(tiny_llama_dir, monkeypat
     assert model.forward(ids, torch.arange(3)[None], torch.tensor([0]),
                          model.make_cache(1, 8)).isfinite().all()
     with pytest.raises(build.KernelBuildError, match="NBSERVE_CACHE"):
-        nbserve.load(str(tiny_llama_dir), dtype="quantized", verbose=False)
+        nbserve.load(str(tiny_llama_dir), weights="blocks", verbose=False)
 
 
 @pytest.mark.parametrize("isa, width", [pytest.param("avx2", 8, marks=pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""cpu.kernels.tuning: which row kernels a machine takes for dtype="quantized" one- and
+"""cpu.kernels.tuning: which row kernels a machine takes for weights="blocks" one- and
 two-row steps (16-bit inputs or float32), decided once per machine and kept beside the
 library, overridable by NBSERVE_ROUND16."""
 

@@ -30,6 +30,7 @@ from ..cpu.threads import torch_threads
 from ..execution.weights import weight_summary
 from ..models.adapters.step_model import served
 from ..models.base import LoadedModel, SlotModel, StepModel
+from ..models.dtypes import weights_of
 from ..text import IncrementalDetokenizer, StopStringMatcher
 from ..text.reasoning import ThoughtRule, starts_inside, thinks, thought_rule
 from ..text.tool_calls import HERMES, ToolFormat
@@ -69,20 +70,20 @@ log = logging.getLogger("nbserve.engine")
 class Engine(SyncHelpers):
     """Continuous-batching engine for one model on one device (a `Backend`).
 
-    `model`: a LoadedModel, or anything `nbserve.load` takes (then `device` and `dtype` go to
-    the loader). The options are `EngineConfig`'s: pass a `config`, keywords, or both (the
-    keywords win)."""
+    `model`: a LoadedModel, or anything `nbserve.load` takes (then `device`, `dtype`,
+    `weights` and `exact` go to the loader). The options are `EngineConfig`'s: pass a
+    `config`, keywords, or both (the keywords win)."""
 
     restart_delay = 1.0  # seconds between a crash of the engine thread and its restart
 
     def __init__(self, model: object, config: EngineConfig | None = None, *,
                  device: str | None = None, dtype: str | torch.dtype | None = None,
-                 **options: Any):
+                 weights: str = "auto", exact: bool = False, **options: Any):
         self.config = config = EngineConfig.from_options(config, **options)
         if not isinstance(model, LoadedModel):
             from ..loading import load
 
-            model = load(model, device=device, dtype=dtype)
+            model = load(model, device=device, dtype=dtype, weights=weights, exact=exact)
         release_openmp_pool()  # the caller's pool would slow the engine thread: see there
         release_after_each_cell()
         with torch_threads(1):  # no OpenMP pool in the caller's thread: see cpu.threads
@@ -263,6 +264,7 @@ class Engine(SyncHelpers):
             self._step.cache_bytes, preemptions=s.preemptions,
             device=str(self.model.device), dtype=str(self.model.dtype).replace("torch.", ""),
             weight_bytes=self._weights[0], weight_format=self._weights[1],
+            weights=weights_of(self._weights[1])[0], exact=weights_of(self._weights[1])[1],
             threads=self.threads or (tuner.summary() if tuner else None))
 
     def counters(self) -> EngineStats:

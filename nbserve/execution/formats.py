@@ -4,9 +4,9 @@ with one interface (`WeightForm`) whatever it holds.
 - `Float32Form`: the float32 weight as it is; a few rows through nbserve's C kernel over it
   (`KernelLinear`, no copy), more through its oneDNN-packed copy (`PackedCopy`) where it has
   one, else split across threads (`split_linear`).
-- `Float16Form` (dtype="mixed16"): one or two rows through a float16 copy (`HalfCopy`), more
+- `Float16Form` (weights="mixed16"): one or two rows through a float16 copy (`HalfCopy`), more
   as `Float32Form` does without the kernel.
-- `BlockForm` (dtype="quantized"): quantized blocks (`QuantBlocks`, any of `BLOCK_TYPES`)
+- `BlockForm` (weights="blocks"): quantized blocks (`QuantBlocks`, any of `BLOCK_TYPES`)
   through the C kernel for every row count; the float32 weight is only their dense view.
 - `PartsForm`: fused weights whose parts are blocks of different types (Gemma 3's Q5_0 q and
   k beside a Q8_0 v), each part's kernel giving its slice of the output.
@@ -171,7 +171,7 @@ class Float32Form(_Dense):
 
 class Float16Form(_Dense):
     """A float32 weight with a float16 copy for steps of one or two rows (`HalfCopy`); more
-    rows through `packed`, else split (dtype="mixed16")."""
+    rows through `packed`, else split (weights="mixed16")."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, half: HalfCopy,
                  packed: PackedCopy | None = None):
@@ -209,7 +209,7 @@ class Float16Form(_Dense):
 class BlockForm:
     """Quantized blocks multiplied by the C kernel for every row count (`KernelLinear`): the
     file's own blocks of any of `BLOCK_TYPES`, or Q8_0 made at load. `round16`: see
-    `KernelLinear` (dtype="quantized"; False: "quantized-exact")."""
+    `KernelLinear` (weights="blocks"; False: with exact=True)."""
 
     def __init__(self, blocks: QuantBlocks, bias: torch.Tensor | None = None,
                  round16: bool = True, kernel: KernelLinear | None = None):

@@ -8,7 +8,7 @@ block; the view shares the weight's memory, and every output value is the same d
 before, in the same order. Loaders go one step further where memory allows: a oneDNN-packed
 copy of each weight (`PackedCopy`) is as fast at one row and faster for batches; the split
 serves models without one. A lone stream can also use float16 copies (`HalfCopy`,
-dtype="mixed16").
+weights="mixed16").
 """
 
 from __future__ import annotations

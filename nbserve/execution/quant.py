@@ -1,4 +1,4 @@
-"""Quantized weights (dtype="quantized"): matmuls over blocks of 4- or 8-bit codes, through
+"""Quantized weights (weights="blocks"): matmuls over blocks of 4- or 8-bit codes, through
 nbserve's C kernel (`nbserve/cpu/kernels/quant_matmul.c`), for steps of any row count.
 
 A lone stream's decode step reads every weight once per token, so its speed is set by the bytes
@@ -11,8 +11,8 @@ and float checkpoints, are quantized to Q8_0 at load. Inputs, outputs and the ar
 float32: steps of a few rows add d * sum(x q) + m * sum(x) per block (GGUF blocks: products of
 the dequantized weights), steps of more rows dequantize panels of weight rows
 (d * q + m, as GGUF does) and multiply them as float32, so a product differs from one over the
-dequantized weights only in rounding. One exception, `round16` (dtype="quantized"; not
-"quantized-exact"): on the AVX2 path, and on the AVX-512 path where they measure faster, steps
+dequantized weights only in rounding. One exception, `round16` (weights="blocks" without
+exact=True): on the AVX2 path, and on the AVX-512 path where they measure faster, steps
 of one or two rows multiply their inputs rounded to 16 bits per block of 32 with integer
 products, which decode the weights in fewer instructions.
 Activations are never rounded to 8 bits as llama.cpp's CPU kernels do: that changed most of the
@@ -380,7 +380,7 @@ class KernelLinear:
         from ..cpu.kernels.tuning import round16_pays
 
         self.weight = weight
-        self.round16 = round16 and isinstance(weight, QuantBlocks)  # allowed (dtype="quantized")
+        self.round16 = round16 and isinstance(weight, QuantBlocks)  # allowed (weights="blocks")
         self.bias = None if bias is None else bias.detach().float()
         self.out_features, self.in_features = weight.shape
         self._lib = kernels or quant_kernels()  # a build for another CPU path, in tests

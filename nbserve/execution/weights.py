@@ -179,7 +179,7 @@ class WeightFormats(nn.Module):
         False) unless every weight has its checkpoint's own blocks. `round16` (the default):
         steps of a few rows multiply the inputs rounded to 16 bits per block of 32 where the
         kernel build has integer row kernels for that and they are the faster path (AVX2;
-        AVX-512 where measured so, see `KernelLinear`); False (dtype="quantized-exact") keeps
+        AVX-512 where measured so, see `KernelLinear`); False (weights="blocks", exact=True) keeps
         float32 arithmetic on every path."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise ValueError("quantized weights are a CPU float32 option: load the model with "
@@ -282,7 +282,7 @@ class WeightFormats(nn.Module):
         and the methods that add copies. The token embedding (a tied LM head's weight too) goes
         the same way where the checkpoint's own blocks of it dequantize to exactly its values:
         lookups then read those blocks (`embed`). Outputs do not change: every step runs on the
-        same copies as before. Loaders call it for dtype="quantized"; remembered across
+        same copies as before. Loaders call it for weights="blocks"; remembered across
         `.to()`."""
         self._wants["release_dense"] = True
         embedding = self.embedding_weight()

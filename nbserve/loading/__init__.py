@@ -13,7 +13,15 @@ import torch
 from ..cpu.memory import return_freed_memory
 from ..cpu.threads import torch_threads
 from ..models.base import LoadedModel
-from ..models.dtypes import MIXED16, QUANTIZED, QUANTIZED_FORMATS, WEIGHT_FORMATS, resolve_dtype
+from ..models.dtypes import (
+    MIXED16,
+    QUANTIZED,
+    QUANTIZED_EXACT,
+    QUANTIZED_FORMATS,
+    resolve_dtype,
+    weight_choice,
+    weights_of,
+)
 from .memory_check import check_source, load_form
 
 if TYPE_CHECKING:
@@ -52,7 +60,7 @@ def _add_weight_copies(loaded: LoadedModel, weight_format: str) -> None:
 
 def _use_lossless_blocks(loaded: LoadedModel) -> None:
     """CPU default for a GGUF that was not read as blocks (GPT-2's Conv1D layout) whose
-    matmul weights are all Q4_0, Q4_1 or Q8_0 blocks: keep them (dtype="quantized") when the
+    matmul weights are all Q4_0, Q4_1 or Q8_0 blocks: keep them (weights="blocks") when the
     C kernel is available. The blocks hold the float32
     weights' exact values, so nothing changes but the speed. The model was built without the
     float32 model's own copies (`_blocks_will_serve`); a file of other types gets them now."""
@@ -68,29 +76,28 @@ def _use_lossless_blocks(loaded: LoadedModel) -> None:
         _add_float_copies(model)
 
 
-def _blocks_will_serve(source: object, copies: str | None, dtype: object, device: str) -> bool:
-    """Whether quantized blocks will serve every matmul of this load (dtype="quantized", or
+def _blocks_will_serve(source: object, copies: str | None, auto: bool, device: str) -> bool:
+    """Whether quantized blocks will serve every matmul of this load (weights="blocks", or
     the CPU default for a .gguf, where the kernel builds): then the float32 model is built
     without packed copies or a transposed head, which would be dropped at once (for a large
     model they would double the memory the load needs on its way)."""
     cpu = torch.device(device).type == "cpu"
     if copies in QUANTIZED_FORMATS:
         return cpu
-    if copies is not None or dtype is not None or not cpu or _gguf_file(str(source)) is None:
+    if copies is not None or not auto or not cpu or _gguf_file(str(source)) is None:
         return False
     from ..cpu.kernels.build import kernels_available
 
     return kernels_available()
 
 
-def _served_from_blocks(source: object, copies: str | None, dtype: object,
-                        device: str) -> bool:
+def _served_from_blocks(source: object, copies: str | None, auto: bool, device: str) -> bool:
     """Whether this load reads a GGUF's blocks and serves them, never building those weights
     in float32 (`gguf.load_gguf`'s weight_format): a .gguf file (the default model's too)
-    holding quantized weights, on CPU, asked for as dtype="quantized"/"quantized-exact" or
-    with no dtype given where the C kernels build (float32 only when asked)."""
+    holding quantized weights, on CPU, asked for as weights="blocks" or left to the loader
+    (`auto`) where the C kernels build (dense weights only when asked)."""
     if torch.device(device).type != "cpu" or not (copies in QUANTIZED_FORMATS or (
-            copies is None and dtype is None)):
+            copies is None and auto)):
         return False
     path = _gguf_file(str(source))
     if path is None or not path.is_file():
@@ -144,6 +151,7 @@ def _gguf_file(source: str) -> Path | None:
 
 
 def load(source: object, *, device: str | None = None, dtype: str | torch.dtype | None = None,
+         weights: str = "auto", exact: bool = False,
          verbose: bool = True, tokenizer: object = None,
          chat_template: str | ChatTemplate | None = None,
          max_context: int | None = None) -> LoadedModel:
@@ -154,35 +162,43 @@ def load(source: object, *, device: str | None = None, dtype: str | torch.dtype 
     object (transformers model, StepModel, torch module) goes to `nbserve.models.adopt.adopt`
     with `tokenizer`, `chat_template` and `max_context`; it is served where it is, not copied.
 
-    `dtype`: "float32" (CPU default; for a quantized GGUF, "quantized": its blocks are read
-    as they are and serve every matmul, never built in float32, `gguf.load_gguf`),
-    "bfloat16" (CUDA default), "float16", "mixed16" (CPU:
+    `dtype`, the compute dtype: "auto" (None: float32 on CPU, bfloat16 on CUDA), "float32",
+    "bfloat16" or "float16". `weights`, the weight format: "auto" (with no dtype given, a
+    quantized GGUF on CPU is "blocks", its blocks read as they are and never built in
+    float32, `gguf.load_gguf`; anything else "dense" in `dtype`); "blocks" (CPU, float32:
+    every matmul, of any step size, over a GGUF's own blocks of any served type or Q8_0 made
+    at load; compiles a small C kernel at first use; see
+    `WeightFormats.use_quantized_weights`. A GGUF's own blocks are the float32 weights' exact
+    values, so those are then dropped, see `WeightFormats.release_dense_weights`: the weights
+    take about the file's size); "dense" (dequantized to `dtype`); or "mixed16" (CPU:
     float32 plus float16 copies of the matmul weights for one- and two-row steps: a faster
     lone stream, +50% weight memory, outputs can differ from float32 in rare near-ties, see
-    `WeightFormats.use_16bit_weights`), or "quantized" (CPU: every matmul, of any step size, over
-    a GGUF's own blocks of any served type or Q8_0 made at load, with float32 arithmetic except that
-    on AVX2 CPUs (and AVX-512 ones where that measures faster, `cpu.kernels.tuning`) steps of
-    one or two rows round their inputs to 16 bits per block of 32;
-    "quantized-exact": float32 arithmetic throughout; compiles a
-    small C kernel at first use; see `WeightFormats.use_quantized_weights`. A GGUF's own blocks
-    are the float32 weights' exact values, so those are then dropped, see
-    `WeightFormats.release_dense_weights`: the weights take about the file's size). On CPU in
+    `WeightFormats.use_16bit_weights`). `exact` (blocks): float32 arithmetic on every kernel
+    path; False (default): on AVX2 CPUs (and AVX-512 ones where that measures faster,
+    `cpu.kernels.tuning`) steps of one or two rows round their inputs to 16 bits per block
+    of 32. The old dtype names "mixed16", "quantized" and "quantized-exact" still work for
+    weights="mixed16", weights="blocks" and weights="blocks", exact=True, with a
+    FutureWarning. Bad values: ValueError listing the valid ones. On CPU in
     float32 (and mixed16) the
     loaders also keep oneDNN-packed copies of the matmul weights, which make batched decoding
     faster (+100% weight memory; skipped when the copies would take over a quarter of the RAM;
     see `WeightFormats.pack_weights`). The load line shows the copies apart;
     benchmarks/README.md has the figures.
     """
+    choice = weight_choice(dtype, weights, exact)  # the old dtype names warn here
     if isinstance(source, LoadedModel):
         return source
-    copies = dtype.lower() if isinstance(dtype, str) and dtype.lower() in WEIGHT_FORMATS else None
+    copies, dtype = choice.format, choice.dtype
+    if copies and dtype is not None and resolve_dtype(dtype, "cpu") != torch.float32:
+        raise ValueError(f"weights={choice.weights!r} computes in float32; dtype must be "
+                         f"'auto' or 'float32' with it, got {dtype!r}")
     if not isinstance(source, (str, os.PathLike)):
         from ..models.adopt import adopt, check_placement
 
-        if copies:
-            raise ValueError(f"dtype={copies!r} applies to checkpoints nbserve loads itself "
-                             "(a HF directory, a .gguf file, \"smollm2\"); a model object is "
-                             "served in the dtype it has")
+        if choice.weights != "auto":
+            raise ValueError(f"weights={choice.weights!r} applies to checkpoints nbserve loads "
+                             "itself (a HF directory, a .gguf file, \"smollm2\"); a model "
+                             "object is served in the dtype it has")
         loaded = adopt(source, tokenizer, chat_template=chat_template, max_context=max_context,
                        verbose=verbose)
         check_placement(loaded.model, device,
@@ -190,11 +206,11 @@ def load(source: object, *, device: str | None = None, dtype: str | torch.dtype 
         return loaded
     device = device or default_device()
     t0 = time.perf_counter()
-    served = _served_from_blocks(source, copies, dtype, device)
+    served = _served_from_blocks(source, copies, choice.auto, device)
     if served and copies is None:  # a quantized GGUF on CPU: its blocks by default
-        copies = QUANTIZED
+        copies = QUANTIZED_EXACT if choice.exact else QUANTIZED
     torch_dtype = resolve_dtype("float32" if copies else dtype, device)
-    bare = served or _blocks_will_serve(source, copies, dtype, device)
+    bare = served or _blocks_will_serve(source, copies, choice.auto, device)
     options: dict[str, object] = {"pack": False, "transposed_head": False} if bare else {}
     if served:
         options["weight_format"] = copies
@@ -208,7 +224,7 @@ def load(source: object, *, device: str | None = None, dtype: str | torch.dtype 
                                      max_context=max_context))
             if _serves_blocks(loaded):
                 pass  # read as blocks (a quantized GGUF's layout that keeps its tensors)
-            elif dtype is None and torch_dtype == torch.float32:
+            elif choice.auto and torch_dtype == torch.float32:
                 _use_lossless_blocks(loaded)  # the default, as before (GPT-2's Conv1D)
             elif copies:
                 _add_weight_copies(loaded, copies)
@@ -229,7 +245,7 @@ def _forget_files() -> None:
 
 
 def _release_unread_weights(loaded: LoadedModel) -> None:
-    """dtype="quantized" (asked for, or a GGUF's lossless default): drop the float32 weights
+    """weights="blocks" (asked for, or a GGUF's lossless default): drop the float32 weights
     that its quantized and packed copies leave unread (`WeightFormats.release_dense_weights`;
     the outputs stay the same bit for bit)."""
     from ..execution.weights import WeightFormats
@@ -313,15 +329,16 @@ def summary_line(loaded: LoadedModel, seconds: float) -> str:
     n, nbytes = count_parameters(model)
     formats = model if isinstance(model, WeightFormats) else None
     copies = formats.derived_bytes() if formats is not None else 0
-    dtype = formats.weight_format if formats is not None else \
-        str(model.dtype).replace("torch.", "")
+    kind, exact = weights_of(formats.weight_format) if formats is not None else ("dense", False)
+    dtype = str(model.dtype).replace("torch.", "")
+    form = f"{kind}{' exact' if exact else ''} weights, {dtype}"
     if formats is not None and formats.dense_released:  # the blocks stand for the weights
         weights = f"{nbytes / 2**20:.0f} MiB of weights, {copies / 2**20:.0f} MiB of them " \
             "quantized blocks"
     else:
         extra = f" + {copies / 2**20:.0f} MiB of copies for speed" if copies else ""
         weights = f"{(nbytes - copies) / 2**20:.0f} MiB of weights{extra}"
-    return (f"nbserve: loaded {loaded.name} ({n / 1e6:.1f}M parameters, {dtype}, "
+    return (f"nbserve: loaded {loaded.name} ({n / 1e6:.1f}M parameters, {form}, "
             f"{model.device}, {weights}) in {seconds:.1f} s")
 
 

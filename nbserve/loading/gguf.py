@@ -178,7 +178,7 @@ class GGUFTensors:
     def quant_blocks(self) -> dict[str, QuantBlocks]:
         """The tensors stored in a type of `execution.quant.BLOCK_TYPES` (Q4_0, Q4_1, Q8_0, the
         K-quants, Q5_0, Q5_1, IQ4_NL, IQ4_XS), as they are (not dequantized), by HF name, with
-        llama.cpp's Q/K row order undone and stacked experts split (dtype="quantized"
+        llama.cpp's Q/K row order undone and stacked experts split (weights="blocks"
         multiplies them). GPT-2's Conv1D weights are left out: their blocks
         run along the other axis than the HF tensor's rows."""
         from ..execution.quant import QuantBlocks
@@ -389,7 +389,7 @@ def _open(path: Path) -> GGUFReader:
 
 @functools.lru_cache(maxsize=2)
 def _reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
-    """A parsed file, kept for the next open of the same unchanged file: dtype="quantized"
+    """A parsed file, kept for the next open of the same unchanged file: weights="blocks"
     opens the file twice (floats, blocks).
     The reader holds a read-only memory map, not the tensors, but its parsed fields and the
     pages of the map it touched are resident: `load` forgets it when it is done

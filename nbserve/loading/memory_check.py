@@ -64,10 +64,10 @@ class StoredTensor:
 class WeightForm:
     """What a load builds of each tensor: dense weights in `dtype`, plus `copies` of the
     matmul weights: "none"; "file" (a GGUF's own Q4_0/Q4_1/Q8_0 blocks, the CPU default for
-    a file whose matmul weights are all of those types); "blocks" (dtype="quantized": those
+    a file whose matmul weights are all of those types); "blocks" (weights="blocks": those
     blocks, or Q8_0 made at load for the other weights); "served" (a quantized GGUF on CPU,
     by default: the file's blocks read as they are, those weights never dense); "float16"
-    (dtype="mixed16").
+    (weights="mixed16").
     `float_copies`: a CPU float32 model's copies for speed (oneDNN-packed weights where they
     fit a share of the RAM, else a transposed LM head), made unless blocks serve every step."""
 
@@ -78,10 +78,10 @@ class WeightForm:
     def describe(self) -> str:
         dense = f"{str(self.dtype).replace('torch.', '')} weights"
         return {"none": dense, "file": f"{dense} plus the file's own 4/8-bit blocks",
-                "blocks": f"{dense} plus 4/8-bit blocks (dtype='quantized')",
-                "served": "the file's own blocks (dtype='quantized'), other tensors "
+                "blocks": f"{dense} plus 4/8-bit blocks (weights='blocks')",
+                "served": "the file's own blocks (weights='blocks'), other tensors "
                           f"as {dense}",
-                "float16": f"{dense} plus float16 copies (dtype='mixed16')"}[self.copies] + \
+                "float16": f"{dense} plus float16 copies (weights='mixed16')"}[self.copies] + \
             (" and copies for speed" if self.float_copies else "")
 
 
@@ -162,7 +162,7 @@ def check_fits(tensors: list[StoredTensor], form: WeightForm, device: torch.devi
              f"a model with fewer parameters (the weights are built in "
              f"{str(form.dtype).replace('torch.', '')} whatever the file's quantization)"]
     if plain < needed:
-        hints.append(f"dtype='{str(form.dtype).replace('torch.', '')}' without the copies "
+        hints.append(f"weights='dense' without the copies "
                      f"({plain / GiB:.1f} GiB)")
     if form.dtype == torch.float32 and form.copies != "served":
         half = weight_bytes(tensors, WeightForm(torch.bfloat16))

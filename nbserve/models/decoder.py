@@ -183,7 +183,7 @@ class DecoderModel(PagedSteps, WeightFormats, PagedModel):
     @property
     def default_kv_dtype(self) -> torch.dtype:
         """The paged cache's dtype when the engine is not told one (`kv_dtype=None`):
-        float16 for a quantized CPU model (dtype="quantized", a GGUF's default), whose
+        float16 for a quantized CPU model (weights="blocks", a GGUF's default), whose
         attention runs in the C kernels, as fast over float16 as over float32, and which kept
         every reference answer of the default model (benchmarks/README.md); half the memory
         per token, as llama.cpp's default. Else the model's dtype, so float32 stays exact.

@@ -94,6 +94,7 @@ class Pool(SyncHelpers):
     thread. On CUDA, unless
     `max_batch` / `max_context` are given, each replica's KV cache is sized from
     `kv_memory_fraction` of the GPU's free memory (split between replicas on one GPU).
+    `dtype`, `weights`, `exact`: the compute dtype and weight format, as for `load`.
     A replica leaves the rotation when its engine thread dies or its model raises
     `max_model_errors` times in a row; `readmit_after` seconds later, once its engine runs
     again (engines restart themselves after a crash), it gets another chance on probation (one
@@ -106,7 +107,8 @@ class Pool(SyncHelpers):
     def __init__(self, model: object, *, devices: object = "auto",
                  kv_memory_fraction: float | None = None,
                  dtype: str | torch.dtype | None = None, device: str | None = None,
-                 tokenizer: object = None, chat_template: str | ChatTemplate | None = None,
+                 weights: str = "auto", exact: bool = False, tokenizer: object = None,
+                 chat_template: str | ChatTemplate | None = None,
                  max_model_errors: int = 3,
                  readmit_after: float | None = 30.0, **engine_options: Any):
         if kv_memory_fraction is not None and not 0 < kv_memory_fraction <= 1:
@@ -127,7 +129,8 @@ class Pool(SyncHelpers):
         kv_memory = engine_options.pop("kv_memory", None)
         config = EngineConfig.from_options(**engine_options,  # a bad option fails before loading
                                            kv_memory=kv_memory, max_batch=max_batch)
-        loaded = load_replicas(model, self.devices, dtype=dtype, **load_options)
+        loaded = load_replicas(model, self.devices, dtype=dtype, weights=weights, exact=exact,
+                               **load_options)
         plans = plan_kv_caches(loaded, self.devices, kv_memory_fraction, max_batch, max_context,
                                config.resolved_max_batch(False), kv_memory)
         quiet = config.quiet

@@ -200,7 +200,8 @@ def is_backend(obj: object) -> TypeGuard[Backend]:
     return isinstance(obj, Backend)
 
 
-LOAD_OPTIONS = ("device", "dtype", "chat_template")  # build_backend gives these to the loader
+# build_backend gives these to the loader
+LOAD_OPTIONS = ("device", "dtype", "weights", "exact", "chat_template")
 
 
 def _builds_pool(devices: object) -> bool:
@@ -226,8 +227,8 @@ def backend_option_names(devices: object = None) -> set[str]:
 def build_backend(model: object, *, devices: object = None, tokenizer: object = None,
                   **engine_options: Any) -> tuple[Backend, bool]:
     """(backend, owned): an existing backend as is (not owned), else a new Engine, or a Pool
-    when `devices` names several ("auto", a count, a list). `device`, `dtype` and
-    `chat_template` go to the loader, the other options to each Engine."""
+    when `devices` names several ("auto", a count, a list). `device`, `dtype`, `weights`,
+    `exact` and `chat_template` go to the loader, the other options to each Engine."""
     if is_backend(model):
         if devices is not None or tokenizer is not None or engine_options:
             raise ValueError("launch() got an existing engine/backend together with devices, "

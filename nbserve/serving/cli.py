@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ..models.dtypes import COMPUTE_DTYPES, FORMAT_ALIASES, WEIGHTS
 from .options import add_cli_options, cli_kwargs
 
 
@@ -89,17 +90,24 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
                         help="the KV cache's dtype (default: float16 for a quantized CPU model, "
                         "else the model's dtype; float16 halves it)")
     parser.add_argument("--dtype", default=None,
-                        choices=["float32", "bfloat16", "float16", "mixed16", "quantized",
-                                 "quantized-exact"],
-                        help="weights: float32 (CPU default; for a quantized GGUF, "
-                        "quantized: its blocks read and served as they are, never dequantized "
-                        "to float32), bfloat16 (GPU default), float16, "
-                        "mixed16 (CPU: float16 copies for one- and two-row steps, +50%% "
-                        "memory), or quantized (CPU: every step over a GGUF's own 4/8-bit "
-                        "blocks, or Q8_0 made at load: the fastest and about the file's size "
-                        "in memory; on AVX2 CPUs steps of a few rows round their inputs to 16 "
-                        "bits per block; nbserve's C kernels build with the system's compiler), "
-                        "or quantized-exact (the same in float32 arithmetic throughout)")
+                        choices=[*COMPUTE_DTYPES, *FORMAT_ALIASES],
+                        help="the compute dtype: auto (float32 on CPU, bfloat16 on a GPU), "
+                        "float32, bfloat16 or float16 (the weight format is --weights; the "
+                        "old names mixed16, quantized and quantized-exact still work, with a "
+                        "warning)")
+    parser.add_argument("--weights", default=None, choices=WEIGHTS,
+                        help="the weight format: auto (default: without --dtype, a quantized "
+                        "GGUF on CPU is served from its own blocks, never dequantized; "
+                        "anything else dense in --dtype), blocks (CPU: every step over "
+                        "quantized blocks, a GGUF's own or Q8_0 made at load: about the file's "
+                        "size in memory; nbserve's "
+                        "C kernels build with the system's compiler), dense (dequantized to "
+                        "--dtype) or mixed16 (CPU: float32 plus float16 copies for one- and "
+                        "two-row steps, +50%% memory)")
+    parser.add_argument("--exact", action="store_true", default=None,
+                        help="blocks: float32 arithmetic on every kernel path (by default, "
+                        "steps of a few rows round their inputs to 16 bits per block where "
+                        "that measures faster)")
     parser.add_argument("--max-backlog", type=positive_int, default=None, metavar="N",
                         help="events per choice a streaming client may leave unread (default "
                         "1024); see --slow-client-timeout")
@@ -114,7 +122,8 @@ def serve_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """launch() keywords from parsed `add_serve_options` flags."""
     kwargs: dict[str, Any] = {"port": args.port, "host": args.host, "share": args.share,
                               "devices": parse_devices(args.devices)}
-    for name in ("max_batch", "max_context", "dtype", "kv_memory", "kv_block_size", "kv_dtype",
+    for name in ("max_batch", "max_context", "dtype", "weights", "exact", "kv_memory",
+                 "kv_block_size", "kv_dtype",
                  "max_backlog", "slow_client_timeout"):
         value = vars(args).get(name)  # (the flags of add_serve_options; None: not given)
         if value is not None:

@@ -30,7 +30,7 @@ _lock = threading.Lock()
 
 def round16_pays(lib: ctypes.CDLL, threads: int = 1) -> bool:
     """Whether `lib`'s one- and two-row products should take their inputs rounded to 16 bits
-    (where the caller allows it: dtype="quantized"): False where the build has no 16-bit row
+    (where the caller allows it: weights="blocks"): False where the build has no 16-bit row
     kernels, True on a build whose only fast row kernels they are (AVX2), else measured."""
     if not lib.nbq_round16_max_rows():
         return False
