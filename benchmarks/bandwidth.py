@@ -98,7 +98,7 @@ def main() -> int:
     p.add_argument("--mib", type=int, default=1024, help="buffer size (larger than the caches)")
     p.add_argument("--passes", type=int, default=8)
     args = p.parse_args()
-    from serve_bench import cpu_line
+    from machine import cpu_line
 
     print(cpu_line(), flush=True)
     for t in (int(x) for x in args.threads.split(",")):

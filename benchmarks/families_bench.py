@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the families' tiny configs and the tiny tokenizer
 
 from family_models import CASES, save_family_dir  # noqa: E402
+from machine import cpu_line  # noqa: E402
 from moe_models import CASES as MOE_CASES  # noqa: E402
 from moe_models import save_moe_dir  # noqa: E402
-from serve_bench import cpu_line  # noqa: E402
 
 import nbserve  # noqa: E402
 from nbserve.engine import Engine  # noqa: E402

@@ -43,6 +43,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from machine import cpu_line  # noqa: E402  (also imported from here by the other benchmarks)
+
 DEFAULT_PLOT = Path(__file__).resolve().with_name("serve_bench.png")
 # server -> (start-to-ready seconds, resident MiB once warmed up and idle), one per start
 STARTUPS: dict[str, list[tuple[float, float | None]]] = {}
@@ -714,24 +716,6 @@ def format_bound(results: Results, args: argparse.Namespace) -> str:
             lines.append(f"  {LABELS.get(name, name):<26} {tok_s:6.1f} tok/s at 1 stream = "
                          f"{tok_s / bound:.0%} of the bound")
     return "\n".join(lines)
-
-
-def cpu_line() -> str:
-    """The CPU's model and SIMD flags: figures hold for that class of machine only."""
-    model, flags = "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-                break
-    except OSError:
-        pass
-    simd = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni",
-                        "avx512_bf16", "amx_tile") if f in flags]
-    return f"cpu: {model}, {os.cpu_count()} cores, {' '.join(simd) or 'no AVX2'}"
 
 
 def kernel_line() -> str:

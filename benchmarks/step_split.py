@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="run a lone step's layers one by one (no single C call)")
     args = ap.parse_args(argv)
     from engine_bench import chat_prompts
-    from serve_bench import cpu_line, kernel_line
+    from machine import cpu_line
+    from serve_bench import kernel_line
 
     import nbserve
     from nbserve.engine import Engine

@@ -34,7 +34,7 @@ import pydantic
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from serve_bench import cpu_line  # noqa: E402  (the same CPU line as the serving benchmark)
+from machine import cpu_line  # noqa: E402  (the same CPU line as the serving benchmark)
 
 from nbserve.engine import Engine  # noqa: E402
 from nbserve.engine.constraints import Grammars, grammar_text  # noqa: E402

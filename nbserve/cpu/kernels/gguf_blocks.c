@@ -52,21 +52,6 @@ typedef struct {
     dot16_fn dot16;  /* the same over the input rounded to 16 bits (NBQ_ROUND16); NULL: none */
 } block_type;
 
-INLINE float half_at(const uint8_t *p) {  /* a float16 where a block stores one (any address) */
-    half_t h;
-    memcpy(&h, p, sizeof h);
-    return h2f(h);
-}
-
-INLINE uint32_t u32_at(const uint8_t *p) {  /* a little-endian uint32 (x86 is) */
-    uint32_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                      1, 13, 25, 38, 53, 69, 89, 113};
-
 #include "gguf_blocks_decode.h"  /* the block decoders */
 
 /* ---------------------------------------------------------------- the row kernels */

@@ -1,6 +1,22 @@
 /* The block decoders of gguf_blocks.c, which includes this file once (kept apart for length):
  * each writes one block's QK weights to out, as gguf.quants.dequantize computes them, with the
- * helpers some of them share (IQ4's table lookup, Q5's high bits). */
+ * helpers they share (a block's float16 and uint32 reads, the IQ4 table and its lookup, Q5's
+ * high bits). */
+
+INLINE float half_at(const uint8_t *p) {  /* a float16 where a block stores one (any address) */
+    half_t h;
+    memcpy(&h, p, sizeof h);
+    return h2f(h);
+}
+
+INLINE uint32_t u32_at(const uint8_t *p) {  /* a little-endian uint32 (x86 is) */
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1, 13, 25, 38, 53, 69, 89, 113};
 
 /* Q4_0 (18 bytes): d, 16 bytes of nibbles (byte j: weight j low, weight j + 16 high); d (q - 8) */
 INLINE void q4_0_block(const uint8_t *b, float *out) {
