@@ -15,8 +15,10 @@ dequantized weights only in rounding. One exception, `round16` (weights="blocks"
 exact=True): on the AVX2 path, and on the AVX-512 path where they measure faster, steps
 of one or two rows multiply their inputs rounded to 16 bits per block of 32 with integer
 products, which decode the weights in fewer instructions.
-Activations are never rounded to 8 bits as llama.cpp's CPU kernels do: that changed most of the
-default model's greedy answers, 16 bits none (benchmarks/README.md).
+Activations are rounded to 8 bits as llama.cpp's CPU kernels do only when asked, with
+NBSERVE_ROUND8=1 (Q4_K and Q6_K blocks, steps of a few rows: `cpu.kernels.tuning.round8_wanted`),
+never by default: in a simulation that changed most of the default model's greedy answers, 16
+bits none (benchmarks/README.md).
 The blocks serve every step, so a model loaded from them needs no float32 copy of its weights.
 """
 
@@ -39,6 +41,7 @@ FLOAT_MAX_ROWS = 4  # the same for float32 weights; SmolLM2's matmuls in the eng
 # kernel against oneDNN-packed (ms): 1 row 13.6 / 20.3, 3: 17.3 / 20.2, 4: 16.7 / 17.1, 8: 29 / 22
 # the kernel's flags (nbserve_kernels.h) as plain ints: `|` on them stays an int operation
 GATED, ROUND16 = int(KernelFlag.GATED), int(KernelFlag.ROUND16)
+ROUND8 = int(KernelFlag.ROUND8)
 
 
 @dataclass
@@ -375,9 +378,12 @@ class KernelLinear:
         per block of 32 (scale max |x| / 32767), within max |x| / 65534 of each input: they
         do where the kernel build has integer row kernels for it and they are the faster
         path on this machine (always on AVX2, measured once on AVX-512: see
-        `cpu.kernels.tuning`); exact float32 arithmetic elsewhere and for float32 weights."""
+        `cpu.kernels.tuning`); exact float32 arithmetic elsewhere and for float32 weights.
+        With NBSERVE_ROUND8=1 as well, Q4_K's and Q6_K's to 8 bits per 256 where the build has
+        those kernels (`tuning.round8_wanted`)."""
+        from ..cpu.kernels.blocks import blocks_rounded8
         from ..cpu.kernels.build import quant_kernels
-        from ..cpu.kernels.tuning import round16_pays
+        from ..cpu.kernels.tuning import round8_wanted, round16_pays
 
         self.weight = weight
         self.round16 = round16 and isinstance(weight, QuantBlocks)  # allowed (weights="blocks")
@@ -396,6 +402,8 @@ class KernelLinear:
         row = KINDS[self.kind]
         self.weight_kind, self._matmul, self.max_rows = row.weight_kind, row.matmul, row.max_rows
         self.block_type = row.block_type
+        self._rounds8 = (self.round16 and self.weight_kind == WeightKind.BLOCKS
+                         and round8_wanted() and blocks_rounded8(self.block_type, self._lib))
 
     @property
     def pointers(self) -> Pointers:
@@ -407,8 +415,9 @@ class KernelLinear:
 
     @property
     def flags(self) -> int:
-        """The kernel's flags for this weight's products (ROUND16 or none; GATED per call)."""
-        return ROUND16 if self._rounds else 0
+        """The kernel's flags for this weight's products (ROUND16, ROUND8, both or none; GATED
+        per call)."""
+        return (ROUND16 if self._rounds else 0) | (ROUND8 if self._rounds8 else 0)
 
     @property
     def nbytes(self) -> int:

@@ -163,6 +163,7 @@ class KernelFlag(IntFlag):
 
     GATED = ABI.constants["NBQ_GATED"]
     ROUND16 = ABI.constants["NBQ_ROUND16"]
+    ROUND8 = ABI.constants["NBQ_ROUND8"]
 
 
 def ctype(param: Param) -> type:

@@ -5,7 +5,8 @@ GGUF file stores them, passed as a contiguous CPU uint8 tensor (e.g. `torch.from
 the mapped file): nothing is copied or repacked here. The arithmetic is the exact mode of the
 kernels (float32 products of the weights that `gguf.quants.dequantize` gives), or with
 `round16` the integer row kernels over the input rounded to 16 bits per block of the type
-(32 inputs, or 256 for the K-quants and IQ4_XS).
+(32 inputs, or 256 for the K-quants and IQ4_XS), or with `round8` Q4_K's and Q6_K's over the input
+rounded to 8 bits per 256 (llama.cpp's Q8_K).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from .abi import BlockType, KernelFlag
 from .build import quant_kernels
 
 __all__ = ["BlockType", "block_layout", "blocks_dequantize", "blocks_matmul", "blocks_rounded",
-           "row_bytes"]
+           "blocks_rounded8", "row_bytes"]
 
 
 def _lib(lib: ctypes.CDLL | None) -> ctypes.CDLL:
@@ -43,6 +44,12 @@ def blocks_rounded(block_type: int, lib: ctypes.CDLL | None = None) -> bool:
     return bool(_lib(lib).nbq_blocks_rounded(int(block_type)))
 
 
+def blocks_rounded8(block_type: int, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether `round8` products of `block_type` take 8-bit row kernels in this build (Q4_K and
+    Q6_K on the AVX2 and AVX-512 builds; elsewhere `round8` changes nothing)."""
+    return bool(_lib(lib).nbq_blocks_rounded8(int(block_type)))
+
+
 def row_bytes(block_type: int, k: int, lib: ctypes.CDLL | None = None) -> int:
     """Bytes of one weight row of k inputs; ValueError when k is not whole blocks."""
     elems, size = block_layout(block_type, lib)
@@ -64,12 +71,14 @@ def _check_blocks(blocks: torch.Tensor, block_type: int, n: int, k: int,
 
 def blocks_matmul(x: torch.Tensor, block_type: int, blocks: torch.Tensor, n: int, k: int, *,
                   norm: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-                  round16: bool = False, threads: int | None = None,
+                  round16: bool = False, round8: bool = False, threads: int | None = None,
                   lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x (..., k) @ w.T -> (..., n) for the weight w in `blocks`; with `norm` (RMSNorm weights,
     k floats) of RMSNorm(x, eps); `gated`: of silu(a) * b for x (..., 2k) = [a | b].
     `round16`: inputs of a few rows rounded to 16 bits per block of the type for the integer row
-    kernels, where the build has them for the type (`blocks_rounded`)."""
+    kernels, where the build has them for the type (`blocks_rounded`). `round8`: the same rounded
+    to 8 bits per 256 where the build has 8-bit kernels for the type (`blocks_rounded8`), which
+    then win over `round16`; elsewhere `round16` alone decides."""
     kernels = _lib(lib)
     _check_blocks(blocks, block_type, n, k, kernels)
     width = 2 * k if gated else k
@@ -85,7 +94,8 @@ def blocks_matmul(x: torch.Tensor, block_type: int, blocks: torch.Tensor, n: int
     failed = kernels.nbq_blocks_matmul(
         flat.data_ptr(), rows, k, int(block_type), blocks.data_ptr(), n, y.data_ptr(),
         threads or torch.get_num_threads(), None if norm_c is None else norm_c.data_ptr(), eps,
-        (int(KernelFlag.GATED) if gated else 0) | (int(KernelFlag.ROUND16) if round16 else 0))
+        (int(KernelFlag.GATED) if gated else 0) | (int(KernelFlag.ROUND16) if round16 else 0)
+        | (int(KernelFlag.ROUND8) if round8 else 0))
     if failed == -1:
         raise MemoryError("block matmul: out of memory for its buffers")
     if failed:

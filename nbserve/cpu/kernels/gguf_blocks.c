@@ -22,8 +22,10 @@
  * for the K-quants and IQ4_XS, as llama.cpp's Q8_0 and Q8_K; round16, as quant_matmul.c's),
  * and every type's row kernel multiplies its codes with the input's in integers ("rounded
  * inputs" below). The product is then the one of gguf's weights with the rounded input, up to
- * float32 rounding: each input within max |x| / 65534 of its block's largest, never 8 bits per
- * block as llama.cpp's CPU kernels round (benchmarks/activation_rounding.py).
+ * float32 rounding: each input within max |x| / 65534 of its block's largest. With NBQ_ROUND8
+ * (asked for, not by default), Q4_K's and Q6_K's take the input rounded to 8 bits per 256 as
+ * llama.cpp's CPU kernels round it (Q8_K; gguf_blocks_round8.h), within max |x| / 254
+ * (benchmarks/activation_rounding.py measures what either does to greedy answers).
  */
 #include "matmul_common.h"
 #include "nbserve_kernels.h"
@@ -41,6 +43,8 @@ typedef void (*dot_fn)(const float *x, int rows, int k, const uint8_t *w, float 
                        int n_out);
 typedef void (*dot16_fn)(const int16_t *xq, const float *xs, const float *xsum, int rows, int k,
                          const uint8_t *w, float *out, int n_out);
+typedef void (*dot8_fn)(const int8_t *xq, const float *xs, const int16_t *bsum, int rows, int k,
+                        const uint8_t *w, float *out, int n_out);
 
 /* One GGUF block type: `elems` weights in `bytes` bytes a block; to_float: `nblocks`
  * consecutive blocks as float32; dot: out[i * n_out] = x[i] . (the weight row w) for 1 to
@@ -50,6 +54,7 @@ typedef struct {
     to_float_fn to_float;
     dot_fn dot;
     dot16_fn dot16;  /* the same over the input rounded to 16 bits (NBQ_ROUND16); NULL: none */
+    dot8_fn dot8;    /* the same over the input rounded to 8 bits (NBQ_ROUND8); NULL: none */
 } block_type;
 
 #include "gguf_blocks_decode.h"  /* the block decoders */
@@ -381,6 +386,7 @@ INLINE void q3_k_dot_n(const float *x, int rows, int k, const uint8_t *w, float 
 #endif
 
 #include "gguf_blocks_round16.h"  /* the rounded-input row kernels, DOT16 */
+#include "gguf_blocks_round8.h"   /* the 8-bit input row kernels of Q4_K and Q6_K, DOT8 */
 
 #ifdef HAS_DIRECT_DOTS
 TO_FLOAT(q2_k, 256, 84) DOT_BY_ROWS(q2_k)
@@ -419,9 +425,9 @@ static const block_type TYPES[N_TYPES] = {
     [NBQ_GGML_Q8_0] = {32, 34, q8_0_to_float, q8_0_dot, DOT16(q8_0)},
     [NBQ_GGML_Q2_K] = {256, 84, q2_k_to_float, q2_k_dot, DOT16(q2_k)},
     [NBQ_GGML_Q3_K] = {256, 110, q3_k_to_float, q3_k_dot, DOT16(q3_k)},
-    [NBQ_GGML_Q4_K] = {256, 144, q4_k_to_float, q4_k_dot, DOT16(q4_k)},
+    [NBQ_GGML_Q4_K] = {256, 144, q4_k_to_float, q4_k_dot, DOT16(q4_k), DOT8(q4_k)},
     [NBQ_GGML_Q5_K] = {256, 176, q5_k_to_float, q5_k_dot, DOT16(q5_k)},
-    [NBQ_GGML_Q6_K] = {256, 210, q6_k_to_float, q6_k_dot, DOT16(q6_k)},
+    [NBQ_GGML_Q6_K] = {256, 210, q6_k_to_float, q6_k_dot, DOT16(q6_k), DOT8(q6_k)},
     [NBQ_GGML_IQ4_NL] = {32, 18, iq4_nl_to_float, iq4_nl_dot, DOT16(iq4_nl)},
     [NBQ_GGML_IQ4_XS] = {256, 136, iq4_xs_to_float, iq4_xs_dot, DOT16(iq4_xs)},
 };
@@ -437,6 +443,8 @@ int nbq_block_elems(int type) { return type_of(type) ? type_of(type)->elems : 0;
 int nbq_block_bytes(int type) { return type_of(type) ? type_of(type)->bytes : 0; }
 
 int nbq_blocks_rounded(int type) { return type_of(type) && type_of(type)->dot16 ? 1 : 0; }
+
+int nbq_blocks_rounded8(int type) { return type_of(type) && type_of(type)->dot8 ? 1 : 0; }
 
 /* ---------------------------------------------------------------- many rows: the panels */
 
@@ -476,7 +484,8 @@ static int blocks_panels(const block_type *t, const float *x, int rows, int k,
  * k / elems blocks, in the file's order); prepare as nbq_q4_matmul's (RMSNorm with `norm`,
  * NBQ_GATED); with NBQ_ROUND16, inputs of up to ROW_PATH_MAX rows are rounded to 16 bits per
  * block of the type (round16) for the integer row kernels, where the build has them (AVX2,
- * AVX-512).
+ * AVX-512); with NBQ_ROUND8, to 8 bits per 256 (round8) for Q4_K's and Q6_K's on those builds,
+ * the flag ignored elsewhere (other types, the plain C build: what the other flags give).
  * Returns 0, -1 when out of memory, -2 for a type not served or k not a multiple of its block. */
 int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blocks, int n,
                       float *y, int threads, const float *norm, float eps, int flags) {
@@ -489,9 +498,16 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
     const uint8_t *w0 = blocks;
     size_t row_bytes = (size_t)(k / t->elems) * t->bytes;
     int failed = 0, nb = k / 32;
-    int16_t *xq = NULL;
+    int16_t *xq = NULL, *bsum = NULL;
+    int8_t *x8 = NULL;
     float *xs = NULL, *xsum = NULL;
-    if (rows <= ROW_PATH_MAX && (flags & NBQ_ROUND16) && t->dot16) {  /* rounded once a call */
+    if (rows <= ROW_PATH_MAX && (flags & NBQ_ROUND8) && t->dot8) {  /* 8 bits, once a call */
+        x8 = malloc((size_t)rows * k);
+        xs = malloc(sizeof(float) * (size_t)rows * (k / 256));
+        bsum = malloc(sizeof(int16_t) * (size_t)rows * (k / 16));
+        if (!x8 || !xs || !bsum) { free(x8); free(xs); free(bsum); free(buf); return -1; }
+        ROUND8(x, rows, k, x8, xs, bsum, Q4_K_ORDER(type));
+    } else if (rows <= ROW_PATH_MAX && (flags & NBQ_ROUND16) && t->dot16) {  /* once a call */
         xq = malloc(sizeof(int16_t) * (size_t)rows * k);
         xs = malloc(sizeof(float) * (size_t)rows * nb);
         xsum = malloc(sizeof(float) * (size_t)rows * 2 * nb);
@@ -503,6 +519,7 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
     } else {
         dot_fn dot = t->dot;
         dot16_fn dot16 = t->dot16;
+        dot8_fn dot8 = t->dot8;
         #pragma omp parallel for schedule(static) num_threads(threads)
         for (int r = 0; r < n; r++) {
             const uint8_t *w = w0 + (size_t)r * row_bytes;
@@ -512,7 +529,10 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
             }
             for (int i0 = 0; i0 < rows; i0 += TILE) {
                 int tr = rows - i0 < TILE ? rows - i0 : TILE;
-                if (xq)
+                if (x8)
+                    dot8(x8 + (size_t)i0 * k, xs + (size_t)i0 * (k / 256),
+                         bsum + (size_t)i0 * (k / 16), tr, k, w, y + (size_t)i0 * n + r, n);
+                else if (xq)
                     dot16(xq + (size_t)i0 * k, xs + (size_t)i0 * (k / t->elems),
                           xsum + (size_t)i0 * 2 * nb,
                           tr, k, w, y + (size_t)i0 * n + r, n);
@@ -522,6 +542,8 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
         }
     }
     free(xq);
+    free(x8);
+    free(bsum);
     free(xs);
     free(xsum);
     free(buf);

@@ -47,11 +47,15 @@ enum nbq_flag {
     NBQ_ROUND16 = 2, /* inputs of a few rows are rounded to 16 bits per block for the integer
                         row kernels, where the build has them (quant_matmul.c,
                         gguf_blocks.c) */
+    NBQ_ROUND8 = 4,  /* inputs of a few rows are rounded to 8 bits per 256 (llama.cpp's Q8_K)
+                        for Q4_K's and Q6_K's integer row kernels, where the build has them
+                        (gguf_blocks.c); ignored elsewhere, where the other flags decide */
 };
 
 /* One weight: kind NBQ_Q4 (codes, d, m), NBQ_Q8 (codes, d), NBQ_F32 (codes: the float32
  * rows) or NBQ_BLOCKS (codes: the rows of GGUF blocks of ggml type block_type, an enum
- * nbq_ggml_type); n outputs of k inputs; flags for its matmuls (NBQ_ROUND16 or 0). */
+ * nbq_ggml_type); n outputs of k inputs; flags for its matmuls (NBQ_ROUND16, NBQ_ROUND8 or
+ * 0). */
 typedef struct {
     int32_t kind, n, k, flags, block_type;
     const void *codes;
@@ -91,6 +95,7 @@ int nbq_blocks_supported(int type); /* 1 where this build serves the type, else 
 int nbq_block_elems(int type);      /* weights a block of the type (0: not served) */
 int nbq_block_bytes(int type);      /* bytes a block of the type (0: not served) */
 int nbq_blocks_rounded(int type);   /* 1 where NBQ_ROUND16 takes integer row kernels, else 0 */
+int nbq_blocks_rounded8(int type);  /* 1 where NBQ_ROUND8 takes 8-bit row kernels, else 0 */
 
 /* paged_attention.c, over a float32 cache and (_f16) a float16 one; 0, -1 when out of memory,
  * -2 for invalid arguments. */

@@ -9,6 +9,10 @@ weight of the default model's MLP size, and the answer is kept beside the cached
 that a machine keeps one choice (and one set of greedy answers) from run to run.
 
 `NBSERVE_ROUND16=1` or `0` decides without measuring.
+
+`NBSERVE_ROUND8=1` (off by default, not measured): Q4_K's and Q6_K's steps of a few rows round
+their inputs to 8 bits per 256 (flag NBQ_ROUND8 of `gguf_blocks.c`, llama.cpp's Q8_K), where
+rounding is allowed (weights="blocks" without exact=True) and the build has those kernels.
 """
 
 from __future__ import annotations
@@ -47,6 +51,19 @@ def round16_pays(lib: ctypes.CDLL, threads: int = 1) -> bool:
         if name not in _choices:
             _choices[name] = _remembered_or_measured(lib, Path(name), threads)
         return _choices[name]
+
+
+def round8_wanted() -> bool:
+    """Whether NBSERVE_ROUND8=1 asks Q4_K and Q6_K products of a few rows to round their inputs
+    to 8 bits per 256 (unset or 0: no; anything else is refused). Read once per weight, when its
+    kernel is made (at load)."""
+    forced = os.environ.get("NBSERVE_ROUND8", "").strip()
+    if forced in ("", "0"):
+        return False
+    if forced == "1":
+        return True
+    raise ValueError(f"NBSERVE_ROUND8={forced!r}: use 1 (round the inputs of Q4_K and Q6_K "
+                     "steps of a few rows to 8 bits per 256), 0 or leave it unset")
 
 
 def _remembered_or_measured(lib: ctypes.CDLL, library: Path, threads: int) -> bool:
