@@ -128,7 +128,8 @@ def test_model_name_and_dtype():
     assert resolve_dtype(None, cuda) in (torch.bfloat16, torch.float16)
     assert resolve_dtype("bf16", cpu) == torch.bfloat16 == resolve_dtype(torch.bfloat16, cpu)
     assert resolve_dtype("float16", cpu) == torch.float16
-    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+    with pytest.raises(ValueError, match="one of auto, float32, bfloat16, float16 .the weight "
+                                         "format is `weights`"):
         resolve_dtype(torch.int8, cpu)
 
 
