@@ -176,3 +176,28 @@ def test_health_says_loading_until_the_api_answers(tiny_llama_dir, monkeypatch):
     finally:
         release.set()
         srv.stop()
+
+
+def test_a_keyed_server_asks_for_the_key_before_saying_it_is_loading(tiny_llama_dir, tmp_path):
+    """While the model loads, or after its load failed, a keyed server's API answers a request
+    without a valid key 401 (as once ready), not 503 with the load's state and error (a path,
+    an exception) that only a key holder may read; with the key, 503 as before. /health stays
+    open."""
+    broken = _broken_model_dir(tiny_llama_dir, tmp_path)
+    srv = launch(str(broken), wait=False, ui=False, max_batch=2, api_keys=["sk-right"])
+    try:
+        with pytest.raises(Exception):
+            srv.wait()
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+            for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models")):
+                r = httpx.request(method, srv.url + path, headers=headers, timeout=30,
+                                  json={"model": "m", "messages": PROMPT})
+                assert r.status_code == 401, (path, headers, r.text)
+                assert r.json()["error"]["code"] in ("missing_api_key", "invalid_api_key")
+                assert str(broken) not in r.text and "failed to load" not in r.text
+        r = httpx.get(srv.url + "/v1/models", timeout=30,
+                      headers={"Authorization": "Bearer sk-right"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed"
+        assert httpx.get(srv.url + "/health", timeout=30).status_code == 503  # open: no key
+    finally:
+        srv.stop()

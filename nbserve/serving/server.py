@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from ..api.auth import KeyAuth
 from ..types import Backend, JSONValue
 from .backend_ref import SwappableBackend, build_backend, is_backend
 from .options import ServerOptions
@@ -126,7 +127,8 @@ class Server:
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # uvicorn annotates timeout_graceful_shutdown as int; it waits with asyncio, seconds
-        self._gate = LoadingGate(app, self._load, options.ui)
+        self._gate = LoadingGate(app, self._load, options.ui,
+                                 KeyAuth(options.api_keys) if options.api_keys else None)
         config = uvicorn.Config(self._gate, log_level="warning",
                                 access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=drain_s,  # type: ignore[arg-type]

@@ -17,10 +17,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.routing import Match, Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..api.auth import KeyAuth
 from ..api.errors import APIError
 from ..types import BackendDefaults, EngineStoppedError, Event, JSONObject, Request
 
@@ -115,10 +117,12 @@ class LoadingGate:
     """ASGI wrapper of the app: until the model is ready, its API routes (every route of the
     app but /health, /stats, /metrics, the API docs and the UI mounted at /) answer 503 with an
     OpenAI-style error body, /health answers 503 "loading" (or "error"), and the chat UI's page
-    (GET /) is a "loading" page that reloads itself; then it steps aside."""
+    (GET /) is a "loading" page that reloads itself; then it steps aside. With `keys`, an API
+    request without a valid one goes to the app, whose key check answers 401 as it does once
+    ready: the load's state and error are for key holders only."""
 
-    def __init__(self, app: FastAPI, state: LoadState, ui: bool):
-        self.app, self.state, self.ui = app, state, ui
+    def __init__(self, app: FastAPI, state: LoadState, ui: bool, keys: KeyAuth | None = None):
+        self.app, self.state, self.ui, self.keys = app, state, ui, keys
         self.lifespan = AppLifespan(app)
         docs = (app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url)
         self._open = OPEN_PATHS | {url for url in docs if url}
@@ -135,7 +139,10 @@ class LoadingGate:
             body = LoadingBackend(self.state).health()
             await JSONResponse(body, status_code=503)(scope, _no_receive, send)
         elif self._is_api(scope):
-            await self._refuse(scope, send)
+            if self._keyed_out(scope):  # the app checks the key before any handler: 401
+                await self.app(scope, receive, send)
+            else:
+                await self._refuse(scope, send)
         elif self.ui and scope["path"] == "/" and scope.get("method") in ("GET", "HEAD"):
             await self._loading_page(scope, send)
         else:
@@ -156,6 +163,16 @@ class LoadingGate:
                     return
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+    def _keyed_out(self, scope: Scope) -> bool:
+        """Whether keys are required and the request has none of them."""
+        if not self.keys:
+            return False
+        try:
+            self.keys.check(HTTPRequest(scope))
+        except APIError:
+            return True
+        return False
 
     def _is_api(self, scope: Scope) -> bool:
         if scope["path"] in self._open:
