@@ -329,15 +329,17 @@ def _add(writer: gguf.GGUFWriter, name: str, w: np.ndarray, qtype: str,
 
 
 def random_blocks(shape: tuple[int, ...], qtype: str, rng: np.random.Generator) -> np.ndarray:
-    """Random quantized bytes for a (rows, cols) tensor; K-quants get finite, small scales."""
+    """Random quantized bytes for a (rows, cols) tensor, or a stack of them (experts: (n,
+    rows, cols)); K-quants get finite, small scales."""
     block, size = gguf.GGML_QUANT_SIZES[QType[qtype]]
-    rows, cols = shape
+    *lead, cols = shape
+    rows = int(np.prod(lead))
     assert cols % block == 0, f"{qtype} needs rows of a multiple of {block}, got {cols}"
     data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
     for offset in _K_SCALE_OFFSETS.get(qtype, ()):
         scale = rng.uniform(1e-3, 1e-2, size=(rows, cols // block)).astype(np.float16)
         data[..., offset:offset + 2] = scale.view(np.uint8).reshape(rows, cols // block, 2)
-    return data.reshape(rows, cols // block * size)
+    return data.reshape(*lead, cols // block * size)
 
 
 def looks_special(text: str) -> bool:

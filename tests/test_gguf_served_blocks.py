@@ -198,9 +198,10 @@ def family_dirs(tmp_path_factory) -> dict[str, object]:
 def test_every_family_served_from_its_blocks_computes_its_float32_load(family_dirs, tmp_path,
                                                                        case):
     """Each family's Q8_0 GGUF, served from its blocks by default, gives the logits of its
-    float32 load, and the weights read as blocks were never built in float32. Exceptions as
-    before: stacked experts are dequantized; GPT-2's file (its Conv1D blocks run along the
-    other axis) loads as float32 by default, as blocks when asked."""
+    float32 load, and the weights read as blocks were never built in float32, a mixture's
+    stacked experts too (tests/test_gguf_served_experts.py; they were dequantized before).
+    The exception as before: GPT-2's file (its Conv1D blocks run along the other axis) loads
+    as float32 by default, as blocks when asked."""
     path = hf_dir_to_gguf(family_dirs[case], tmp_path / "m.gguf", "Q8_0")
     asked = "blocks" if case == "gpt2" else "auto"
     served = nbserve.load(str(path), weights=asked, verbose=False).model
@@ -210,6 +211,8 @@ def test_every_family_served_from_its_blocks_computes_its_float32_load(family_di
         assert nbserve.load(str(path), verbose=False).model.weight_format == "float32"
     on_meta = [n for n, p in served.named_parameters() if p.device.type == "meta"]
     assert on_meta, case  # GPT-2's: released once its blocks serve
+    built = [n for n, p in served.named_parameters() if p.device.type != "meta"]
+    assert not [n for n in built if ".experts." in n], case
     ids = [1, 5, 70, 300, 12, 2, 9, 40, 41, 42, 43, 44, 45, 46, 47, 48, 7]
     for got, want in zip(_lone_steps(served, ids), _lone_steps(full, ids)):
         torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())

@@ -10,6 +10,7 @@ says which matmuls it has (`_named_holders`), so every family gets the same fast
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,31 @@ from .linear import HalfCopy, PackedCopy, packing_affordable, packing_available
 from .quant import KernelLinear, QuantBlocks, float_kernel_serves
 
 Holder = Linear | FusedProjection
+
+
+class BlockExperts(Protocol):
+    """A mixture's experts served from a checkpoint's blocks (`models.moe.Experts`): its
+    float32 parameters on meta while released, read back out of the blocks for `.to()`,
+    `state_dict()`... as the released weights of the matmul holders are."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks they are served from."""
+        ...
+
+    @property
+    def released(self) -> bool:
+        """Whether the parameters are on meta (the blocks serve)."""
+        ...
+
+    def release(self) -> int:
+        """Put the parameters on meta where the blocks give them back bit for bit; the bytes
+        freed."""
+        ...
+
+    def restore(self) -> None:
+        """Make the parameters the blocks' values again (float32) while released."""
+        ...
 
 
 class WeightFormats(nn.Module):
@@ -57,6 +83,20 @@ class WeightFormats(nn.Module):
 
     def refresh_fused(self) -> None:
         """Make fused projections views of their parameters again after the weights moved."""
+
+    def serve_expert_blocks(self, blocks: dict[str, QuantBlocks], round16: bool = True) -> None:
+        """Hook for a model with a mixture of experts: take the blocks of its experts'
+        matrices out of `blocks` (named per expert, as a GGUF's stacked experts split:
+        `loading.gguf.GGUFTensors.serve_blocks`) and serve the experts from them, their
+        parameters left on meta (then listed by `block_experts`). `serve_file_blocks` calls it
+        before it refuses blocks that serve nothing. `round16`: see `use_quantized_weights`.
+        The default takes none (a model without experts)."""
+
+    def block_experts(self) -> list[BlockExperts]:
+        """Hook: the model's experts served from blocks (`serve_expert_blocks`), which the
+        weight accounting, `release_dense_weights` and `restore_dense_weights` take along.
+        The default: none."""
+        return []
 
     @property
     def device(self) -> torch.device:
@@ -218,8 +258,8 @@ class WeightFormats(nn.Module):
         of the blocks for `.to()`, `state_dict()`...): no float32 copy of them is ever made.
         Takes `blocks` over: each part is dropped from it once stacked, so the weights are
         never held twice. A matmul stored as floats (or fused with one) gets Q8_0 blocks made
-        of its float32 weight, which stays, as `use_quantized_weights` does. `round16`: see
-        there."""
+        of its float32 weight, which stays, as `use_quantized_weights` does. The blocks of a
+        mixture's experts go to `serve_expert_blocks`. `round16`: see there."""
         if not blocks:
             return
         embedding = self.embedding_weight()
@@ -253,6 +293,7 @@ class WeightFormats(nn.Module):
             copies.append(form)
             if holder.weight is not embedding:  # a tied head comes back with the embedding
                 self._released.append(holder)
+        self.serve_expert_blocks(blocks, round16)
         unserved = sorted(set(blocks) - set(names))
         if unserved:
             raise RuntimeError(f"blocks of {unserved[:3]} serve no matmul of "
@@ -298,6 +339,7 @@ class WeightFormats(nn.Module):
             self._set_dense(holder, names, torch.empty(weight.shape, dtype=weight.dtype,
                                                        device="meta"))
             self._released.append(holder)
+        freed += sum(experts.release() for experts in self.block_experts())
         return freed + self._release_embedding()
 
     def _release_embedding(self) -> int:
@@ -339,6 +381,8 @@ class WeightFormats(nn.Module):
         if self._embedding_blocks is not None:
             self._set_embedding(self._embedding_blocks.dequantize())
             self._embedding_blocks = None
+        for experts in self.block_experts():
+            experts.restore()
         if not self._released:
             return
         named = {id(holder): names for holder, names in self._named_holders()}
@@ -350,7 +394,8 @@ class WeightFormats(nn.Module):
     def dense_released(self) -> bool:
         """Whether some float32 weights (matmuls, the embedding) live in their copies only (on
         meta)."""
-        return bool(self._released) or self._embedding_blocks is not None
+        return bool(self._released) or self._embedding_blocks is not None or any(
+            experts.released for experts in self.block_experts())
 
     def _owns(self, holder: Holder, names: list[str]) -> bool:
         """Whether `names` are the parameters `holder` multiplies by (so they can be swapped)."""
@@ -431,7 +476,8 @@ class WeightFormats(nn.Module):
 
     def derived_bytes(self) -> int:
         """Bytes of the weight copies kept for speed (float16, packed, quantized, transposed
-        head); the float32 kernel shares the weights and adds none."""
+        head) and of the blocks experts are served from (`block_experts`); the float32 kernel
+        shares the weights and adds none."""
         total = 0 if self._head_t is None else self._head_t.numel() * self._head_t.element_size()
         forms = [holder.form for holder in self._weight_holders()]
         total += sum(form.nbytes for form in forms if form is not None)
@@ -439,7 +485,7 @@ class WeightFormats(nn.Module):
         if self._embedding_blocks is not None and not (
                 isinstance(head, BlockForm) and head.blocks is self._embedding_blocks):
             total += self._embedding_blocks.nbytes  # an untied embedding's own blocks
-        return total
+        return total + sum(experts.nbytes for experts in self.block_experts())
 
     @property
     def weight_format(self) -> str:

@@ -96,6 +96,8 @@ class GGUFTensors:
             self._plan.append((t, rule))
         self._served: set[str] = set()  # HF names streamed as meta, their blocks read (below)
         self._groups: dict[str, tuple[str, ...]] = {}  # a served name: its fused group's names
+        self._experts: set[str] = set()  # GGUF names of stacked experts read as blocks
+        self._expert_pairs: dict[str, tuple[str, str]] = {}  # gate or up: (gate, up) GGUF names
         self._shapes = {rule.hf_names[0]: tuple(int(d) for d in reversed(t.shape.tolist()))
                         for t, rule in self._plan}  # HF names: torch-order shapes
         self._blocks: dict[str, QuantBlocks] = {}
@@ -108,10 +110,15 @@ class GGUFTensors:
         instead of float tensors: each such matmul weight (and the token embedding) is read
         from the file into its blocks once (`take_blocks`), never dequantized, and streams as
         a tensor on the meta device of its shape (the builder keeps it there; the model is
-        then served from the blocks, `WeightFormats.serve_file_blocks`). Left as floats:
-        1-D tensors (norms, biases), stacked experts, shifted tensors, every tensor of a
-        layout that transposes some (GPT-2's Conv1D), and a fused group (q/k/v, gate/up)
-        whose members are not all of such types."""
+        then served from the blocks, `WeightFormats.serve_file_blocks`). Stacked experts
+        (`blk.N.ffn_{gate,up,down}_exps`, 3-D) too, where all of a layer's are of such types:
+        each expert's matrix streams as a meta tensor under its own name, its blocks a row
+        range of its stack's (a layer's gate and up stacks read into one buffer, each expert's
+        gate rows then up rows, so its fused gate|up is those blocks, not a copy), and the
+        model serves its experts from them (`WeightFormats.serve_expert_blocks`). Left as
+        floats: 1-D tensors (norms, biases), shifted tensors, every tensor of a layout that
+        transposes some (GPT-2's Conv1D), a fused group (q/k/v, gate/up) whose members are
+        not all of such types, and a layer's experts where one of its stacks is not."""
         from ..execution.quant import BLOCK_TYPES
 
         if self._transposes:  # GPT-2: its family renames the tensors, and the blocks of
@@ -126,6 +133,30 @@ class GGUFTensors:
             kinds = {(served[m].tensor_type, tuple(served[m].data.shape[1:])) for m in group}
             if len(group) > 1 and len(kinds) == 1:
                 self._groups[name] = group
+        self._serve_experts()
+
+    def _serve_experts(self) -> None:
+        """Pick the stacked experts read as blocks (`serve_blocks`): a layer's, where all its
+        stacks are of a served type; its gate and up stacks paired where they are of one type
+        and row length."""
+        from ..execution.quant import BLOCK_TYPES
+
+        layers: dict[str, list[tuple[ReaderTensor, Rule]]] = {}
+        for t, rule in self._plan:
+            if len(t.shape) == 3 and len(rule.hf_names) > 1:
+                layers.setdefault(t.name.split(".")[1], []).append((t, rule))
+        for planned in layers.values():
+            if not all(t.tensor_type.name in BLOCK_TYPES
+                       and not (rule.transpose or rule.shift or rule.heads)
+                       for t, rule in planned):
+                continue
+            stacks = [t for t, _ in planned]
+            self._experts |= {t.name for t in stacks}
+            by_role = {t.name.split(".")[2]: t for t in stacks}
+            gate, up = by_role.get("ffn_gate_exps"), by_role.get("ffn_up_exps")
+            if gate is not None and up is not None and gate.tensor_type == up.tensor_type \
+                    and tuple(gate.data.shape) == tuple(up.data.shape):
+                self._expert_pairs[gate.name] = self._expert_pairs[up.name] = (gate.name, up.name)
 
     def take_blocks(self) -> dict[str, QuantBlocks]:
         """The blocks the last pass read (`serve_blocks`), by HF name; handed over once."""
@@ -134,10 +165,16 @@ class GGUFTensors:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         pending: dict[tuple[str, ...], tuple[np.ndarray, set[str]]] = {}
+        pairs: dict[tuple[str, str], tuple[np.ndarray, dict[str, tuple[str, ...]]]] = {}
         with open(self._path, "rb", buffering=0) as file:
             for t, rule in tqdm(self._plan, desc=f"Loading {self._path.name}", unit="tensor",
                                 leave=False):
                 name = rule.hf_names[0]
+                if t.name in self._experts:
+                    self._read_experts(file, t, rule, pairs)
+                    for name in rule.hf_names:  # each expert's (rows, cols), as split floats
+                        yield name, torch.empty(int(t.shape[1]), int(t.shape[0]), device="meta")
+                    continue
                 if name in self._served:
                     self._read_served(file, t, rule, pending)
                     yield name, torch.empty(int(t.shape[1]), int(t.shape[0]), device="meta")
@@ -174,6 +211,42 @@ class GGUFTensors:
                 self._blocks[member] = blocks.row_range(start, start + rows[member])
                 start += rows[member]
             del pending[group]
+
+    def _read_experts(self, file: io.FileIO, t: ReaderTensor, rule: Rule,
+                      pairs: dict[tuple[str, str], tuple[np.ndarray, dict[str, tuple[str, ...]]]]
+                      ) -> None:
+        """Read a stacked experts tensor's blocks (`serve_blocks`), each expert's a row range
+        of them: alone, or a layer's gate and up stacks into one buffer, expert by expert
+        its gate rows then its up rows, whose blocks each expert's gate and up get a row range
+        of once both are read (so its gate|up is one range: `QuantBlocks.cat` joins them
+        without a copy)."""
+        from ..execution.quant import QuantBlocks
+
+        experts, rows, row_bytes = (int(d) for d in t.data.shape)
+        pair = self._expert_pairs.get(t.name)
+        if pair is None:
+            blocks = _read_single(file, t, rule)
+            for e, name in enumerate(rule.hf_names):
+                self._blocks[name] = blocks.row_range(e * rows, (e + 1) * rows)
+            return
+        if pair not in pairs:
+            pairs[pair] = (np.empty((experts, 2 * rows, row_bytes), np.uint8), {})
+        raw, done = pairs[pair]
+        start = 0 if t.name == pair[0] else rows
+        for e in range(experts):  # expert e's matrix lies at e * its bytes in the stack
+            _read_at(file, t, int(t.data_offset) + e * rows * row_bytes,
+                     raw[e, start:start + rows])
+        done[t.name] = rule.hf_names
+        if len(done) < 2:
+            return
+        del pairs[pair]
+        both = QuantBlocks.from_gguf(raw.reshape(experts * 2 * rows, row_bytes),
+                                     t.tensor_type.name)
+        assert both is not None  # `serve_blocks` picked only types of BLOCK_TYPES
+        for e in range(experts):
+            for offset, names in ((0, done[pair[0]]), (rows, done[pair[1]])):
+                first = e * 2 * rows + offset
+                self._blocks[names[e]] = both.row_range(first, first + rows)
 
     def quant_blocks(self) -> dict[str, QuantBlocks]:
         """The tensors stored in a type of `execution.quant.BLOCK_TYPES` (Q4_0, Q4_1, Q8_0, the
@@ -225,7 +298,8 @@ def _read_single(file: io.FileIO, t: ReaderTensor, rule: Rule) -> QuantBlocks:
     blocks made of them (Q4_0/Q4_1/Q8_0 are rearranged) are never both held whole."""
     from ..execution.quant import QuantBlocks
 
-    rows, row_bytes = t.data.shape
+    row_bytes = int(t.data.shape[-1])  # a stack of experts: its experts' rows one after
+    rows = int(t.data.size) // row_bytes  # the other
     step = max(1, CHUNK_BYTES // row_bytes)
     if rule.heads or rows <= 2 * step:
         raw = np.empty((rows, row_bytes), dtype=np.uint8)

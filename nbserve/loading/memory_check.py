@@ -109,11 +109,11 @@ def weight_bytes(tensors: Iterable[StoredTensor], form: WeightForm) -> int:
     every step are counted: they exist until the load ends."""
     tensors = list(tensors)
     size = torch.tensor([], dtype=form.dtype).element_size()
-    if form.copies == "served":  # 2-D tensors of a served type as stored; the rest dense;
-        from ..execution.quant import BLOCK_TYPES  # one tensor read and reordered at a time
-
-        kept = [t.nbytes if t.stored in BLOCK_TYPES and len(t.shape) == 2 else t.numel * size
-                for t in tensors]
+    if form.copies == "served":  # matmul weights (2-D) and stacked experts (3-D) of a served
+        from ..execution.quant import BLOCK_TYPES  # type as stored, the rest dense; one
+        # tensor (a layer's gate and up experts: one buffer) read and reordered at a time
+        kept = [t.nbytes if t.stored in BLOCK_TYPES and len(t.shape) in (2, 3)
+                else t.numel * size for t in tensors]
         return sum(kept) + 2 * max(kept, default=0)
     dense = sum(t.numel * size for t in tensors)
     largest = max((t.numel * 4 for t in tensors), default=0)

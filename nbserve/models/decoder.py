@@ -26,15 +26,17 @@ from ..cpu.kernels.build import kernels_available
 from ..execution.decode_stack import DecodeStack
 from ..execution.holders import FusedProjection, Linear, normed_linear, runs_on_kernel
 from ..execution.kv_cache import PagedKVCache
+from ..execution.quant import QuantBlocks
 from ..execution.static_decode import StaticDecode
 from ..execution.step_inputs import LoneInputs, Rope, StepInputs
 from ..execution.steps import PagedSteps
-from ..execution.weights import WeightFormats
+from ..execution.weights import BlockExperts, WeightFormats
 from .attention import Attention
 from .base import PagedModel
 from .config import DecoderConfig
 from .dtypes import QUANTIZED_FORMATS
 from .layers import MLP, KernelNorm, make_mlp, make_norm
+from .moe import SparseMoE, take_expert_blocks
 from .rope import RopeRegime, RopeSpec
 
 PAGED_BLOCK_SIZE = 32  # positions per block of a cache made by make_cache (the row convention)
@@ -162,6 +164,24 @@ class DecoderModel(PagedSteps, WeightFormats, PagedModel):
 
     def embedding_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight
+
+    def _sparse_mlps(self) -> dict[int, SparseMoE]:
+        """The layers whose MLP is a mixture of experts, by index."""
+        return {i: layer.mlp for i, layer in enumerate(self.model.decoder_layers)
+                if isinstance(layer.mlp, SparseMoE)}
+
+    def serve_expert_blocks(self, blocks: dict[str, QuantBlocks], round16: bool = True) -> None:
+        """Each mixture's experts served from their blocks in `blocks` (`take_expert_blocks`,
+        `Experts.serve_blocks`)."""
+        sparse = self._sparse_mlps()
+        if not sparse:
+            return
+        for i, (gate, up, down) in take_expert_blocks(blocks, sparse).items():
+            sparse[i].experts.serve_blocks(gate, up, down, round16)
+
+    def block_experts(self) -> list[BlockExperts]:
+        return [mlp.experts for mlp in self._sparse_mlps().values()
+                if mlp.experts.forms is not None]
 
     def _named_holders(self) -> list[tuple[Linear | FusedProjection, list[str]]]:
         """What runs each layer matmul (fused projections where there are, else the Linears),

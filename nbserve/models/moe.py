@@ -15,6 +15,11 @@ Parameters carry transformers 5's names, so its state dicts and models load as t
 `mlp.gate.weight` (E, H) the router, `mlp.experts.gate_up_proj` (E, 2I, H) gate rows then up
 rows, `mlp.experts.down_proj` (E, H, I). Checkpoints on the hub (and GGUF files, which the
 GGUF reader splits per expert) name each expert's matrices; `stack_experts` stacks them at load.
+
+A quantized GGUF's experts are served from the file's blocks (`Experts.serve_blocks`): each
+expert's gate|up and down are a `BlockForm` multiplied by the C kernels over the rows routed
+to it, and the 3-D parameters stay on the meta device (read back out of the blocks for
+`.to()`, `state_dict()`: `restore`), as the other weights of such a model.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..execution.formats import BlockForm, PartsForm
 from ..execution.holders import FusedProjection, Linear, linear
+from ..execution.quant import QuantBlocks
 from .layers import ACTIVATION, MLP, DecoderMLP
 
 if TYPE_CHECKING:
@@ -95,6 +102,9 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.act = ACTIVATION[act]
         self.grouped = True  # False: one F.linear per expert with tokens, as without grouped_mm
+        # served from blocks (`serve_blocks`): each expert's gate|up form and its down form
+        self.forms: tuple[list[BlockForm | PartsForm], list[BlockForm]] | None = None
+        self._released = False  # the parameters on meta, the forms serving (`released`)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
                 ) -> torch.Tensor:
@@ -106,13 +116,83 @@ class Experts(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         ends = counts.cumsum(0).to(torch.int32)  # grouped_mm's offsets: each group's end row
-        gate_up = self._matmul(rows, self.gate_up_proj, counts, ends)  # (N*k, 2I)
+        forms = self.forms if self.released else None
+        gate_up = (self._matmul(rows, self.gate_up_proj, counts, ends) if forms is None
+                   else served_linear(rows, forms[0], counts))  # (N*k, 2I)
         i = self.intermediate
         hidden = self.act(gate_up[:, :i]) * gate_up[:, i:]
-        out = self._matmul(hidden, self.down_proj, counts, ends)  # (N*k, H)
+        out = (self._matmul(hidden, self.down_proj, counts, ends) if forms is None
+               else served_linear(hidden, forms[1], counts))  # (N*k, H)
         out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
         unsorted = torch.empty_like(out).index_copy_(0, order, out)
         return unsorted.view(n, k, -1).sum(dim=1)
+
+    # ------------------------------------------------------------ served from blocks
+
+    def serve_blocks(self, gate: list[QuantBlocks], up: list[QuantBlocks],
+                     down: list[QuantBlocks], round16: bool = True) -> None:
+        """Serve the experts from a checkpoint's blocks of each one's gate, up and down
+        matrices (a GGUF's: `loading.gguf.GGUFTensors.serve_blocks`), their parameters left on
+        the meta device: expert e's gate|up is `QuantBlocks.cat` of its gate and up blocks (no
+        copy where the reader laid them out so; a `PartsForm` where their types differ), its
+        down its down blocks, each multiplied by the C kernels (`round16`: see
+        `KernelLinear`). Raises ValueError for a count or shape that is not this layer's."""
+        n, i = self.num_experts, self.intermediate
+        h = self.down_proj.shape[1]
+        if not len(gate) == len(up) == len(down) == n:
+            raise ValueError(f"blocks of {len(gate)}, {len(up)}, {len(down)} experts' gate, up, "
+                             f"down for a layer of {n} experts")
+        gate_up: list[BlockForm | PartsForm] = []
+        for e, (g, u, d) in enumerate(zip(gate, up, down)):
+            if g.shape != (i, h) or u.shape != (i, h) or d.shape != (h, i):
+                raise ValueError(f"expert {e}'s blocks have shapes {g.shape}, {u.shape}, "
+                                 f"{d.shape}; the layer's are {(i, h)}, {(i, h)}, {(h, i)}")
+            own = QuantBlocks.cat([g, u])
+            gate_up.append(BlockForm(own, None, round16) if own is not None else
+                           PartsForm([BlockForm(g, None, round16), BlockForm(u, None, round16)]))
+        self.forms = (gate_up, [BlockForm(d, None, round16) for d in down])
+        self._released = True
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks the experts are served from (0 when they are not)."""
+        return 0 if self.forms is None else sum(f.nbytes for f in (*self.forms[0],
+                                                                   *self.forms[1]))
+
+    @property
+    def released(self) -> bool:
+        """Whether the experts are served from their blocks, the parameters on meta."""
+        return self._released
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up_proj, down_proj) as float32, read out of the blocks (`serve_blocks`)."""
+        assert self.forms is not None
+        return (torch.stack([f.dense() for f in self.forms[0]]),
+                torch.stack([f.dense() for f in self.forms[1]]))
+
+    def restore(self) -> None:
+        """Make the parameters the blocks' values again (float32, on CPU) while released."""
+        if self.released:
+            gate_up, down = self.dense()
+            self.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+            self.down_proj = nn.Parameter(down, requires_grad=False)
+            self._released = False
+
+    def release(self) -> int:
+        """Put the parameters back on meta, the experts served from their blocks, where those
+        give them back bit for bit (CPU float32, unchanged since `restore`); the bytes freed."""
+        params = (self.gate_up_proj, self.down_proj)
+        if self.forms is None or self.released or any(
+                p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
+            return 0
+        gate_up, down = self.dense()
+        if not (torch.equal(gate_up, params[0]) and torch.equal(down, params[1])):
+            return 0
+        self.gate_up_proj, self.down_proj = (
+            nn.Parameter(torch.empty(p.shape, device="meta"), requires_grad=False)
+            for p in params)
+        self._released = True
+        return sum(p.numel() * p.element_size() for p in params)
 
     def _matmul(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
                 ends: torch.Tensor) -> torch.Tensor:
@@ -144,6 +224,18 @@ def per_expert_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tenso
     for e, count in enumerate(counts.tolist()):
         if count:
             outs.append(expert_linear(x[start:start + count], weight[e]))
+            start += count
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def served_linear(x: torch.Tensor, forms: list[BlockForm] | list[BlockForm | PartsForm],
+                  counts: torch.Tensor) -> torch.Tensor:
+    """`per_expert_linear` over experts served from blocks: each expert's rows through its
+    form (`BlockForm.matmul`, the C kernels)."""
+    outs, start = [], 0
+    for e, count in enumerate(counts.tolist()):
+        if count:
+            outs.append(forms[e].matmul(x[start:start + count]))
             start += count
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
@@ -196,6 +288,37 @@ class SparseMoE(DecoderMLP):
 # ------------------------------------------------------------------ per-expert checkpoints
 
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.weight$")
+# what each family names an expert's matrices (their `PROJECTIONS`): gate, up or down
+EXPERT_ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",  # Qwen3-MoE
+                "w1": "gate", "w3": "up", "w2": "down"}  # Mixtral
+
+
+ExpertBlocks = tuple[list[QuantBlocks], list[QuantBlocks], list[QuantBlocks]]  # gate, up, down
+
+
+def take_expert_blocks(blocks: dict[str, QuantBlocks], layers: Iterable[int]
+                       ) -> dict[int, ExpertBlocks]:
+    """The blocks of layers `layers`' experts, taken out of `blocks` (named per expert,
+    `model.layers.L.{block}.experts.E.{proj}.weight`, proj one of `EXPERT_ROLES`): by layer,
+    (gate, up, down) blocks in expert order. Raises ValueError for a layer that lacks some."""
+    wanted = set(layers)
+    found: dict[int, dict[tuple[str, int], QuantBlocks]] = {}
+    for name in list(blocks):
+        m = _EXPERT.match(name)
+        if m is not None and int(m.group(1)) in wanted and m.group(4) in EXPERT_ROLES:
+            found.setdefault(int(m.group(1)), {})[(EXPERT_ROLES[m.group(4)], int(m.group(3)))] \
+                = blocks.pop(name)
+    out: dict[int, ExpertBlocks] = {}
+    for layer, parts in found.items():
+        n = 1 + max(e for _, e in parts)
+        lacking = [f"{role} of expert {e}" for e in range(n) for role in ("gate", "up", "down")
+                   if (role, e) not in parts]
+        if lacking:
+            raise ValueError(f"layer {layer} has blocks of some experts' matrices but not of "
+                             f"{', '.join(lacking[:3])}")
+        gate, up, down = ([parts[(role, e)] for e in range(n)] for role in ("gate", "up", "down"))
+        out[layer] = (gate, up, down)
+    return out
 
 
 class _LayerStack:
