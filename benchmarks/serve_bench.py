@@ -311,7 +311,7 @@ def load_engine(args: argparse.Namespace, levels: list[int]) -> Any:
     from nbserve.loading import load
 
     t0 = time.perf_counter()
-    loaded = load(args.model, dtype=args.dtype)
+    loaded = load(args.model, dtype=args.dtype, weights=args.weights, exact=args.exact)
     engine = Engine(loaded, max_batch=args.max_batch or max(levels),
                     max_context=args.max_context, quiet=True)
     print(f"loaded {engine.model_name} in {time.perf_counter() - t0:.1f} s "
@@ -772,9 +772,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run the peers side by side, their rounds alternating at each level "
                         "(default; --no-together: one peer after the other)")
     p.add_argument("--dtype", default=None,
-                   help="nbserve's weights (default: the loader's: quantized for a GGUF of "
-                   "Q4/Q8 blocks, else float32 on CPU): float32, quantized, mixed16, bfloat16, "
-                   "float16")
+                   help="the in-process engine's compute dtype (default: the loader's, float32 "
+                   "on CPU): float32, bfloat16, float16")
+    p.add_argument("--weights", default="auto", choices=["auto", "blocks", "dense", "mixed16"],
+                   help="the in-process engine's weight format (default auto: a quantized GGUF "
+                   "on CPU is served from its blocks)")
+    p.add_argument("--exact", action="store_true",
+                   help="blocks in float32 arithmetic on every kernel path")
     p.add_argument("--llama-cpp-python", default=sys.executable,
                    help="Python interpreter that has llama-cpp-python[server] installed (default: "
                    "this one); a separate venv keeps its dependencies out of nbserve's")
