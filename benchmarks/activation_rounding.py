@@ -13,12 +13,14 @@ With `--file FILE.gguf` (a quantized GGUF, e.g. a K-quant file): the real kernel
 a simulation. The file loads twice, served from its blocks: weights="blocks", exact=True (float32
 arithmetic on gguf's dequantized weights, the reference) and weights="blocks" with
 NBSERVE_ROUND16=1 (the integer row kernels of cpu/kernels/gguf_blocks.c and quant_matmul.c: a
-lone stream's matmul inputs rounded to 16 bits per block of 32); the same count of identical
-greedy answers. Chat prompts through the file's template, or plain text prompts for a base
-model without one.
+lone stream's matmul inputs rounded to 16 bits per block of 32); then a third time with
+NBSERVE_ROUND8=1 as well (Q4_K's and Q6_K's inputs rounded to 8 bits per 256, llama.cpp's Q8_K,
+for their integer row kernels; the other types as with 16 bits); the same count of identical
+greedy answers, each rounding against exact. Chat prompts through the file's template, or plain
+text prompts for a base model without one.
 
     python benchmarks/activation_rounding.py            # ~6 minutes on 2 cores
-    python benchmarks/activation_rounding.py --file FILE.gguf   # Gemma 3 270M: ~5 minutes
+    python benchmarks/activation_rounding.py --file FILE.gguf   # Gemma 3 270M: ~7 minutes
 """
 
 from __future__ import annotations
@@ -106,14 +108,17 @@ def report(name: str, got: list[list[int]], reference: list[list[int]], what: st
 
 
 def file_modes(path: Path, n_prompts: int, max_tokens: int) -> None:
-    """The real kernels on a quantized GGUF: exact against 16-bit inputs (see the docstring)."""
+    """The real kernels on a quantized GGUF: exact against 16-bit and 8-bit inputs (see the
+    docstring)."""
     from engine_bench import TOPICS, chat_prompts
 
     import nbserve
 
     results, rates = {}, {}
-    for dtype, round16 in (("quantized-exact", "0"), ("quantized", "1")):
+    for dtype, round16, round8 in (("quantized-exact", "0", "0"), ("quantized", "1", "0"),
+                                   ("round8", "1", "1")):
         os.environ["NBSERVE_ROUND16"] = round16  # read when the kernels are made, at load
+        os.environ["NBSERVE_ROUND8"] = round8
         loaded = nbserve.load(str(path), weights="blocks", exact=dtype == "quantized-exact",
                               verbose=False)
         if loaded.template is not None:
@@ -129,10 +134,13 @@ def file_modes(path: Path, n_prompts: int, max_tokens: int) -> None:
         del loaded
     print(f"{path.name}: served from its blocks, one stream (prefills included, load average "
           f"{os.getloadavg()[0]:.1f}): {rates['quantized-exact']:.1f} tok/s exact, "
-          f"{rates['quantized']:.1f} with 16-bit inputs", flush=True)
+          f"{rates['quantized']:.1f} with 16-bit inputs, {rates['round8']:.1f} with 8-bit inputs "
+          "for Q4_K and Q6_K", flush=True)
+    exact = "exact float32 arithmetic (weights='blocks', exact=True)"
     report("16-bit inputs (weights='blocks', NBSERVE_ROUND16=1)", results["quantized"],
-           results["quantized-exact"], "exact float32 arithmetic (weights='blocks', exact=True)",
-           max_tokens)
+           results["quantized-exact"], exact, max_tokens)
+    report("8-bit inputs for Q4_K and Q6_K (NBSERVE_ROUND8=1)", results["round8"],
+           results["quantized-exact"], exact, max_tokens)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--file", type=Path, default=None,
-                    help="a quantized GGUF: its real kernels, exact against 16-bit inputs")
+                    help="a quantized GGUF: its real kernels, exact against 16- and 8-bit inputs")
     args = ap.parse_args(argv)
     if args.file is not None:
         file_modes(args.file.expanduser(), args.prompts, args.max_tokens)

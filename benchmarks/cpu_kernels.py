@@ -20,13 +20,17 @@ With `--blocks`: the C kernels over GGUF's own blocks (`cpu/kernels/gguf_blocks.
 input row against a weight of every block type (or those of `--types`) larger than the caches
 (256 MB of random blocks, rows of 4096), at 1 and 2 threads, in exact mode and with the input
 rounded to 16 bits per block (`round16`, the integer row kernels; the same as exact on a build
-without them): GB/s of blocks read, beside the machine's read bandwidth measured by a C loop
-over a buffer of the same size with the same threads just before each (the bound a decode
-step's matmuls can reach). `NBSERVE_KERNEL_ISA=avx2` (or `plain`) times that path's build.
+without them) and, for Q4_K and Q6_K, to 8 bits per 256 (`round8`, llama.cpp's Q8_K): GB/s of
+blocks read, beside the machine's read bandwidth measured by a C loop over a buffer of the same
+size with the same threads just before each (the bound a decode step's matmuls can reach).
+`NBSERVE_KERNEL_ISA=avx2` (or `plain`) times that path's build. With `--in-cache` as well: the
+same modes on a weight that stays in the caches (256 rows of 4096), at 1, 2 and 4 input rows,
+1 thread, in microseconds a product: the kernels' arithmetic alone.
 
     python benchmarks/cpu_kernels.py               # ~1 minute on 2 cores
     python benchmarks/cpu_kernels.py --crossover   # ~1 minute; needs a C compiler
     python benchmarks/cpu_kernels.py --blocks      # ~2 minutes; needs a C compiler
+    python benchmarks/cpu_kernels.py --blocks --in-cache --types Q4_K,Q6_K  # seconds
 """
 
 from __future__ import annotations
@@ -167,8 +171,7 @@ def block_throughput(n: int, types: list[str] | None = None, size_mb: int = 256,
     rounded to 16 bits, at 1 and 2 threads, beside the read bandwidth of a C loop over as many
     bytes."""
     from nbserve.cpu.kernels import build
-    from nbserve.cpu.kernels.abi import KernelFlag
-    from nbserve.cpu.kernels.blocks import BlockType, blocks_rounded, row_bytes
+    from nbserve.cpu.kernels.blocks import BlockType, row_bytes
 
     lib, reader = build.quant_kernels(), read_loop()
     rng = np.random.default_rng(0)
@@ -189,10 +192,7 @@ def block_throughput(n: int, types: list[str] | None = None, size_mb: int = 256,
         for block_type in chosen:
             rows = (size_mb << 20) // row_bytes(block_type, k)
             raw = rng.integers(0, 256, rows * row_bytes(block_type, k), dtype=np.uint8)
-            modes = [("exact", 0)]
-            if blocks_rounded(block_type, lib):
-                modes.append(("round16", int(KernelFlag.ROUND16)))
-            for mode, flags in modes:
+            for mode, flags in block_modes(lib, block_type):
                 cells = []
                 for threads in (1, 2):
                     def product(t: int = threads, kind: int = int(block_type),
@@ -209,6 +209,57 @@ def block_throughput(n: int, types: list[str] | None = None, size_mb: int = 256,
 
     release_openmp_pool()
     t = threading.Thread(target=body)  # a fresh thread, as the engine's
+    t.start()
+    t.join()
+
+
+def block_modes(lib: ctypes.CDLL, block_type: int) -> list[tuple[str, int]]:
+    """The kernel modes a build has for a block type: exact, round16, round8, with their flags."""
+    from nbserve.cpu.kernels.abi import KernelFlag
+    from nbserve.cpu.kernels.blocks import blocks_rounded, blocks_rounded8
+
+    modes = [("exact", 0)]
+    if blocks_rounded(block_type, lib):
+        modes.append(("round16", int(KernelFlag.ROUND16)))
+    if blocks_rounded8(block_type, lib):
+        modes.append(("round8", int(KernelFlag.ROUND8)))
+    return modes
+
+
+def block_in_cache(n: int, types: list[str] | None = None, n_out: int = 256,
+                   k: int = 4096) -> None:
+    """Microseconds of a product over a weight that stays in the caches (n_out rows of k), per
+    block type and mode, at 1, 2 and 4 input rows, 1 thread: the row kernels' arithmetic."""
+    from nbserve.cpu.kernels import build
+    from nbserve.cpu.kernels.blocks import BlockType, row_bytes
+
+    lib = build.quant_kernels()
+    rng = np.random.default_rng(0)
+    chosen = [BlockType[name] for name in types] if types else list(BlockType)
+    print(f"blocks in cache: simd width {lib.nbq_simd_width()}, {n_out} rows of {k}, 1 thread, "
+          f"load average {os.getloadavg()[0]:.2f}")
+
+    def body() -> None:
+        for block_type in chosen:
+            raw = rng.integers(0, 256, n_out * row_bytes(block_type, k), dtype=np.uint8)
+            for mode, flags in block_modes(lib, block_type):
+                cells = []
+                for rows in (1, 2, 4):
+                    x, y = torch.randn(rows, k), torch.empty(rows, n_out)
+
+                    def product(r: int = rows, kind: int = int(block_type), f: int = flags,
+                                x: torch.Tensor = x, y: torch.Tensor = y,
+                                w: np.ndarray = raw) -> None:
+                        for _ in range(10):
+                            lib.nbq_blocks_matmul(x.data_ptr(), r, k, kind, w.ctypes.data,
+                                                  n_out, y.data_ptr(), 1, None, 0.0, f)
+
+                    cells.append(f"{rows} row(s) {median_ms(product, n) * 100:7.1f} us")
+                print(f"blocks in cache: {block_type.name:<7} {mode:<7} " + " | ".join(cells),
+                      flush=True)
+
+    release_openmp_pool()
+    t = threading.Thread(target=body)
     t.start()
     t.join()
 
@@ -258,9 +309,14 @@ def main() -> None:
                     help="only the C kernels against oneDNN, 1 to 128 rows")
     ap.add_argument("--blocks", action="store_true",
                     help="only the GGUF block kernels' throughput against the read bandwidth")
+    ap.add_argument("--in-cache", action="store_true",
+                    help="with --blocks: microseconds over a weight in the caches, 1-4 rows")
     ap.add_argument("--types", default="",
                     help="with --blocks: the block types to time, e.g. Q4_K,Q6_K (default all)")
     args = ap.parse_args()
+    if args.blocks and args.in_cache:
+        block_in_cache(args.n, args.types.split(",") if args.types else None)
+        return
     if args.blocks:
         block_throughput(args.n, args.types.split(",") if args.types else None)
         return
