@@ -112,9 +112,18 @@ def ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.0f}"
 
 
+# "chat" (/chat/completions through the model's template) or "completions" (/completions with
+# the question as a plain prompt: a base model without a chat template); set by --api
+API = {"route": "chat"}
+
+
 def messages(i: int, run: str) -> list[dict[str, str]]:
     # A unique tag per request and run, so no run gets another run's prefix cache for free.
-    return [{"role": "user", "content": f"[{run}-{i}] {QUESTIONS[i % len(QUESTIONS)]}"}]
+    return [{"role": "user", "content": prompt_text(i, run)}]
+
+
+def prompt_text(i: int, run: str) -> str:
+    return f"[{run}-{i}] {QUESTIONS[i % len(QUESTIONS)]}"
 
 
 async def run_level(concurrency: int, n: int, one: Callable[[int], Awaitable[Sample]]
@@ -157,8 +166,11 @@ def http_one(client: Any, model: str, max_tokens: int, bias: dict[str, float], r
         s = Sample()
         start = last = time.perf_counter()
         chunks = 0
-        body = {**body_base, "messages": messages(i, run)}
-        async with client.stream("POST", "/chat/completions", json=body) as resp:
+        chat = API["route"] == "chat"
+        body = {**body_base, **({"messages": messages(i, run)} if chat else
+                                {"prompt": prompt_text(i, run)})}
+        async with client.stream("POST", "/chat/completions" if chat else "/completions",
+                                 json=body) as resp:
             if resp.status_code != 200:
                 raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
             async for line in resp.aiter_lines():
@@ -167,7 +179,8 @@ def http_one(client: Any, model: str, max_tokens: int, bias: dict[str, float], r
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     s.tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                choice = chunk["choices"][0] if chunk.get("choices") else {}
+                if (choice.get("delta") or {}).get("content") or choice.get("text"):
                     now = time.perf_counter()
                     chunks += 1
                     if s.ttft is None:
@@ -187,7 +200,9 @@ def engine_one(engine: Any, max_tokens: int, run: str) -> Callable[[int], Awaita
     async def one(i: int) -> Sample:
         s = Sample()
         start = last = time.perf_counter()
-        req = Request(messages=messages(i, run), params=SamplingParams(
+        asked = {"messages": messages(i, run)} if API["route"] == "chat" else \
+            {"prompt": prompt_text(i, run)}
+        req = Request(**asked, params=SamplingParams(
             temperature=0, max_tokens=max_tokens, logit_bias={t: -100.0 for t in
                                                               engine.stop_token_ids}))
         async for ev in engine.generate(req):
@@ -777,6 +792,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weights", default="auto", choices=["auto", "blocks", "dense", "mixed16"],
                    help="the in-process engine's weight format (default auto: a quantized GGUF "
                    "on CPU is served from its blocks)")
+    p.add_argument("--api", choices=["chat", "completions"], default="chat",
+                   help="the route load-tested: chat (the model's template) or completions (the "
+                   "question as a plain prompt, for a base model without a chat template)")
     p.add_argument("--exact", action="store_true",
                    help="blocks in float32 arithmetic on every kernel path")
     p.add_argument("--llama-cpp-python", default=sys.executable,
@@ -805,7 +823,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    asyncio.run(main_async(parse_args(argv)))
+    args = parse_args(argv)
+    API["route"] = args.api
+    asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":
