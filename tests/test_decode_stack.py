@@ -13,10 +13,14 @@ import torch
 from family_models import WINDOW, save_family_dir
 from gguf_util import hf_dir_to_gguf
 from kernel_paths import NEEDS_COMPILER, PATHS
+from tiny_models import make_tiny_hf_dir
 
 import nbserve
 from nbserve.cpu.kernels import build
+from nbserve.cpu.kernels.abi import BlockType, KernelFlag, Weight, WeightKind
+from nbserve.cpu.kernels.blocks import blocks_rounded8
 from nbserve.execution.decode_stack import DecodeStack, unfit_reason
+from nbserve.execution.formats import PartsForm
 from nbserve.execution.quant import FLOAT_MAX_ROWS
 from nbserve.models.dtypes import load_kwargs
 
@@ -202,3 +206,68 @@ def test_two_caches_over_one_model_keep_their_own_descriptions(q4_gguf, monkeypa
             tokens[i] = torch.tensor([IDS[pos + 1]])
     assert len(model.__dict__["_decode_stack"]._built) == 2
     assert _equal(got[0], alone) and _equal(got[1], alone)
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_parts_gguf(tmp_path_factory):
+    """A tiny Llama as llama.cpp's Q4_K_M lays many layers out: q and k Q4_K beside a Q6_K v
+    (one fused q/k/v of two types: a PartsForm), layer 1's up Q6_K beside its Q4_K gate (a
+    gate/up of two types too); rows of whole K-quant blocks (256 weights); heads of 128, as
+    most models have (128 ** -0.5 * 128 ** 0.5 is not 1.0 in float64)."""
+    folder = tmp_path_factory.mktemp("parts")
+    hf = make_tiny_hf_dir(folder / "hf", "llama", hidden_size=256, intermediate_size=512,
+                          num_attention_heads=2, num_key_value_heads=1)
+    types = {f"blk.{i}.attn_v.weight": "Q6_K" for i in range(2)}
+    types["blk.1.ffn_up.weight"] = "Q6_K"
+    return hf_dir_to_gguf(hf, folder / "m.gguf", "Q4_K", tensor_types=types)
+
+
+PARTS_ROUNDING = {"exact": {}, "round16": {"NBSERVE_ROUND16": "1"},
+                  "round8": {"NBSERVE_ROUND16": "1", "NBSERVE_ROUND8": "1"}}
+
+
+@pytest.mark.parametrize("rounding", sorted(PARTS_ROUNDING))
+@pytest.mark.parametrize("rows", [1, 3, 12], ids=["lone", "row-kernels", "panels"])
+def test_fused_parts_of_different_types_run_in_the_stack(rows, rounding, q4_k_m_parts_gguf,
+                                                         monkeypatch):
+    """A fused projection whose parts differ in block type (a Q4_K_M file's Q4_K q/k and Q6_K
+    v) is one NBQ_PARTS weight of the stack, each part with its own type and flags: the stack
+    serves every step, bit for bit the per-layer path's logits, a lone step or a batch, with
+    the inputs exact or rounded to 16 or 8 bits (where the build has those kernels)."""
+    for name, value in PARTS_ROUNDING[rounding].items():
+        monkeypatch.setenv(name, value)
+    model = nbserve.load(str(q4_k_m_parts_gguf), weights="blocks", exact=rounding == "exact",
+                         verbose=False).model
+    layers = model.model.layers
+    assert layers[0].self_attn.d == 128
+    assert all(isinstance(layer.self_attn.qkv.form, PartsForm) for layer in layers)
+    assert isinstance(layers[1].mlp.gate_up.form, PartsForm)
+    assert unfit_reason(model) is None and DecodeStack.for_model(model) is not None
+    if rows == 1:
+        want, none = _decode(model, 8, stacked=False, monkeypatch=monkeypatch)
+        got, served = _decode(model, 8, stacked=True, monkeypatch=monkeypatch)
+        steps = 8
+    else:
+        want, none = _batch_decode(model, rows, False, monkeypatch)
+        got, served = _batch_decode(model, rows, True, monkeypatch)
+        steps = 6
+    assert none == 0 and served == steps and _equal(got, want)
+    (built,) = model.__dict__["_decode_stack"]._built.values()  # the description it ran
+    for entry, layer in zip(built.array, layers, strict=True):
+        qkv, forms = entry.qkv, layer.self_attn.qkv.form.parts
+        assert qkv.kind == WeightKind.PARTS and qkv.parts == 3
+        parts = (Weight * 3).from_address(qkv.part)
+        assert [p.block_type for p in parts] == [BlockType.Q4_K, BlockType.Q4_K,
+                                                 BlockType.Q6_K]
+        assert [p.flags for p in parts] == [form.kernel.flags for form in forms]
+        assert [p.n for p in parts] == [form.shape[0] for form in forms]
+    assert built.array[0].gate_up.kind == WeightKind.BLOCKS
+    assert built.array[1].gate_up.kind == WeightKind.PARTS
+    flags = {p.kernel.flags for layer in layers for p in layer.self_attn.qkv.form.parts}
+    lib = build.quant_kernels()
+    if rounding == "exact":
+        assert flags == {0}
+    elif rounding == "round16" and lib.nbq_round16_max_rows():
+        assert flags == {KernelFlag.ROUND16}
+    elif rounding == "round8" and blocks_rounded8(BlockType.Q4_K, lib):
+        assert flags == {KernelFlag.ROUND16 | KernelFlag.ROUND8}  # both reach each part

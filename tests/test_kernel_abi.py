@@ -145,6 +145,15 @@ def test_c_outside_the_parsed_subset_is_refused_by_name(text, problem):
         abi.parse(text)
 
 
+def test_a_tagged_struct_may_point_to_itself():
+    """`typedef struct name { ... } name;` reads as the untagged form; a field pointing to
+    `struct name` (nbq_weight's parts) is an address."""
+    header = abi.parse("typedef struct w { int32_t n; const struct w *part; } w;")
+    assert header.structs["w"] == (abi.Param("n", "int32_t", False),
+                                   abi.Param("part", "w", True))
+    assert not header.functions
+
+
 def test_a_misspelled_field_raises():
     """The structs have no __dict__: a field name the header lacks is an error, not a new
     attribute the C side never sees."""

@@ -20,11 +20,13 @@ from typing import Protocol
 
 import torch
 
-from ..cpu.kernels.abi import Layer  # nbq_layer of nbserve_kernels.h
+from ..cpu.kernels.abi import Layer, Weight, WeightKind  # nbserve_kernels.h's structs
 from ..cpu.kernels.build import quant_kernels
+from .formats import PartsForm, WeightForm
 from .holders import FusedProjection, KernelNorm, Linear
 from .kv_cache import PagedKVCache
 from .paged_attention import paged_cache_serves
+from .quant import KernelLinear
 
 
 class StackConfig(Protocol):
@@ -171,6 +173,7 @@ class _Built:
     norm_weights: tuple[torch.Tensor, ...]  # their parameters
     norm_pointers: list[int]  # and their pointers
     max_rows: int | None  # the most rows every kernel takes (None: any)
+    parts: tuple[ctypes.Array[ctypes.Structure], ...] = ()  # the parts' Weight arrays, kept
 
     def current(self, model: StackModel, cache: PagedKVCache) -> bool:
         """Whether every object and pointer it was built from is still in place: a layer, a
@@ -239,31 +242,58 @@ class DecodeStack:
             self._built[id(cache)] = built  # one assignment: a concurrent step sees old or new
         return built
 
+    @staticmethod
+    def _kernels(form: WeightForm | None) -> list[KernelLinear] | None:
+        """The bias-free kernels that give a form's outputs in order: its one kernel, or each
+        part's of a `PartsForm` (an NBQ_PARTS weight); None where it has none."""
+        if isinstance(form, PartsForm):
+            if form.bias is not None:
+                return None
+            kernels = [part.kernel for part in form.parts]
+        else:
+            kernel = None if form is None else form.kernel
+            kernels = [] if kernel is None else [kernel]
+        if not kernels or any(k.bias is not None for k in kernels):
+            return None
+        return kernels
+
     def _build(self, cache: PagedKVCache) -> _Built | None:
         layers = list(self.model.stack_layers())
         array = (Layer * len(layers))()
         forms: list[tuple[Linear | FusedProjection, object]] = []
         weights: list[tuple[torch.Tensor, int]] = []
         norms: list[tuple[KernelNorm, torch.Tensor, int]] = []
+        parts: list[ctypes.Array[ctypes.Structure]] = []
         max_rows: int | None = None
         for i, layer in enumerate(layers):
             entry = array[i]
             for w, holder in zip((entry.qkv, entry.o, entry.gate_up, entry.down),
                                  self._holders(layer)):
                 form = holder.form
-                kernel = None if form is None else form.kernel
-                if kernel is None or kernel.bias is not None:
+                kernels = self._kernels(form)
+                if kernels is None:
                     return None
                 forms.append((holder, form))
-                w.kind = kernel.weight_kind
-                w.n, w.k = kernel.out_features, kernel.in_features
-                w.flags = kernel.flags
-                w.block_type = kernel.block_type
-                w.codes, w.d, w.m = kernel.pointers
-                if isinstance(kernel.weight, torch.Tensor):  # the model's own float32 rows:
-                    weights.append((kernel.weight, w.codes))  # watched for a new pointer
-                if kernel.max_rows is not None:
-                    max_rows = min(kernel.max_rows, max_rows or kernel.max_rows)
+                if len(kernels) > 1:  # each part its own weight, its outputs the next columns
+                    described = (Weight * len(kernels))()
+                    parts.append(described)
+                    w.kind, w.parts, w.part = WeightKind.PARTS, len(kernels), \
+                        ctypes.addressof(described)
+                    w.n = sum(kernel.out_features for kernel in kernels)
+                    w.k = kernels[0].in_features
+                    slots = list(described)
+                else:
+                    slots = [w]
+                for slot, kernel in zip(slots, kernels, strict=True):
+                    slot.kind = kernel.weight_kind
+                    slot.n, slot.k = kernel.out_features, kernel.in_features
+                    slot.flags = kernel.flags
+                    slot.block_type = kernel.block_type
+                    slot.codes, slot.d, slot.m = kernel.pointers
+                    if isinstance(kernel.weight, torch.Tensor):  # the model's own float32 rows:
+                        weights.append((kernel.weight, slot.codes))  # watched for a new pointer
+                    if kernel.max_rows is not None:
+                        max_rows = min(kernel.max_rows, max_rows or kernel.max_rows)
             layer_norms = layer.stack_norms()
             assert layer_norms is not None  # `unfit_reason` has checked it
             entry.attn_norm = layer_norms[0].weight.data_ptr()
@@ -276,7 +306,7 @@ class DecodeStack:
                       tuple(h for h, _ in forms), tuple(f for _, f in forms),
                       tuple(w for w, _ in weights), [p for _, p in weights],
                       tuple(n for n, _, _ in norms), tuple(w for _, w, _ in norms),
-                      [p for _, _, p in norms], max_rows)
+                      [p for _, _, p in norms], max_rows, tuple(parts))
 
     def serves(self, max_pos: int, cache: PagedKVCache) -> bool:
         """Whether a step whose rows reach `max_pos` can run as one call on `cache`."""

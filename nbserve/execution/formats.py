@@ -261,7 +261,8 @@ class PartsForm:
     `BlockForm` gives its slice of the output, the slices are concatenated, the fused bias
     added. Nothing is requantized: the same values as one matmul over the dequantized parts,
     up to rounding. A norm asked for runs inside each part's kernel call. No single kernel
-    serves it (`kernel` is None), so the decode stack leaves such a model to its layers."""
+    serves it (`kernel` is None): the decode stack describes it as its parts' kernels (an
+    NBQ_PARTS weight, each part into its columns)."""
 
     def __init__(self, parts: list[BlockForm], bias: torch.Tensor | None = None):
         if len({p.shape[1] for p in parts}) != 1:

@@ -4,6 +4,7 @@ where the layer's options allow, else in torch; and the lone step of one sequenc
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 
 import torch
@@ -46,7 +47,12 @@ class Attention(nn.Module):
         self.partial_rope = rope is not None and rope.rotary_dim != d
         self.scale = cfg.scale
         self.softcap = cfg.attn_softcap
-        self.q_factor = self.scale * d ** 0.5  # the kernels scale by d ** -0.5: q is pre-scaled
+        # the kernels scale by d ** -0.5: q is pre-scaled by the rest; 1.0 where float32 cannot
+        # tell it from 1 (128 ** -0.5 * 128 ** 0.5 is 1 + 2e-16, 96's 1 - 1e-16), so that the
+        # default scale of every head size leaves q as it is (the decode stack needs 1.0)
+        factor = self.scale * d ** 0.5
+        self.q_factor = 1.0 if struct.unpack("f", struct.pack("f", factor))[0] == 1.0 \
+            else factor
 
     def _split_heads(self, x: torch.Tensor, norm: nn.Module | None, lead: tuple[int, ...]
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -31,6 +31,8 @@ SCALARS: dict[str, type[ctypes._SimpleCData]] = {
 }
 _QUALIFIERS = {"const", "volatile", "struct", "enum", "unsigned", "signed"}
 _WORD = re.compile(r"[A-Za-z_]\w*")
+# `typedef struct [tag] { fields } name;`: the fields and the name (a tag lets fields point to it)
+_STRUCT = r"\btypedef\s+struct\s*(?:\w+\s*)?\{(.*?)\}\s*(\w+)\s*;"
 
 
 class HeaderError(ValueError):
@@ -106,13 +108,11 @@ def parse(text: str) -> Header:
         enums[match.group(1)] = values
         constants.update(values)
     structs = {}
-    for match in re.finditer(r"\btypedef\s+struct\s*\{(.*?)\}\s*(\w+)\s*;", text,
-                             flags=re.S):
+    for match in re.finditer(_STRUCT, text, flags=re.S):
         fields = [p for decl in match.group(1).split(";") if decl.strip()
                   for p in _declarators(decl)]
         structs[match.group(2)] = tuple(fields)
-    rest = re.sub(r"\benum\s+\w+\s*\{.*?\}\s*;|\btypedef\s+struct\s*\{.*?\}\s*\w+\s*;", "",
-                  text, flags=re.S)
+    rest = re.sub(rf"\benum\s+\w+\s*\{{.*?\}}\s*;|{_STRUCT}", "", text, flags=re.S)
     functions = {}
     for statement in filter(None, (s.strip() for s in rest.split(";"))):
         if re.fullmatch(r"typedef\s+\w+\s+\w+", statement):  # a scalar's alias (half_t)
@@ -138,6 +138,7 @@ class WeightKind(IntEnum):
     Q8 = ABI.constants["NBQ_Q8"]
     F32 = ABI.constants["NBQ_F32"]
     BLOCKS = ABI.constants["NBQ_BLOCKS"]
+    PARTS = ABI.constants["NBQ_PARTS"]
 
 
 class BlockType(IntEnum):

@@ -20,6 +20,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "nbserve_kernels.h"
@@ -30,10 +31,43 @@ static double now(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* y = w @ prepare(x) for `rows` input rows (norm / gated as in quant_matmul.c) */
-static int project(const nbq_weight *w, const float *x, int rows, float *y, int threads,
-                   const float *norm, float eps, int gated) {
+/* Whether w is a weight of n outputs of k inputs, its parts (NBQ_PARTS) each one of k inputs
+ * and of another kind whose outputs sum to n; *widest grows to its widest part's outputs. */
+static int fits(const nbq_weight *w, int n, int k, int *widest) {
+    if (w->n != n || w->k != k) return 0;
+    if (w->kind != NBQ_PARTS) return 1;
+    if (w->parts <= 0 || !w->part) return 0;
+    long sum = 0;
+    for (int p = 0; p < w->parts; p++) {
+        const nbq_weight *part = w->part + p;
+        if (part->kind == NBQ_PARTS || part->k != k || part->n <= 0) return 0;
+        sum += part->n;
+        *widest = part->n > *widest ? part->n : *widest;
+    }
+    return sum == n;
+}
+
+/* y = w @ prepare(x) for `rows` input rows (norm / gated as in quant_matmul.c); the parts of
+ * an NBQ_PARTS weight each into its columns of y (rows, n), one row straight into place, more
+ * through `scratch` (rows x its widest part): what the per-layer path's concatenation gives */
+static int project(const nbq_weight *w, const float *x, int rows, float *y, float *scratch,
+                   int threads, const float *norm, float eps, int gated) {
     int flags = w->flags | gated;  /* gated: 0 or NBQ_GATED */
+    if (w->kind == NBQ_PARTS) {
+        int column = 0;
+        for (int p = 0; p < w->parts; p++) {
+            const nbq_weight *part = w->part + p;
+            float *into = rows == 1 ? y + column : scratch;
+            int failed = project(part, x, rows, into, NULL, threads, norm, eps, gated);
+            if (failed) return failed;
+            if (rows > 1)
+                for (int r = 0; r < rows; r++)
+                    memcpy(y + (size_t)r * w->n + column, scratch + (size_t)r * part->n,
+                           sizeof(float) * (size_t)part->n);
+            column += part->n;
+        }
+        return 0;
+    }
     switch (w->kind) {
     case NBQ_Q4:
         return nbq_q4_matmul(x, rows, w->k, w->codes, w->d, w->m, w->n, y, threads, norm, eps,
@@ -60,11 +94,14 @@ int nbq_decode_stack(const nbq_layer *layers, int n_layers, int rows, int hidden
     if (rows == 0) return 0;
     const int qkv_width = (hq + 2 * hkv) * d;
     int width = qkv_width;  /* the widest output a layer writes: q/k/v or gate/up */
+    int widest = 0;         /* the widest part of an NBQ_PARTS weight (0: none) */
     for (int l = 0; l < n_layers; l++) {
         const nbq_layer *L = layers + l;
-        if (L->qkv.n != qkv_width || L->qkv.k != hidden || L->o.k != hq * d ||
-            L->o.n != hidden || L->gate_up.k != hidden || L->down.n != hidden ||
-            L->gate_up.n != 2 * L->down.k)
+        const int ffn = L->down.k;
+        if (!fits(&L->qkv, qkv_width, hidden, &widest) ||
+            !fits(&L->o, hidden, hq * d, &widest) ||
+            !fits(&L->gate_up, 2 * ffn, hidden, &widest) ||
+            !fits(&L->down, hidden, ffn, &widest))
             return -2;
         width = L->gate_up.n > width ? L->gate_up.n : width;
     }
@@ -72,11 +109,12 @@ int nbq_decode_stack(const nbq_layer *layers, int n_layers, int rows, int hidden
     float *wide = malloc(sizeof(float) * (size_t)rows * width);
     float *attn = malloc(sizeof(float) * (size_t)rows * hq * d);
     float *h = malloc(sizeof(float) * cells);
-    int failed = !wide || !attn || !h ? -1 : 0;
+    float *scratch = rows > 1 && widest ? malloc(sizeof(float) * (size_t)rows * widest) : NULL;
+    int failed = !wide || !attn || !h || (rows > 1 && widest && !scratch) ? -1 : 0;
     double t0 = spent ? now() : 0, t1;
     for (int l = 0; l < n_layers && !failed; l++) {
         const nbq_layer *L = layers + l;
-        failed = project(&L->qkv, x, rows, wide, threads, L->attn_norm, eps, 0);
+        failed = project(&L->qkv, x, rows, wide, scratch, threads, L->attn_norm, eps, 0);
         if (spent) { t1 = now(); spent[0] += t1 - t0; t0 = t1; }
         if (failed) break;
         failed = kv_f16
@@ -88,12 +126,12 @@ int nbq_decode_stack(const nbq_layer *layers, int n_layers, int rows, int hidden
                                     attn, threads);
         if (spent) { t1 = now(); spent[1] += t1 - t0; t0 = t1; }
         if (failed) break;
-        failed = project(&L->o, attn, rows, h, threads, NULL, 0.f, 0);
+        failed = project(&L->o, attn, rows, h, scratch, threads, NULL, 0.f, 0);
         if (failed) break;
         for (size_t j = 0; j < cells; j++) x[j] = x[j] + h[j];
-        failed = project(&L->gate_up, x, rows, wide, threads, L->mlp_norm, eps, 0);
+        failed = project(&L->gate_up, x, rows, wide, scratch, threads, L->mlp_norm, eps, 0);
         if (failed) break;
-        failed = project(&L->down, wide, rows, h, threads, NULL, 0.f, NBQ_GATED);
+        failed = project(&L->down, wide, rows, h, scratch, threads, NULL, 0.f, NBQ_GATED);
         if (failed) break;
         for (size_t j = 0; j < cells; j++) x[j] = x[j] + h[j];
         if (spent) { t1 = now(); spent[0] += t1 - t0; t0 = t1; }  /* with the residual adds */
@@ -101,5 +139,6 @@ int nbq_decode_stack(const nbq_layer *layers, int n_layers, int rows, int hidden
     free(wide);
     free(attn);
     free(h);
+    free(scratch);
     return failed;
 }

@@ -5,7 +5,8 @@
  * structs and the kind and flag values, so nothing of it is written a second time.
  *
  * abi.py parses a small subset of C, so keep to it: named enums with explicit values,
- * `typedef struct { ... } name;` with fields of the types below (several names a line are
+ * `typedef struct { ... } name;` (or `typedef struct name { ... } name;`, whose fields may
+ * point to `struct name`) with fields of the types below (several names a line are
  * fine), and prototypes `int nbq_name(type name, ...);` on one or more lines. Types: int,
  * int32_t, float, double, void, and pointers to anything (passed as addresses).
  */
@@ -22,6 +23,7 @@ enum nbq_kind {
     NBQ_Q8 = 1,  /* signed 8-bit codes with a float16 scale per block of 32 */
     NBQ_F32 = 2, /* float32 rows as they are */
     NBQ_BLOCKS = 3, /* GGUF blocks as the file stores them, of ggml type block_type (codes) */
+    NBQ_PARTS = 4,  /* consecutive parts, each an nbq_weight of another kind (part, parts) */
 };
 
 /* The GGUF block types of gguf_blocks.c, numbered as ggml's enum ggml_type (the `gguf` package's
@@ -55,11 +57,15 @@ enum nbq_flag {
 /* One weight: kind NBQ_Q4 (codes, d, m), NBQ_Q8 (codes, d), NBQ_F32 (codes: the float32
  * rows) or NBQ_BLOCKS (codes: the rows of GGUF blocks of ggml type block_type, an enum
  * nbq_ggml_type); n outputs of k inputs; flags for its matmuls (NBQ_ROUND16, NBQ_ROUND8 or
- * 0). */
-typedef struct {
-    int32_t kind, n, k, flags, block_type;
+ * 0). NBQ_PARTS: a fused weight whose parts differ in kind or type (a Q4_K q and k beside a
+ * Q6_K v): `parts` weights at `part`, none of them parts, each of k inputs with its own flags,
+ * giving the next of the n outputs in order (their n summed); its own flags, block_type and
+ * pointers are unused. */
+typedef struct nbq_weight {
+    int32_t kind, n, k, flags, block_type, parts;
     const void *codes;
     const half_t *d, *m;
+    const struct nbq_weight *part;
 } nbq_weight;
 
 /* One Llama-shaped layer of nbq_decode_stack. */
