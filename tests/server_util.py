@@ -174,3 +174,23 @@ def read_sse_data(sock: socket.socket, timeout: float = 10) -> list[str]:
     payloads (the chunked body's size lines dropped)."""
     text = read_all(sock, timeout)
     return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def greedy_completion(loaded: Any, prompt: str = "hello world", max_tokens: int = 12
+                      ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`loaded` served over HTTP by an Engine: its greedy /v1/completions choice for `prompt`
+    (with logprobs) and its /stats."""
+    import httpx
+
+    from nbserve.engine import Engine
+
+    engine = Engine(loaded, quiet=True, max_batch=2, max_context=128)
+    try:
+        with app_running(engine) as url:
+            r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "model": loaded.name, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "logprobs": 1})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0], httpx.get(f"{url}/stats", timeout=30).json()
+    finally:
+        engine.close()

@@ -209,12 +209,15 @@ def styled_tokenizer(style: str) -> tuple[Tokenizer, dict[str, Any]]:
     return tok, {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False}
 
 
-def make_case_dir(case: str, path: Path, seed: int = 0, vocab_extra: int = 0) -> Path:
-    """A random tiny model of `case` with its styled tokenizer, saved as a HF folder (norm
-    weights perturbed so Gemma's +1 and every norm is checked on non-trivial values)."""
+def make_case_dir(case: str, path: Path, seed: int = 0, vocab_extra: int = 0,
+                  overrides: dict[str, Any] | None = None) -> Path:
+    """A random tiny model of `case` (its config with `overrides`) and its styled tokenizer,
+    saved as a HF folder (norm weights perturbed so Gemma's +1 and every norm is checked on
+    non-trivial values)."""
     config_cls, kwargs, style, _ = CASES[case]
     tok, tc = styled_tokenizer(style)
-    config = config_cls(vocab_size=tok.get_vocab_size() + vocab_extra, **kwargs)
+    config = config_cls(vocab_size=tok.get_vocab_size() + vocab_extra,
+                        **(kwargs | (overrides or {})))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config).eval()

@@ -9,20 +9,18 @@ import os
 import subprocess
 import sys
 
-import httpx
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 from gguf_util import hf_dir_to_gguf, llama_writer, q4_k_m_llama_tensors, random_blocks
 from kernel_paths import NEEDS_COMPILER
-from server_util import app_running
+from server_util import greedy_completion
 from test_gguf_families import CASES, make_case_dir
 from test_quantized import _lone_steps
 from tiny_models import make_tiny_hf_dir
 
 import nbserve
-from nbserve.engine import Engine
 from nbserve.execution.formats import BlockForm, PartsForm
 from nbserve.execution.weights import count_parameters
 from nbserve.models.dtypes import load_kwargs
@@ -86,17 +84,7 @@ def test_greedy_answers_over_http_equal_the_float32_load(tmp_path):
     answers, stats = {}, {}
     for dtype in ("quantized-exact", "float32"):
         loaded = nbserve.load(str(path), verbose=False, **load_kwargs(dtype))
-        engine = Engine(loaded, quiet=True, max_batch=2, max_context=128)
-        try:
-            with app_running(engine) as url:
-                r = httpx.post(f"{url}/v1/completions", timeout=60, json={
-                    "model": loaded.name, "prompt": "hello world", "max_tokens": 12,
-                    "temperature": 0, "logprobs": 1})
-                assert r.status_code == 200, r.text
-                answers[dtype] = r.json()["choices"][0]
-                stats[dtype] = httpx.get(f"{url}/stats", timeout=30).json()
-        finally:
-            engine.close()
+        answers[dtype], stats[dtype] = greedy_completion(loaded)
         model = loaded.model
         assert stats[dtype]["weight_bytes"] == count_parameters(model)[1]
         assert stats[dtype]["weight_format"] == dtype

@@ -8,23 +8,18 @@ back out of their blocks."""
 
 from __future__ import annotations
 
-import json
 import os
 
-import httpx
 import pytest
 import torch
-import transformers
 from gguf import GGUFReader
 from gguf_util import hf_dir_to_gguf
 from kernel_paths import NEEDS_COMPILER
-from server_util import app_running
-from test_gguf_families import CASES, make_case_dir, styled_tokenizer
+from server_util import greedy_completion
+from test_gguf_families import make_case_dir
 from test_quantized import _lone_steps
-from tiny_models import SMOLLM2_TEMPLATE
 
 import nbserve
-from nbserve.engine import Engine
 from nbserve.execution.formats import BlockForm, PartsForm
 from nbserve.execution.weights import count_parameters
 from nbserve.models import moe
@@ -95,19 +90,8 @@ def test_a_q8_0_files_experts_are_served_from_their_blocks(moe_dirs, tmp_path, c
 
 def _kquant_moe_dir(path):
     """A tiny Qwen3-MoE whose expert rows are whole K-quant blocks (256 weights)."""
-    config_cls, kwargs, style, _ = CASES["qwen3_moe"]
-    tok, tc = styled_tokenizer(style)
-    config = config_cls(vocab_size=tok.get_vocab_size(), **(kwargs | dict(
-        hidden_size=256, head_dim=64, moe_intermediate_size=256, intermediate_size=256)))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": SMOLLM2_TEMPLATE, **tc}))
-    return path
+    return make_case_dir("qwen3_moe", path, overrides=dict(
+        hidden_size=256, head_dim=64, moe_intermediate_size=256, intermediate_size=256))
 
 
 @pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q5_0", "Q5_K")])
@@ -143,17 +127,7 @@ def test_greedy_answers_over_http_equal_the_float32_load(moe_dirs, tmp_path):
     for name, kwargs in (("blocks", {"weights": "blocks", "exact": True}),
                          ("float32", {"dtype": "float32"})):
         loaded = nbserve.load(str(path), verbose=False, **kwargs)
-        engine = Engine(loaded, quiet=True, max_batch=2, max_context=128)
-        try:
-            with app_running(engine) as url:
-                r = httpx.post(f"{url}/v1/completions", timeout=60, json={
-                    "model": loaded.name, "prompt": "hello world", "max_tokens": 12,
-                    "temperature": 0, "logprobs": 1})
-                assert r.status_code == 200, r.text
-                answers[name] = r.json()["choices"][0]
-                stats[name] = httpx.get(f"{url}/stats", timeout=30).json()
-        finally:
-            engine.close()
+        answers[name], stats[name] = greedy_completion(loaded)
         assert stats[name]["weight_bytes"] == count_parameters(loaded.model)[1]
     assert answers["blocks"]["logprobs"]["tokens"] == answers["float32"]["logprobs"]["tokens"]
     assert answers["blocks"]["text"] == answers["float32"]["text"]

@@ -4,7 +4,6 @@ where the layer's options allow, else in torch; and the lone step of one sequenc
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 
 import torch
@@ -51,8 +50,7 @@ class Attention(nn.Module):
         # tell it from 1 (128 ** -0.5 * 128 ** 0.5 is 1 + 2e-16, 96's 1 - 1e-16), so that the
         # default scale of every head size leaves q as it is (the decode stack needs 1.0)
         factor = self.scale * d ** 0.5
-        self.q_factor = 1.0 if struct.unpack("f", struct.pack("f", factor))[0] == 1.0 \
-            else factor
+        self.q_factor = 1.0 if abs(factor - 1.0) < 2**-24 else factor
 
     def _split_heads(self, x: torch.Tensor, norm: nn.Module | None, lead: tuple[int, ...]
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
