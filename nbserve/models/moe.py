@@ -220,22 +220,24 @@ def per_expert_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tenso
                       ) -> torch.Tensor:
     """`grouped_linear` as one `expert_linear` per expert with rows (reads the counts on the
     host: a device sync on CUDA)."""
-    outs, start = [], 0
-    for e, count in enumerate(counts.tolist()):
-        if count:
-            outs.append(expert_linear(x[start:start + count], weight[e]))
-            start += count
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
+    return by_expert(x, counts, lambda e, rows: expert_linear(rows, weight[e]))
 
 
 def served_linear(x: torch.Tensor, forms: list[BlockForm] | list[BlockForm | PartsForm],
                   counts: torch.Tensor) -> torch.Tensor:
     """`per_expert_linear` over experts served from blocks: each expert's rows through its
     form (`BlockForm.matmul`, the C kernels)."""
+    return by_expert(x, counts, lambda e, rows: forms[e].matmul(rows))
+
+
+def by_expert(x: torch.Tensor, counts: torch.Tensor,
+              multiply: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """x's rows in expert order (`counts` rows each), each expert's through `multiply(e,
+    rows)`, the results in the same order."""
     outs, start = [], 0
     for e, count in enumerate(counts.tolist()):
         if count:
-            outs.append(forms[e].matmul(x[start:start + count]))
+            outs.append(multiply(e, x[start:start + count]))
             start += count
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
