@@ -145,37 +145,79 @@ def test_stop_while_loading_closes_what_the_load_builds(tiny_llama_dir):
                 if t.name.startswith("nbserve") and t not in before]
 
 
-def test_health_says_loading_until_the_api_answers(tiny_llama_dir, monkeypatch):
-    """Between the model's load and the end of the UI's build (the UI is built for the loaded
-    model), /health said 200 "ready" while every API route still answered 503 "loading": a
-    client that polls /health, as for llama-server, then met 503s for seconds (about 3 s with
-    the default model). /health is 503 for as long as the API is."""
+def _held_ui(monkeypatch, fail: Exception | None = None) -> tuple[threading.Event,
+                                                                   threading.Event]:
+    """(building, release): the chat UI's build waits for `release` once it has begun (then
+    raises `fail`, if given)."""
     from nbserve.serving import ui
 
     building, release = threading.Event(), threading.Event()
     mount = ui.mount_ui
 
-    def slow_mount(*args, **kwargs):
+    def held_mount(*args, **kwargs):
         building.set()
         assert release.wait(60)
+        if fail is not None:
+            raise fail
         return mount(*args, **kwargs)
 
-    monkeypatch.setattr(ui, "mount_ui", slow_mount)
+    monkeypatch.setattr(ui, "mount_ui", held_mount)
+    return building, release
+
+
+def test_the_api_serves_while_the_chat_ui_is_built(tiny_llama_dir, monkeypatch):
+    """The OpenAI API serves as soon as the model is loaded; the chat UI (gradio's import
+    alone takes seconds) is built afterwards (issue 42: start to ready). Until it is, its page
+    says it is starting and reloads itself, its other paths answer 503 (never a 404), and
+    srv.wait() waits for it; then the chat serves at /. Before, the API answered 503 until
+    the UI was built."""
+    building, release = _held_ui(monkeypatch)
     srv = launch(tiny_llama_dir, wait=False, max_batch=2)
     try:
         assert building.wait(120)  # the model is loaded and served; the UI is being built
-        health = httpx.get(srv.url + "/health")
-        api = httpx.post(srv.api_base + "/completions",
-                         json={"model": "", "prompt": "hi", "max_tokens": 1})
-        assert api.status_code == 503 and api.json()["error"]["code"] == "model_loading"
-        assert health.status_code == 503 and health.json()["status"] == "loading", health.text
-        release.set()
-        srv.wait(60)
+        assert srv.ready
         assert httpx.get(srv.url + "/health").status_code == 200
+        assert httpx.get(srv.api_base + "/models").status_code == 200
         assert httpx.post(srv.api_base + "/completions",
                           json={"model": "", "prompt": "hi", "max_tokens": 1}).status_code == 200
+        assert srv.openai_client(max_retries=0).models.list().data  # waits for the model only
+        assert httpx.get(srv.url + "/stats").status_code == 200
+        assert httpx.get(srv.api_base + "/nothing").status_code == 404  # the API's own 404
+        page = httpx.get(srv.url + "/")
+        assert page.status_code == 503 and "the chat UI is starting" in page.text
+        assert 'http-equiv="refresh"' in page.text
+        for path in ("/config", "/gradio_api/info"):  # the chat's other paths: not a 404
+            other = httpx.get(srv.url + path)
+            assert other.status_code == 503, path
+            assert other.json()["error"]["code"] == "ui_not_ready", path
+            assert other.headers["retry-after"] == "2"
+        with pytest.raises(TimeoutError, match="chat UI"):
+            srv.wait(timeout=0)
+        release.set()
+        assert srv.wait(60) is srv
+        assert "<gradio-app" in httpx.get(srv.url + "/").text
+        assert httpx.get(srv.api_base + "/models").status_code == 200
     finally:
         release.set()
+        srv.stop()
+
+
+def test_a_chat_ui_that_fails_to_start_leaves_the_api_serving(tiny_llama_dir, monkeypatch,
+                                                              capsys):
+    _, release = _held_ui(monkeypatch, fail=RuntimeError("no theme"))
+    release.set()
+    srv = launch(tiny_llama_dir, wait=False, max_batch=2)
+    try:
+        assert srv.wait(60) is srv and srv.ready  # a warning, not the load's error
+        assert "the chat UI failed to start (RuntimeError: no theme)" in capsys.readouterr().out
+        assert httpx.post(srv.api_base + "/completions",
+                          json={"model": "", "prompt": "hi", "max_tokens": 1}).status_code == 200
+        page = httpx.get(srv.url + "/")
+        assert page.status_code == 503 and "failed to start: RuntimeError: no theme" in page.text
+        assert 'http-equiv="refresh"' not in page.text
+        other = httpx.get(srv.url + "/config")
+        assert other.status_code == 503 and other.json()["error"]["code"] == "ui_not_ready"
+    finally:
         srv.stop()
 
 

@@ -75,8 +75,10 @@ def launch(model: object = "smollm2", *, port: int | None = None, host: str = "1
     under /v1, chat UI at /.
 
     The server answers at once; the model loads on a background thread (until it is ready,
-    /health and the API answer 503 "loading" and the UI shows a loading page). `wait`: return
-    only once the model is ready (raising the load's error if it fails); the default is
+    /health and the API answer 503 "loading" and the UI shows a loading page; the API serves
+    once the model is loaded, the chat UI once it is built after it). `wait`: return only once
+    the model is ready and the chat UI built (raising the load's error if it fails); the
+    default is
     False in a Jupyter kernel (the cell returns at once: `srv.ready`, `srv.wait()`; `srv.engine`
     and `srv.openai_client()` wait for the model) and True elsewhere (a script, `serve`).
     `startup_timeout` bounds the server's start, not the load. `port=None` picks a free port,

@@ -105,6 +105,9 @@ class Server:
                  load: LoadState | None = None, ui_password: str | None = None):
         self.app, self._ref, self._sock = app, ref, sock
         self._load = load or LoadState.loaded(ref.model_name)
+        # the chat UI, built once the model serves (after the load: with no load, none)
+        self._ui_state = LoadState("the chat UI") if options.ui and load is not None else \
+            LoadState.loaded("the chat UI")
         self._ui_password = ui_password
         self._loader: threading.Thread | None = None
         self._loop_ready = threading.Event()
@@ -128,7 +131,8 @@ class Server:
         self._loop: asyncio.AbstractEventLoop | None = None
         # uvicorn annotates timeout_graceful_shutdown as int; it waits with asyncio, seconds
         self._gate = LoadingGate(app, self._load, options.ui,
-                                 KeyAuth(options.api_keys) if options.api_keys else None)
+                                 KeyAuth(options.api_keys) if options.api_keys else None,
+                                 ui_state=self._ui_state)
         config = uvicorn.Config(self._gate, log_level="warning",
                                 access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=drain_s,  # type: ignore[arg-type]
@@ -192,35 +196,53 @@ class Server:
         self._loader.start()
 
     def _start_app_once(self) -> None:
-        """Mount the chat UI (built for the backend now served: it reads the context length)
-        and run the app's startup, the first time a backend is there to serve."""
+        """Run the app's startup, the first time a backend is there to serve (the chat UI is
+        built afterwards, `_build_ui_once`: the API does not wait for gradio)."""
         if self._app_started:
             return
-        if self.ui:
-            self._mount_ui()
-        self._on_loop(self._start_app())
+        self._on_loop(self._gate.lifespan.start())
         self._app_started = True
 
-    def _mount_ui(self) -> None:
-        """Mount the chat UI on the app; without gradio the UI is off (a warning) and the API
-        serves, as `create_app` does."""
+    def _build_ui_once(self) -> None:
+        """Build the chat UI for the backend now served (it reads the context length), mount
+        it and run its startup, once; a failure leaves the API serving and the UI's paths
+        saying why (a warning). Without gradio the UI is off, as `create_app` does."""
+        if self._ui_state.done:
+            return
         try:
-            from .ui import mount_ui
+            if self.ui:
+                self._mount_ui()
+        except BaseException as exc:  # noqa: BLE001 -- the API serves on without it
+            if not self._stopped:
+                print(f"nbserve: WARNING: the chat UI failed to start ({type(exc).__name__}: "
+                      f"{exc}); the OpenAI API under /v1 serves", flush=True)
+            with self._stop_lock:
+                if not self._ui_state.done:  # (a stop meanwhile has finished it)
+                    self._ui_state.finish(exc)
+        else:
+            with self._stop_lock:
+                if not self._ui_state.done:
+                    self._ui_state.finish(None)
+
+    def _mount_ui(self) -> None:
+        """Mount the chat UI on the running app and start it."""
+        try:
+            from .ui import mount_ui_late, reset_ui
         except ImportError as exc:
             print(f"nbserve: WARNING: chat UI not mounted ({exc}); the API still works. "
                   "Install gradio, or pass ui=False to silence this.", flush=True)
             self.ui = self._gate.ui = False
             self.options = dataclasses.replace(self.options, ui=False)
             return
-        mount_ui(self.app, self._ref, password=self._ui_password)  # the app's keys and limits
+        # the app's keys and limits
+        self._gate.ui_lifespan.app = mount_ui_late(self.app, self._ref,
+                                                   password=self._ui_password)
 
-    async def _start_app(self) -> None:
-        """Run the app's startup (its UI's too) on the server's loop."""
-        if self.ui:
-            from .ui import reset_ui
-
+        async def start() -> None:
             reset_ui(self.app)  # a fresh stop event, bound to this loop
-        await self._gate.lifespan.start()
+            await self._gate.ui_lifespan.start()
+
+        self._on_loop(start())
 
     def _on_loop(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` on the server's loop (from another thread) and wait for it."""
@@ -229,7 +251,11 @@ class Server:
                 coro.close()
                 raise RuntimeError("the server stopped before it started")
         assert self._loop is not None
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        except RuntimeError:  # its loop has closed: the server stopped
+            coro.close()
+            raise
         while True:
             try:
                 future.result(timeout=0.1)
@@ -240,8 +266,8 @@ class Server:
                     raise RuntimeError("the server stopped before its app started") from None
 
     def _loaded(self, backend: Backend | None, owned: bool, error: BaseException | None) -> None:
-        """The load ended: serve `backend` (with the UI and the app started), or report `error`;
-        a server stopped meanwhile closes what was built."""
+        """The load ended: serve `backend` (the app started), then build the chat UI for it;
+        or report `error`. A server stopped meanwhile closes what was built."""
         with self._stop_lock:
             stopped = self._stopped
             if not stopped and backend is not None:
@@ -259,6 +285,9 @@ class Server:
         with self._stop_lock:
             if not self._load.done:  # (a stop meanwhile has finished it)
                 self._load.finish(error)
+        if error is None:
+            self._build_ui_once()
+        with self._stop_lock:
             announce = self._announce_load and not self._stopped
         if announce:
             print(self._load_line(), flush=True)
@@ -277,18 +306,28 @@ class Server:
         return self._load.ready and self.running
 
     def wait(self, timeout: float | None = None) -> Server:
-        """Block until the model has loaded (at most `timeout` s: then TimeoutError) and return
-        this server. Raises the load's own error if the load failed, RuntimeError if the
-        server was stopped before it loaded."""
+        """Block until the model has loaded and the chat UI is built (at most `timeout` s: then
+        TimeoutError) and return this server. Raises the load's own error if the load failed,
+        RuntimeError if the server was stopped before it loaded; a chat UI that failed to
+        start is a warning (the API serves)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._wait_model(timeout)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._ui_state.wait(left):
+            raise TimeoutError(f"the chat UI of {self._load.name!r} is still starting after "
+                               f"{timeout:g} s (the API serves)")
+        loader = self._loader
+        if loader is not None and loader is not threading.current_thread():
+            loader.join()  # it ends right after building the UI
+        return self
+
+    def _wait_model(self, timeout: float | None = None) -> None:
+        """Block until the model has loaded and the API serves it (see `wait`)."""
         if not self._load.wait(timeout):
             raise TimeoutError(f"the model {self._load.name!r} is still loading after "
                                f"{timeout:g} s")
         if self._load.error is not None:
             raise self._load.error
-        loader = self._loader
-        if loader is not None and loader is not threading.current_thread():
-            loader.join()  # it ends right after finishing the load
-        return self
 
     @property
     def running(self) -> bool:
@@ -306,6 +345,9 @@ class Server:
             if not self._load.done:  # what was built is closed once the load ends
                 self._load.finish(RuntimeError("this server was stopped before its model "
                                                f"{self._load.name!r} loaded"))
+            if not self._ui_state.done:
+                self._ui_state.finish(RuntimeError("this server was stopped before its chat "
+                                                   "UI was built"))
         SERVERS.remove(self)
         if self.share_url:
             close_share_links(self.port)
@@ -392,6 +434,7 @@ class Server:
         self._owned, self._model, self.model_key = owned, source, model_key(source)
         self._start_app_once()  # after a failed load, not done yet
         self._load.recover()
+        self._build_ui_once()
         print(f"nbserve: {self.url} now serves {new.model_name}", flush=True)
         return self
 
@@ -401,7 +444,7 @@ class Server:
     def backend(self) -> Backend:
         """The backend serving new requests (an Engine or a Pool); waits for the model to load
         (see `wait`)."""
-        self.wait()
+        self._wait_model()
         return self._ref.current
 
     engine = backend
@@ -415,7 +458,7 @@ class Server:
         model has loaded (see `wait`)."""
         import openai
 
-        self.wait()
+        self._wait_model()
         kwargs.setdefault("api_key", self.api_key or "nbserve")
         if self.options.tls and "http_client" not in kwargs:
             import httpx

@@ -1,10 +1,12 @@
 """The model loading in the background while the server already answers (as llama-server does).
 
-`launch()` in a notebook binds its port and serves at once; the model loads on a thread, then
-the chat UI is built for it. Until it is ready, `LoadingBackend` stands in for it (`/health`
-says "loading", then "error" if the load failed, both with 503) and `LoadingGate` answers the
-API routes with an OpenAI-style 503 and the chat UI's page with a "loading" page that reloads
-itself. The app's own lifespan (its UI's startup) runs once the UI is built (`AppLifespan`).
+`launch()` in a notebook binds its port and serves at once; the model loads on a thread, the
+API serves it as soon as it is loaded, then the chat UI is built for it (importing gradio takes
+seconds that the API does not wait for). Until the model is ready, `LoadingBackend` stands in
+for it (`/health` says "loading", then "error" if the load failed, both with 503) and
+`LoadingGate` answers the API routes with an OpenAI-style 503; until the chat is built, its
+paths answer a page that reloads itself (or a 503 error for other requests). The app's own
+lifespan runs once the model is served, the chat's once it is built (`AppLifespan` each).
 """
 
 from __future__ import annotations
@@ -115,15 +117,20 @@ class LoadingBackend(BackendDefaults):
 
 class LoadingGate:
     """ASGI wrapper of the app: until the model is ready, its API routes (every route of the
-    app but /health, /stats, /metrics, the API docs and the UI mounted at /) answer 503 with an
-    OpenAI-style error body, /health answers 503 "loading" (or "error"), and the chat UI's page
-    (GET /) is a "loading" page that reloads itself; then it steps aside. With `keys`, an API
-    request without a valid one goes to the app, whose key check answers 401 as it does once
-    ready: the load's state and error are for key holders only."""
+    app but /health, /stats, /metrics and the API docs) answer 503 with an OpenAI-style error
+    body and /health answers 503 "loading" (or "error"). Until the chat UI (mounted at / once
+    built, `ui_state`) is there, its paths (every path no route of the app serves) answer: the
+    page (GET /) a "loading" or "starting" page that reloads itself, other requests a 503
+    error. Then it steps aside. With `keys`, an API request without a valid one goes to the
+    app, whose key check answers 401 as it does once ready: the load's state and error are for
+    key holders only."""
 
-    def __init__(self, app: FastAPI, state: LoadState, ui: bool, keys: KeyAuth | None = None):
+    def __init__(self, app: FastAPI, state: LoadState, ui: bool, keys: KeyAuth | None = None,
+                 ui_state: LoadState | None = None):
         self.app, self.state, self.ui, self.keys = app, state, ui, keys
+        self.ui_state = ui_state or LoadState.loaded("the chat UI")
         self.lifespan = AppLifespan(app)
+        self.ui_lifespan = AppLifespan(_no_app)  # its app is the chat's, once built
         docs = (app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url)
         self._open = OPEN_PATHS | {url for url in docs if url}
 
@@ -131,11 +138,16 @@ class LoadingGate:
         if scope["type"] == "lifespan":
             await self._server_lifespan(receive, send)
             return
-        if scope["type"] != "http" or self.state.ready:
+        if scope["type"] != "http" or (self.state.ready and self._ui_served()):
             await self.app(scope, receive, send)
             return
-        if scope["path"] == "/health":  # not ready while the API still refuses (the model
-            # may be served already while the UI is built for it)
+        if self.state.ready:  # the model serves; the chat UI does not yet
+            if self._is_ui_path(scope):
+                await self._ui_not_there(scope, send)
+            else:
+                await self.app(scope, receive, send)
+            return
+        if scope["path"] == "/health":  # not ready while the API refuses
             body = LoadingBackend(self.state).health()
             await JSONResponse(body, status_code=503)(scope, _no_receive, send)
         elif self._is_api(scope):
@@ -143,10 +155,14 @@ class LoadingGate:
                 await self.app(scope, receive, send)
             else:
                 await self._refuse(scope, send)
-        elif self.ui and scope["path"] == "/" and scope.get("method") in ("GET", "HEAD"):
-            await self._loading_page(scope, send)
+        elif self.ui and self._is_ui_path(scope):
+            await self._ui_not_there(scope, send)
         else:
             await self.app(scope, receive, send)
+
+    def _ui_served(self) -> bool:
+        """Whether the chat UI's paths go to the app: it is built, or there is none."""
+        return not self.ui or self.ui_state.ready
 
     async def _server_lifespan(self, receive: Receive, send: Send) -> None:
         """The server's lifespan: it starts at once (the app's own starts with `lifespan.start`,
@@ -157,6 +173,7 @@ class LoadingGate:
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 try:
+                    await self.ui_lifespan.stop()
                     await self.lifespan.stop()
                 except Exception as exc:  # noqa: BLE001 -- reported to the server
                     await send({"type": "lifespan.shutdown.failed", "message": str(exc)})
@@ -177,6 +194,13 @@ class LoadingGate:
     def _is_api(self, scope: Scope) -> bool:
         if scope["path"] in self._open:
             return False
+        return self._routed(scope)
+
+    def _is_ui_path(self, scope: Scope) -> bool:
+        """A path the chat UI (mounted at /) would serve: none of the app's own routes does."""
+        return scope["path"] not in self._open and not self._routed(scope)
+
+    def _routed(self, scope: Scope) -> bool:
         return any(not isinstance(route, Mount) and route.matches(scope)[0] != Match.NONE
                    for route in self.app.routes)
 
@@ -192,15 +216,43 @@ class LoadingGate:
                            {"Retry-After": str(RETRY_AFTER_S)})
         await err.response()(scope, _no_receive, send)
 
+    async def _ui_not_there(self, scope: Scope, send: Send) -> None:
+        """A chat UI path before the chat is built: its page says why (and reloads itself
+        while that may change); any other request gets a 503 error saying the same."""
+        if scope["path"] == "/" and scope.get("method") in ("GET", "HEAD"):
+            await self._loading_page(scope, send)
+            return
+        if not self.state.ready:
+            text = (f"The model {self.state.name!r} failed to load, so the chat UI is not "
+                    "served" if self.state.error is not None else
+                    f"The model {self.state.name!r} is still loading; the chat UI opens once "
+                    "it is ready")
+        elif self.ui_state.error is not None:
+            text = ("The chat UI failed to start (see the server's log); the OpenAI API "
+                    "under /v1 serves")
+        else:
+            text = "The chat UI is starting; retry in a moment (the OpenAI API under /v1 serves)"
+        retry = {} if self.state.error or self.ui_state.error else \
+            {"Retry-After": str(RETRY_AFTER_S)}
+        err = APIError(503, text + ".", "service_unavailable", None, "ui_not_ready", retry)
+        await err.response()(scope, _no_receive, send)
+
     async def _loading_page(self, scope: Scope, send: Send) -> None:
         name = html.escape(self.state.name)
+        refresh = f'<meta http-equiv="refresh" content="{RETRY_AFTER_S}">'
         if self.state.error is not None:
             text = (f"Loading {name} failed: {html.escape(self.state.describe_error())}. "
                     "Serve another model with <code>srv.update(model)</code>.")
             refresh = ""
-        else:
+        elif not self.state.ready:
             text = f"Loading {name}&hellip; the chat opens here once the model is ready."
-            refresh = f'<meta http-equiv="refresh" content="{RETRY_AFTER_S}">'
+        elif self.ui_state.error is not None:
+            text = (f"The chat UI failed to start: {html.escape(self.ui_state.describe_error())}."
+                    " The OpenAI API under <code>/v1</code> serves.")
+            refresh = ""
+        else:
+            text = (f"{name} is ready; the chat UI is starting&hellip; it opens here in a "
+                    "moment (the OpenAI API under <code>/v1</code> already serves).")
         page = (f"<!doctype html><html><head><title>nbserve · loading</title>{refresh}</head>"
                 f'<body style="font-family:sans-serif;margin:2em"><h2>nbserve</h2>'
                 f'<p id="nbserve-loading">{text}</p></body></html>')
@@ -268,3 +320,8 @@ async def _first(outbox: asyncio.Queue[Message], task: asyncio.Future[None]) -> 
 
 async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
+
+
+async def _no_app(scope: Scope, receive: Receive, send: Send) -> None:
+    """An app with nothing to start: `LoadingGate.ui_lifespan`'s until the chat is built."""
+    raise RuntimeError("the chat UI is not built")

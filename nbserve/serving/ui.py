@@ -28,7 +28,8 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import gradio as gr
 from fastapi import FastAPI
-from starlette.routing import Mount
+from starlette.routing import Mount, Router
+from starlette.types import ASGIApp
 
 from ..api.auth import KeyAuth, RateLimiter
 from ..api.errors import APIError
@@ -341,6 +342,26 @@ def mount_ui(app: FastAPI, backend: Backend, path: str = "/",
     )
     calm_queue(demo)
     return app
+
+
+def mount_ui_late(app: FastAPI, backend: Backend, *,
+                  password: str | None = None) -> ASGIApp:
+    """Mount the chat (as `mount_ui`) on an app whose lifespan already runs, so the API can
+    serve before gradio is even imported; returns an ASGI app whose lifespan is the chat's
+    own startup and shutdown (gradio's queue), for the caller to run beside the app's."""
+    served = app.router.lifespan_context
+    app.router.lifespan_context = _no_lifespan  # what gradio wraps: the chat's part alone
+    try:
+        mount_ui(app, backend, password=password)
+        chat_lifespan = app.router.lifespan_context
+    finally:
+        app.router.lifespan_context = served
+    return Router(lifespan=chat_lifespan)
+
+
+@contextlib.asynccontextmanager
+async def _no_lifespan(app: object) -> AsyncIterator[None]:
+    yield
 
 
 QUEUE_POLL_S = 0.02  # how often an idle UI queue looks for new chat events
