@@ -8,11 +8,12 @@ transposes, stacked experts split), so the result feeds the same builder as a Hu
 from __future__ import annotations
 
 import functools
+import gc
 import io
 import warnings
-from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -538,30 +539,9 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre_name: str, path: P
 
 def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, types: list[int],
                        unk_id: int | None, add_space_prefix: bool) -> Tokenizer:
-    """Sentencepiece BPE (Llama 2, Mistral): merges recovered from the piece scores."""
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)
-    scores = list(scores) if scores is not None else [-float(i) for i in range(len(tokens))]
-    mergeable = {TokenType.NORMAL, TokenType.USER_DEFINED}
-    # a piece is made by merging any split of it whose halves are both pieces: (piece, left,
-    # right) ids in compact arrays (a large vocabulary has hundreds of thousands of merges),
-    # ranked by the piece's score, then the halves' ids
-    piece_ids, lefts, rights = array("i"), array("i"), array("i")
-    for i, (piece, ty) in enumerate(zip(tokens, types)):
-        if ty not in mergeable or vocab[piece] != i:
-            continue
-        for k in range(1, len(piece)):
-            left, right = vocab.get(piece[:k]), vocab.get(piece[k:])
-            if left is not None and right is not None:
-                piece_ids.append(i)
-                lefts.append(left)
-                rights.append(right)
-    pieces, left_ids, right_ids = (np.frombuffer(a, dtype=np.int32)
-                                   for a in (piece_ids, lefts, rights))
-    order = np.lexsort((right_ids, left_ids, -np.asarray(scores, np.float64)[pieces]))
-    merges = [(tokens[left], tokens[right])
-              for left, right in zip(left_ids[order].tolist(), right_ids[order].tolist())]
+    """Sentencepiece BPE (Llama 2, Mistral, Gemma): merges recovered from the piece scores."""
+    vocab = dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1)))  # a piece's first id
+    merges = _sentencepiece_merges(tokens, vocab, scores, types)
     unk = tokens[unk_id] if unk_id is not None else None
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True,
                                byte_fallback=True))
@@ -573,3 +553,122 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, types: lis
         steps.append(decoders.Strip(content=" ", left=1, right=0))
     tok.decoder = decoders.Sequence(steps)
     return tok
+
+
+def _sentencepiece_merges(tokens: list[str], vocab: dict[str, int], scores: list[float] | None,
+                          types: list[int]) -> list[tuple[str, str]]:
+    """The merges of a sentencepiece vocabulary: a piece is made by merging any split of it
+    whose halves are both pieces, ranked by the piece's score, then the halves' ids (the
+    order is total: a piece is made of its halves). A large vocabulary has hundreds of
+    thousands of them, found with numpy (`_split_ids`) rather than a Python loop per split."""
+    n = len(tokens)
+    ids = np.arange(n)
+    lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=n)
+    mergeable = np.isin(np.asarray(types), [TokenType.NORMAL, TokenType.USER_DEFINED])
+    first = np.fromiter(map(vocab.__getitem__, tokens), dtype=np.int64, count=n) == ids
+    candidates = ids[mergeable & first & (lengths > 1)]
+    found = _split_ids(tokens, lengths, candidates)
+    if found is None:
+        found = _split_ids_by_lookup(tokens, vocab, lengths, candidates)
+    if not found:
+        return []
+    pieces, lefts, rights = (np.concatenate(parts) for parts in zip(*found))
+    ranks = -np.asarray(scores, np.float64) if scores is not None else ids.astype(np.float64)
+    order = np.lexsort((rights, lefts, ranks[pieces]))
+    names = np.array(tokens, dtype=object)
+    gc_was = gc.isenabled()
+    gc.disable()  # hundreds of thousands of tuples: no collection pass between them
+    try:
+        return list(zip(names[lefts[order]].tolist(), names[rights[order]].tolist()))
+    finally:
+        if gc_was:
+            gc.enable()
+
+
+_Splits = list[tuple[np.ndarray, np.ndarray, np.ndarray]]  # (piece, left, right) ids per cut
+_HASH_BASE = 0x100000001B3
+_HASH_MIX = 0x9E3779B97F4A7C15
+_BUCKET_BITS = 20
+
+
+def _split_ids(tokens: list[str], lengths: np.ndarray, candidates: np.ndarray) -> _Splits | None:
+    """For each cut k, the candidate pieces whose k first and other characters are both
+    pieces, with those ids (the first id of a piece written twice): every prefix and suffix
+    hashed at once (polynomial hashes over the characters' code points, modulo 2**64), looked
+    up among the pieces' hashes, and every match checked character by character. None where
+    it cannot be exact (two pieces with one hash; a piece that numpy's strings cannot hold):
+    the caller then looks the splits up one by one."""
+    n = len(tokens)
+    text = np.array(tokens, dtype=str)
+    width = text.dtype.itemsize // 4
+    if n == 0 or width == 0 or not np.array_equal(np.char.str_len(text), lengths):
+        return None  # (numpy drops a string's trailing NULs)
+    chars = text.view(np.uint32).reshape(n, width)
+    base, mix = np.uint64(_HASH_BASE), np.uint64(_HASH_MIX)
+    powers = np.array([pow(_HASH_BASE, e, 1 << 64) for e in range(width + 1)], dtype=np.uint64)
+    full = np.zeros(n, dtype=np.uint64)  # each piece's hash; (code point + 1): NUL counts
+    for j in range(width):
+        full = np.where(j < lengths, full * base + chars[:, j] + np.uint64(1), full)
+    full *= np.uint64(_HASH_MIX)  # (a bijection) spreads short pieces over the top bits
+    by_hash = np.lexsort((np.arange(n), full))  # a hash's first id first
+    hashes = full[by_hash]
+    same = hashes[1:] == hashes[:-1]
+    if same.any():  # equal hashes must be equal pieces (a piece written twice)
+        a, b = by_hash[:-1][same], by_hash[1:][same]
+        if not (np.array_equal(lengths[a], lengths[b]) and np.array_equal(chars[a], chars[b])):
+            return None
+    keep = np.concatenate(([True], ~same))
+    hashes, hash_ids = hashes[keep], by_hash[keep]
+
+    # buckets by the hash's top bits, a few pieces each: a lookup reads a bucket's few
+    # entries, not a binary search's many scattered ones
+    shift = np.uint64(64 - _BUCKET_BITS)
+    starts = np.searchsorted(hashes >> shift, np.arange((1 << _BUCKET_BITS) + 1, dtype=np.uint64))
+    deepest = int(np.diff(starts).max())
+
+    def lookup(query: np.ndarray) -> np.ndarray:
+        bucket = (query >> shift).astype(np.int64)
+        at, end = starts[bucket], starts[bucket + 1]
+        ids = np.full(len(query), -1, dtype=np.int64)
+        for _ in range(deepest):
+            inside = at < end
+            hit = inside & (hashes[np.minimum(at, len(hashes) - 1)] == query)
+            ids[hit] = hash_ids[at[hit]]
+            at = at + 1
+        return ids
+
+    found: _Splits = []
+    prefix = np.zeros(len(candidates), dtype=np.uint64)
+    cand_len, cand_full, cand_chars = lengths[candidates], full[candidates], chars[candidates]
+    for k in range(1, int(cand_len.max(initial=1))):
+        prefix = prefix * base + cand_chars[:, k - 1] + np.uint64(1)
+        rows = np.flatnonzero(cand_len > k)
+        mixed = prefix[rows] * mix
+        left = lookup(mixed)
+        right = lookup(cand_full[rows] - mixed * powers[cand_len[rows] - k])
+        both = (left >= 0) & (right >= 0)
+        rows, left, right = rows[both], left[both], right[both]
+        exact = (np.array_equal(lengths[left], np.full(len(rows), k))
+                 and np.array_equal(lengths[right], cand_len[rows] - k)
+                 and np.array_equal(chars[left, :k], cand_chars[rows, :k])
+                 and np.array_equal(chars[right, :width - k], cand_chars[rows, k:]))
+        if not exact:
+            return None
+        found.append((candidates[rows], left, right))
+    return found
+
+
+def _split_ids_by_lookup(tokens: list[str], vocab: dict[str, int], lengths: np.ndarray,
+                         candidates: np.ndarray) -> _Splits:
+    """`_split_ids` by looking each prefix and suffix up in `vocab` (a loop in C, through
+    `map`, but a string and a lookup per split)."""
+    found: _Splits = []
+    for k in range(1, int(lengths[candidates].max(initial=1))):
+        at = candidates[lengths[candidates] > k]
+        pieces = [tokens[i] for i in at.tolist()]
+        left, right = (np.fromiter(map(vocab.get, halves, repeat(-1)), dtype=np.int64,
+                                   count=len(pieces))
+                       for halves in ([p[:k] for p in pieces], [p[k:] for p in pieces]))
+        both = (left >= 0) & (right >= 0)
+        found.append((at[both], left[both], right[both]))
+    return found
