@@ -16,8 +16,10 @@ NBSERVE_ROUND16=1 (the integer row kernels of cpu/kernels/gguf_blocks.c and quan
 lone stream's matmul inputs rounded to 16 bits per block of 32); then a third time with
 NBSERVE_ROUND8=1 as well (Q4_K's and Q6_K's inputs rounded to 8 bits per 256, llama.cpp's Q8_K,
 for their integer row kernels; the other types as with 16 bits); the same count of identical
-greedy answers, each rounding against exact. Chat prompts through the file's template, or plain
-text prompts for a base model without one.
+greedy answers, each rounding against exact. Then `transformers` on the same file (its GGUF
+loader dequantizes every tensor to float32; `--no-transformers` skips it), greedy on the same
+prompt ids, the reference each mode's answers are counted against too. Chat prompts through the
+file's template, or plain text prompts for a base model without one.
 
     python benchmarks/activation_rounding.py            # ~6 minutes on 2 cores
     python benchmarks/activation_rounding.py --file FILE.gguf   # Gemma 3 270M: ~7 minutes
@@ -98,6 +100,29 @@ def greedy(loaded, prompts: list[list[int]], max_tokens: int) -> list[list[int]]
     return out
 
 
+def transformers_greedy(path: Path, prompts: list[list[int]], max_tokens: int
+                        ) -> list[list[int]]:
+    """Each prompt's greedy tokens from `transformers` on the same GGUF (dequantized to
+    float32 by its loader), alone, past any end of text, through its own KV cache."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32)
+    model.eval()
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            step = model(torch.tensor([ids]), use_cache=True)
+            got: list[int] = []
+            for _ in range(max_tokens):
+                token = int(step.logits[0, -1].argmax())
+                got.append(token)
+                step = model(torch.tensor([[token]]), past_key_values=step.past_key_values,
+                             use_cache=True)
+            out.append(got)
+    return out
+
+
 def report(name: str, got: list[list[int]], reference: list[list[int]], what: str,
            max_tokens: int) -> None:
     first = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), None)
@@ -107,7 +132,8 @@ def report(name: str, got: list[list[int]], reference: list[list[int]], what: st
           f"to {what}; first differing token: {[f for f in first if f is not None]}", flush=True)
 
 
-def file_modes(path: Path, n_prompts: int, max_tokens: int) -> None:
+def file_modes(path: Path, n_prompts: int, max_tokens: int, with_transformers: bool = True
+               ) -> None:
     """The real kernels on a quantized GGUF: exact against 16-bit and 8-bit inputs (see the
     docstring)."""
     from engine_bench import TOPICS, chat_prompts
@@ -141,6 +167,14 @@ def file_modes(path: Path, n_prompts: int, max_tokens: int) -> None:
            results["quantized-exact"], exact, max_tokens)
     report("8-bit inputs for Q4_K and Q6_K (NBSERVE_ROUND8=1)", results["round8"],
            results["quantized-exact"], exact, max_tokens)
+    if not with_transformers:
+        return
+    reference = transformers_greedy(path, prompts, max_tokens)
+    what = "transformers' on the same file (float32)"
+    for dtype, name in (("quantized-exact", "exact float32 arithmetic (exact=True)"),
+                        ("quantized", "16-bit inputs"),
+                        ("round8", "8-bit inputs for Q4_K and Q6_K")):
+        report(name, results[dtype], reference, what, max_tokens)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,9 +183,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--file", type=Path, default=None,
                     help="a quantized GGUF: its real kernels, exact against 16- and 8-bit inputs")
+    ap.add_argument("--no-transformers", action="store_true",
+                    help="with --file: skip transformers' answers on the same file")
     args = ap.parse_args(argv)
     if args.file is not None:
-        file_modes(args.file.expanduser(), args.prompts, args.max_tokens)
+        file_modes(args.file.expanduser(), args.prompts, args.max_tokens,
+                   not args.no_transformers)
         return
     from engine_bench import chat_prompts
 

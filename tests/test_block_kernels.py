@@ -211,11 +211,12 @@ def test_round16_multiplies_the_input_rounded_to_16_bits(arch, block_type):
 def test_a_weight_rounds_where_its_kernel_is_allowed_to(block_type, monkeypatch):
     """The choice is per weight, as for the other kinds: a KernelLinear over a GGUF file's
     blocks made with round16 (weights="blocks") multiplies a lone row's input rounded to 16 bits
-    where the build rounds (here forced by NBSERVE_ROUND16=1), one made without
-    (weights="blocks", exact=True) the exact input."""
+    where the build rounds (here forced by NBSERVE_ROUND16=1; NBSERVE_ROUND8=0 keeps Q4_K's and
+    Q6_K's from 8 bits), one made without (weights="blocks", exact=True) the exact input."""
     from nbserve.execution.quant import GGMLBlocks, KernelLinear
 
     monkeypatch.setenv("NBSERVE_ROUND16", "1")
+    monkeypatch.setenv("NBSERVE_ROUND8", "0")
     lib = _kernels(None)
     elems, size = block_layout(block_type, lib)
     n, k = 9, 2 * max(elems, 64)

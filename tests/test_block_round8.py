@@ -4,7 +4,8 @@ in [-127, 127]), multiplied in integers: on every build that has the kernels (AV
 equal to the float64 product of that rounded input with gguf's dequantized weights up to
 float32 rounding, the largest codes and scales included; where a build or a type has none (plain
 C; the other types) and past 8 rows, exactly what the call gives without the flag. Then the
-serving side: NBSERVE_ROUND8=1 sets the flag on the weights that allow rounding, and the one-call
+serving side: the flag is set by default (NBSERVE_ROUND8=0 unsets it) on the weights that allow
+rounding, decode steps take it at any batch size and prompt chunks do not, and the one-call
 decode stack passes it on."""
 
 from __future__ import annotations
@@ -53,23 +54,24 @@ def _product(x, block_type, blocks, n, k, lib, **flags) -> torch.Tensor:
 @pytest.mark.parametrize("arch", PATHS)
 @pytest.mark.parametrize("block_type", ROUNDED8, ids=[t.name for t in ROUNDED8])
 def test_round8_multiplies_the_input_rounded_to_8_bits(arch, block_type):
-    """1 to 8 rows, k from 256 to 4096: the float64 product of the 8-bit input with gguf's
-    weights, within 1e-6 of the products' sizes (measured within 6e-8); that input is far from
-    the exact one here (the exact product is outside that tolerance), so a kernel ignoring the
-    flag fails. With round16 as well, round8 wins. 16 rows (the panels) stay exact; so does a
-    build without the kernels (plain C), bit for bit what it gives without the flag."""
+    """1 to 8, 16 and 70 rows (a batch, a prefill chunk past the row-chunk size), k from 256
+    to 4096: the float64 product of the 8-bit input with gguf's weights, within 1e-6 of the
+    products' sizes (measured within 6e-8); that input is far from the exact one here (the
+    exact product is outside that tolerance), so a kernel ignoring the flag fails. With round16
+    as well, round8 wins. A build without the kernels (plain C) gives bit for bit what it gives
+    without the flag."""
     lib = _kernels(arch)
     g = torch.Generator().manual_seed(int(block_type))
     for k, n in ((256, 5), (1024, 7), (4096, 3)):
         raw = _random_blocks(block_type, n, k, seed=k + n)
         w = _reference(raw, block_type, n, k).double()
         blocks = torch.from_numpy(raw.reshape(-1).copy())
-        for rows in (*range(1, 9), 16):
+        for rows in (*range(1, 9), 16, 70):
             x = torch.randn(rows, k, generator=g)
             x[:, ::64] *= 20
             got = _product(x, block_type, blocks, n, k, lib, round8=True)
             both = _product(x, block_type, blocks, n, k, lib, round8=True, round16=True)
-            if rows > 8 or not blocks_rounded8(block_type, lib):
+            if not blocks_rounded8(block_type, lib):
                 assert torch.equal(got, _product(x, block_type, blocks, n, k, lib))
                 assert torch.equal(both, _product(x, block_type, blocks, n, k, lib,
                                                   round16=True))
@@ -80,6 +82,28 @@ def test_round8_multiplies_the_input_rounded_to_8_bits(arch, block_type):
                 float(((got - want).abs() / size).max())
             assert torch.equal(both, got)
             assert bool(((exact - want).abs() > 1e-6 * size).any())  # the flag matters here
+
+
+@pytest.mark.parametrize("arch", PATHS)
+@pytest.mark.parametrize("block_type", ROUNDED8, ids=[t.name for t in ROUNDED8])
+def test_round8_gives_a_row_the_same_bits_in_any_batch(arch, block_type):
+    """With 8-bit inputs a row's product does not depend on the rows beside it: each of 1, 3,
+    16 and 130 rows (two row chunks and a part) is bit for bit that row's product alone, so a
+    stream's greedy answer is the same at any concurrency and in a prefill chunk of any size.
+    (Past 8 rows the products took the exact float32 panels before: not bit for bit.)"""
+    lib = _kernels(arch)
+    if not blocks_rounded8(block_type, lib):
+        pytest.skip("this build has no 8-bit row kernels")
+    k, n = 1024, 9
+    raw = _random_blocks(block_type, n, k, seed=3)
+    blocks = torch.from_numpy(raw.reshape(-1).copy())
+    g = torch.Generator().manual_seed(5)
+    for rows in (1, 3, 16, 130):
+        x = torch.randn(rows, k, generator=g)
+        batch = _product(x, block_type, blocks, n, k, lib, round8=True)
+        for i in range(rows):
+            alone = _product(x[i:i + 1], block_type, blocks, n, k, lib, round8=True)
+            assert torch.equal(batch[i:i + 1], alone), (rows, i)
 
 
 @pytest.mark.parametrize("arch", PATHS)
@@ -149,9 +173,10 @@ def test_round8_sums_of_the_largest_products_stay_exact(arch, block_type):
 
 
 def test_the_environment_sets_round8_where_rounding_is_allowed(monkeypatch):
-    """NBSERVE_ROUND8=1 adds ROUND8 to the flags of Q4_K and Q6_K weights served with rounding
-    (weights="blocks") where the build has the kernels; never with exact=True, never for other
-    types, never unset or 0; anything else is refused by name."""
+    """ROUND8 is in the flags of Q4_K and Q6_K weights served with rounding (weights="blocks")
+    where the build has the kernels, by default (unset) and with NBSERVE_ROUND8=1; never with
+    NBSERVE_ROUND8=0, never with exact=True, never for other types; anything else is refused
+    by name."""
     from nbserve.execution.quant import GGMLBlocks, KernelLinear
 
     lib = _kernels(None)
@@ -165,12 +190,44 @@ def test_the_environment_sets_round8_where_rounding_is_allowed(monkeypatch):
         for block_type, weight in weights.items():
             rounded = KernelLinear(weight, kernels=lib, round16=True).flags
             exact = KernelLinear(weight, kernels=lib, round16=False).flags
-            want = value == "1" and blocks_rounded8(block_type, lib)
+            want = value != "0" and blocks_rounded8(block_type, lib)
             assert bool(rounded & KernelFlag.ROUND8) == want
             assert exact == 0
     monkeypatch.setenv("NBSERVE_ROUND8", "yes")
-    with pytest.raises(ValueError, match="NBSERVE_ROUND8='yes': use 1"):
+    with pytest.raises(ValueError, match="NBSERVE_ROUND8='yes': use 1 or leave it unset"):
         KernelLinear(weights[BlockType.Q4_K], kernels=lib, round16=True)
+
+
+def test_decode_rows_round_to_8_bits_and_prompt_chunks_do_not(monkeypatch):
+    """A KernelLinear over Q4_K blocks: an input of one position a sequence (batch, 1, k), 12
+    rows, gives each row what it gives alone with 8-bit inputs (what decode steps use at any
+    batch size); an input of several positions (a prompt chunk, (1, 12, k)) the product of the
+    same rows without ROUND8 (16-bit or float32 inputs), so a prompt's rows are not rounded to 8
+    bits. (Before, a 12-row decode batch took the float32 panels and a 5-position prompt chunk
+    8-bit inputs.)"""
+    from nbserve.execution.quant import GGMLBlocks, KernelLinear
+
+    lib = _kernels(None)
+    if not blocks_rounded8(BlockType.Q4_K, lib):
+        pytest.skip("this build has no 8-bit row kernels")
+    monkeypatch.delenv("NBSERVE_ROUND8", raising=False)
+    k, n = 512, 6
+    _, size = block_layout(BlockType.Q4_K, lib)
+    raw = _random_blocks(BlockType.Q4_K, n, k, seed=2)
+    linear = KernelLinear(GGMLBlocks.of_file(raw.reshape(n, k // 256, size), BlockType.Q4_K),
+                          kernels=lib, round16=True)
+    blocks = torch.from_numpy(raw.reshape(-1).copy())
+    x = torch.randn(12, k, generator=torch.Generator().manual_seed(9))
+    x[:, ::64] *= 20
+    alone8 = torch.cat([_product(x[i:i + 1], BlockType.Q4_K, blocks, n, k, lib, round8=True)
+                        for i in range(12)])
+    assert torch.equal(linear(x.unsqueeze(1)).reshape(12, n).double(), alone8)
+    for positions in (12, 5):
+        chunk = x[:positions].unsqueeze(0)
+        without8 = _product(x[:positions], BlockType.Q4_K, blocks, n, k, lib,
+                            round16=linear.flags & KernelFlag.ROUND16 != 0)
+        assert torch.equal(linear(chunk).reshape(positions, n).double(), without8)
+        assert not torch.equal(without8, alone8[:positions])
 
 
 @pytest.fixture(scope="module")
@@ -185,15 +242,15 @@ def q4_k_m_gguf(tmp_path_factory):
 
 
 def test_the_decode_stack_passes_round8_on(q4_k_m_gguf, monkeypatch):
-    """A model loaded with NBSERVE_ROUND8=1: its one-call decode stack gives the per-layer
-    path's logits bit for bit, and (on a build with the kernels) not those of a load without
-    it, so the flag reaches the kernels through the stack."""
+    """A model loaded with 8-bit inputs (the default): its one-call decode stack gives the
+    per-layer path's logits bit for bit, and (on a build with the kernels) not those of a load
+    with NBSERVE_ROUND8=0, so the flag reaches the kernels through the stack."""
     from nbserve.cpu.kernels.build import quant_kernels
 
     monkeypatch.setenv("NBSERVE_ROUND16", "1")  # the same 16-bit choice for both loads
-    monkeypatch.setenv("NBSERVE_ROUND8", "1")
+    monkeypatch.delenv("NBSERVE_ROUND8", raising=False)
     model = nbserve.load(str(q4_k_m_gguf), verbose=False).model
-    monkeypatch.delenv("NBSERVE_ROUND8")
+    monkeypatch.setenv("NBSERVE_ROUND8", "0")
     plain = nbserve.load(str(q4_k_m_gguf), verbose=False).model
     assert unfit_reason(model) is None
     want, none = _decode(model, 6, stacked=False, monkeypatch=monkeypatch)

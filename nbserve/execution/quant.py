@@ -15,10 +15,12 @@ dequantized weights only in rounding. One exception, `round16` (weights="blocks"
 exact=True): on the AVX2 path, and on the AVX-512 path where they measure faster, steps
 of one or two rows multiply their inputs rounded to 16 bits per block of 32 with integer
 products, which decode the weights in fewer instructions.
-Activations are rounded to 8 bits as llama.cpp's CPU kernels do only when asked, with
-NBSERVE_ROUND8=1 (Q4_K and Q6_K blocks, steps of a few rows: `cpu.kernels.tuning.round8_wanted`),
-never by default: in a simulation that changed most of the default model's greedy answers, 16
-bits none (benchmarks/README.md).
+Q4_K's and Q6_K's products in decode steps (weights="blocks" without exact=True) take their
+inputs rounded to 8 bits per 256 as llama.cpp's CPU kernels do (Q8_K), at any batch size, a row
+the same bits in any batch; prompt chunks keep 16-bit or float32 inputs, so a greedy answer
+starts where float32 arithmetic starts it. NBSERVE_ROUND8=0 keeps decode steps at 16 bits
+(`cpu.kernels.tuning.round8_wanted`); benchmarks/activation_rounding.py counts the greedy
+answers each keeps identical to exact arithmetic and to transformers' (benchmarks/README.md).
 The blocks serve every step, so a model loaded from them needs no float32 copy of its weights.
 """
 
@@ -379,8 +381,8 @@ class KernelLinear:
         do where the kernel build has integer row kernels for it and they are the faster
         path on this machine (always on AVX2, measured once on AVX-512: see
         `cpu.kernels.tuning`); exact float32 arithmetic elsewhere and for float32 weights.
-        With NBSERVE_ROUND8=1 as well, Q4_K's and Q6_K's to 8 bits per 256 where the build has
-        those kernels (`tuning.round8_wanted`)."""
+        Q4_K's and Q6_K's in decode steps to 8 bits per 256 instead, where the build has those
+        kernels, unless NBSERVE_ROUND8=0 (`tuning.round8_wanted`)."""
         from ..cpu.kernels.blocks import blocks_rounded8
         from ..cpu.kernels.build import quant_kernels
         from ..cpu.kernels.tuning import round8_wanted, round16_pays
@@ -416,7 +418,10 @@ class KernelLinear:
     @property
     def flags(self) -> int:
         """The kernel's flags for this weight's products (ROUND16, ROUND8, both or none; GATED
-        per call)."""
+        per call). ROUND8 is dropped per call for an input of several positions a sequence (a
+        prompt chunk, (batch, positions, k)): decode steps round to 8 bits, prompts keep 16-bit
+        or float32 inputs, which keeps far more greedy answers identical to float32 arithmetic
+        (benchmarks/activation_rounding.py) for a slower prefill."""
         return (ROUND16 if self._rounds else 0) | (ROUND8 if self._rounds8 else 0)
 
     @property
@@ -447,9 +452,11 @@ class KernelLinear:
         flat = x.reshape(rows, width).contiguous()
         y = torch.empty(rows, n, dtype=torch.float32)
         norm_at, eps = (None, 0.0) if norm is None else (norm.weight.data_ptr(), norm.eps)
+        flags = self.flags | (GATED if gated else 0)
+        if x.dim() >= 3 and x.shape[-2] > 1:  # a prompt's positions: see `flags`
+            flags &= ~ROUND8
         failed = self._matmul(self._lib, self.pointers, flat.data_ptr(), rows, k, n,
-                              y.data_ptr(), torch.get_num_threads(), norm_at, eps,
-                              self.flags | (GATED if gated else 0))
+                              y.data_ptr(), torch.get_num_threads(), norm_at, eps, flags)
         if failed:
             raise MemoryError("kernel matmul: out of memory for its input buffer")
         y = y.view(*x.shape[:-1], n)

@@ -25,7 +25,10 @@
  * float32 rounding: each input within max |x| / 65534 of its block's largest. With NBQ_ROUND8
  * (asked for, not by default), Q4_K's and Q6_K's take the input rounded to 8 bits per 256 as
  * llama.cpp's CPU kernels round it (Q8_K; gguf_blocks_round8.h), within max |x| / 254
- * (benchmarks/activation_rounding.py measures what either does to greedy answers).
+ * (benchmarks/activation_rounding.py measures what either does to greedy answers), at any row
+ * count: the 8-bit row kernels multiply in integers faster than the float32 panels, so batches
+ * and prefill chunks take them too, ROW_CHUNK input rows at a time, and a row's product is the
+ * same bits in any batch.
  */
 #include "matmul_common.h"
 #include "nbserve_kernels.h"
@@ -37,6 +40,8 @@
 #define MAX_QK 256   /* the largest block (the K-quants', IQ4_XS's) */
 #define N_TYPES 24   /* ggml type numbers below this */
 #define PREFETCH_ROWS 4  /* as quant_matmul.c: the output row this many rows ahead is asked for */
+#define ROW_CHUNK 64     /* past ROW_PATH_MAX rows, 8-bit rows a weight row meets in turn (a
+                            chunk of 4,096 inputs a row: 256 KiB, in L2) */
 
 typedef void (*to_float_fn)(const uint8_t *blocks, int nblocks, float *out);
 typedef void (*dot_fn)(const float *x, int rows, int k, const uint8_t *w, float *out,
@@ -501,43 +506,52 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
     int16_t *xq = NULL, *bsum = NULL;
     int8_t *x8 = NULL;
     float *xs = NULL, *xsum = NULL;
-    if (rows <= ROW_PATH_MAX && (flags & NBQ_ROUND8) && t->dot8) {  /* 8 bits, once a call */
+    int rounds8 = (flags & NBQ_ROUND8) && t->dot8, rounds16 = (flags & NBQ_ROUND16) && t->dot16;
+    int row_path = rows <= ROW_PATH_MAX || rounds8;
+    if (row_path && rounds8) {  /* 8 bits, once a call */
         x8 = malloc((size_t)rows * k);
         xs = malloc(sizeof(float) * (size_t)rows * (k / 256));
         bsum = malloc(sizeof(int16_t) * (size_t)rows * (k / 16));
         if (!x8 || !xs || !bsum) { free(x8); free(xs); free(bsum); free(buf); return -1; }
-        ROUND8(x, rows, k, x8, xs, bsum, Q4_K_ORDER(type));
-    } else if (rows <= ROW_PATH_MAX && (flags & NBQ_ROUND16) && t->dot16) {  /* once a call */
+        ROUND8(x, rows, k, x8, xs, bsum, Q4_K_ORDER(type), threads);
+    } else if (row_path && rounds16) {  /* once a call */
         xq = malloc(sizeof(int16_t) * (size_t)rows * k);
         xs = malloc(sizeof(float) * (size_t)rows * nb);
         xsum = malloc(sizeof(float) * (size_t)rows * 2 * nb);
         if (!xq || !xs || !xsum) { free(xq); free(xs); free(xsum); free(buf); return -1; }
         round16(x, rows, k, t->elems, xq, xs, xsum);  /* per block of the type: 32 or 256 */
     }
-    if (rows > ROW_PATH_MAX) {
+    if (!row_path) {
         failed = blocks_panels(t, x, rows, k, w0, n, y, threads);
     } else {
         dot_fn dot = t->dot;
         dot16_fn dot16 = t->dot16;
         dot8_fn dot8 = t->dot8;
-        #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int r = 0; r < n; r++) {
-            const uint8_t *w = w0 + (size_t)r * row_bytes;
-            if (r + PREFETCH_ROWS < n) {
-                const uint8_t *ahead = w + PREFETCH_ROWS * row_bytes;
-                for (size_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(ahead + o, 0, 3);
-            }
-            for (int i0 = 0; i0 < rows; i0 += TILE) {
-                int tr = rows - i0 < TILE ? rows - i0 : TILE;
-                if (x8)
-                    dot8(x8 + (size_t)i0 * k, xs + (size_t)i0 * (k / 256),
-                         bsum + (size_t)i0 * (k / 16), tr, k, w, y + (size_t)i0 * n + r, n);
-                else if (xq)
-                    dot16(xq + (size_t)i0 * k, xs + (size_t)i0 * (k / t->elems),
-                          xsum + (size_t)i0 * 2 * nb,
-                          tr, k, w, y + (size_t)i0 * n + r, n);
-                else
-                    dot(x + (size_t)i0 * k, tr, k, w, y + (size_t)i0 * n + r, n);
+        /* input rows a chunk at a time, so a chunk's rounded rows stay in L2 while every
+         * weight row meets them */
+        int chunk = rows <= ROW_PATH_MAX ? rows : ROW_CHUNK;
+        #pragma omp parallel num_threads(threads)
+        for (int c0 = 0; c0 < rows; c0 += chunk) {
+            int c1 = rows - c0 < chunk ? rows : c0 + chunk;
+            #pragma omp for schedule(static)
+            for (int r = 0; r < n; r++) {
+                const uint8_t *w = w0 + (size_t)r * row_bytes;
+                if (r + PREFETCH_ROWS < n) {
+                    const uint8_t *ahead = w + PREFETCH_ROWS * row_bytes;
+                    for (size_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(ahead + o, 0, 3);
+                }
+                for (int i0 = c0; i0 < c1; i0 += TILE) {
+                    int tr = c1 - i0 < TILE ? c1 - i0 : TILE;
+                    if (x8)
+                        dot8(x8 + (size_t)i0 * k, xs + (size_t)i0 * (k / 256),
+                             bsum + (size_t)i0 * (k / 16), tr, k, w, y + (size_t)i0 * n + r, n);
+                    else if (xq)
+                        dot16(xq + (size_t)i0 * k, xs + (size_t)i0 * (k / t->elems),
+                              xsum + (size_t)i0 * 2 * nb,
+                              tr, k, w, y + (size_t)i0 * n + r, n);
+                    else
+                        dot(x + (size_t)i0 * k, tr, k, w, y + (size_t)i0 * n + r, n);
+                }
             }
         }
     }

@@ -24,8 +24,9 @@
  * (rows, k / 16) each 16 codes' sum (in the input's order). `swap`: q holds each 128 inputs'
  * 32-input quarters in the order 0, 2, 1, 3 (Q4_K_ORDER). */
 static void round8(const float *x, int rows, int k, int8_t *q, float *s, int16_t *bsum,
-                   int swap) {
+                   int swap, int threads) {
     int nb = k / 256;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (rows > ROW_PATH_MAX)
     for (int i = 0; i < rows; i++)
         for (int b = 0; b < nb; b++) {
             const float *v = x + (size_t)i * k + (size_t)b * 256;
@@ -251,6 +252,6 @@ ROUND8_KERNEL(q6_k, 210, 0)
 #define Q4_K_ORDER(type) (VL == 16 && (type) == NBQ_GGML_Q4_K)
 #else
 #define DOT8(T) NULL
-#define ROUND8(x, rows, k, q, s, bsum, swap) ((void)0)  /* never reached: no DOT8 */
+#define ROUND8(x, rows, k, q, s, bsum, swap, threads) ((void)0)  /* never reached: no DOT8 */
 #define Q4_K_ORDER(type) 0
 #endif

@@ -49,7 +49,7 @@ enum nbq_flag {
     NBQ_ROUND16 = 2, /* inputs of a few rows are rounded to 16 bits per block for the integer
                         row kernels, where the build has them (quant_matmul.c,
                         gguf_blocks.c) */
-    NBQ_ROUND8 = 4,  /* inputs of a few rows are rounded to 8 bits per 256 (llama.cpp's Q8_K)
+    NBQ_ROUND8 = 4,  /* inputs (any rows) are rounded to 8 bits per 256 (llama.cpp's Q8_K)
                         for Q4_K's and Q6_K's integer row kernels, where the build has them
                         (gguf_blocks.c); ignored elsewhere, where the other flags decide */
 };
