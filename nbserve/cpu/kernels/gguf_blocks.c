@@ -39,7 +39,6 @@
 #define TILE 4       /* input rows a row kernel multiplies per decoded block */
 #define MAX_QK 256   /* the largest block (the K-quants', IQ4_XS's) */
 #define N_TYPES 24   /* ggml type numbers below this */
-#define PREFETCH_ROWS 4  /* as quant_matmul.c: the output row this many rows ahead is asked for */
 #define ROW_CHUNK 64     /* past ROW_PATH_MAX rows, 8-bit rows a weight row meets in turn (a
                             chunk of 4,096 inputs a row: 256 KiB, in L2) */
 
@@ -528,7 +527,9 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
         dot16_fn dot16 = t->dot16;
         dot8_fn dot8 = t->dot8;
         /* input rows a chunk at a time, so a chunk's rounded rows stay in L2 while every
-         * weight row meets them */
+         * weight row meets them. No software prefetch: the weight rows are read in order, which
+         * the hardware prefetchers follow; asking for a whole row ahead (as quant_matmul.c
+         * does for its smaller rows) filled the miss buffers and stalled a lone decode step */
         int chunk = rows <= ROW_PATH_MAX ? rows : ROW_CHUNK;
         #pragma omp parallel num_threads(threads)
         for (int c0 = 0; c0 < rows; c0 += chunk) {
@@ -536,10 +537,6 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
             #pragma omp for schedule(static)
             for (int r = 0; r < n; r++) {
                 const uint8_t *w = w0 + (size_t)r * row_bytes;
-                if (r + PREFETCH_ROWS < n) {
-                    const uint8_t *ahead = w + PREFETCH_ROWS * row_bytes;
-                    for (size_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(ahead + o, 0, 3);
-                }
                 for (int i0 = c0; i0 < c1; i0 += TILE) {
                     int tr = c1 - i0 < TILE ? c1 - i0 : TILE;
                     if (x8)

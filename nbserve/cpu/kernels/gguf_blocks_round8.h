@@ -109,10 +109,20 @@ typedef struct {
     float d, dmin;
     __m256i mul, mins;
 } block8;
+/* k_scale_bytes in registers: the block's first 16 bytes as 32-bit lanes [d dmin, u0, u1, u2]
+ * to sc 0-3 = u0 & 0x3f.., sc 4-7 = (u2 & 0x0f..) | (u0 >> 6 & 3..) << 4, m 0-3 = u1 & 0x3f..,
+ * m 4-7 = (u2 >> 4 & 0x0f..) | (u1 >> 6 & 3..) << 4 (a byte's bits 6-7 reach 4-5 by >> 2) */
+INLINE __m128i q4_k_scales8(const uint8_t *blk) {
+    __m128i v = _mm_loadu_si128((const __m128i *)blk);
+    __m128i low = _mm_shuffle_epi32(v, _MM_SHUFFLE(3, 2, 3, 1));   /* u0, u2, u1, u2 */
+    __m128i high = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 1, 1));  /* u0, u0, u1, u1 */
+    low = _mm_and_si128(_mm_srlv_epi32(low, _mm_setr_epi32(0, 0, 0, 4)),
+                        _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    high = _mm_and_si128(_mm_srli_epi32(high, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm_or_si128(low, high);
+}
 INLINE void q4_k_prep8(const uint8_t *blk, block8 *p) {
-    uint8_t b[16];
-    k_scale_bytes(blk + 4, b);
-    __m128i bytes = _mm_loadu_si128((const __m128i *)b);  /* sc 0-7, m 0-7 */
+    __m128i bytes = q4_k_scales8(blk);  /* sc 0-7, m 0-7 */
     p->d = half_at(blk);
     p->dmin = half_at(blk + 2);
     p->mul = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(bytes, bytes));
