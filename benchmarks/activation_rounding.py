@@ -10,16 +10,16 @@ greedy tokens past end-of-text: how many answers stay identical to the unrounded
 the others first differ. Asserts nothing.
 
 With `--file FILE.gguf` (a quantized GGUF, e.g. a K-quant file): the real kernels instead of
-a simulation. The file loads twice, served from its blocks: weights="blocks", exact=True (float32
-arithmetic on gguf's dequantized weights, the reference) and weights="blocks" with
-NBSERVE_ROUND16=1 (the integer row kernels of cpu/kernels/gguf_blocks.c and quant_matmul.c: a
-lone stream's matmul inputs rounded to 16 bits per block of 32); then a third time with
-NBSERVE_ROUND8=1 as well (Q4_K's and Q6_K's inputs rounded to 8 bits per 256, llama.cpp's Q8_K,
-for their integer row kernels; the other types as with 16 bits); the same count of identical
-greedy answers, each rounding against exact. Then `transformers` on the same file (its GGUF
-loader dequantizes every tensor to float32; `--no-transformers` skips it), greedy on the same
-prompt ids, the reference each mode's answers are counted against too. Chat prompts through the
-file's template, or plain text prompts for a base model without one.
+a simulation. The file loads four times, served from its blocks: weights="blocks", exact=True
+(float32 arithmetic on gguf's dequantized weights, the reference); weights="blocks" with
+NBSERVE_ROUND16=1 and NBSERVE_ROUND8=0 (the integer row kernels of cpu/kernels/gguf_blocks.c
+and quant_matmul.c: a lone stream's matmul inputs rounded to 16 bits per block of 32); with
+Q4_K's and Q6_K's inputs in decode steps rounded to 8 bits per 256 (llama.cpp's Q8_K, the
+default); and with NBSERVE_ROUND8=all (prompts too; the other types as with 16 bits). The same
+count of identical greedy answers, each rounding against exact; then `transformers` on the same
+file (its GGUF loader dequantizes every tensor to float32; `--no-transformers` skips it), greedy
+on the same prompt ids, the reference each mode's answers are counted against too. Chat prompts
+through the file's template, or plain text prompts for a base model without one.
 
     python benchmarks/activation_rounding.py            # ~6 minutes on 2 cores
     python benchmarks/activation_rounding.py --file FILE.gguf   # Gemma 3 270M: ~7 minutes
@@ -142,7 +142,7 @@ def file_modes(path: Path, n_prompts: int, max_tokens: int, with_transformers: b
 
     results, rates = {}, {}
     for dtype, round16, round8 in (("quantized-exact", "0", "0"), ("quantized", "1", "0"),
-                                   ("round8", "1", "1")):
+                                   ("round8", "1", "1"), ("round8-all", "1", "all")):
         os.environ["NBSERVE_ROUND16"] = round16  # read when the kernels are made, at load
         os.environ["NBSERVE_ROUND8"] = round8
         loaded = nbserve.load(str(path), weights="blocks", exact=dtype == "quantized-exact",
@@ -161,19 +161,23 @@ def file_modes(path: Path, n_prompts: int, max_tokens: int, with_transformers: b
     print(f"{path.name}: served from its blocks, one stream (prefills included, load average "
           f"{os.getloadavg()[0]:.1f}): {rates['quantized-exact']:.1f} tok/s exact, "
           f"{rates['quantized']:.1f} with 16-bit inputs, {rates['round8']:.1f} with 8-bit inputs "
-          "for Q4_K and Q6_K", flush=True)
+          f"for Q4_K and Q6_K in decode steps, {rates['round8-all']:.1f} in prompts too",
+          flush=True)
     exact = "exact float32 arithmetic (weights='blocks', exact=True)"
     report("16-bit inputs (weights='blocks', NBSERVE_ROUND16=1)", results["quantized"],
            results["quantized-exact"], exact, max_tokens)
-    report("8-bit inputs for Q4_K and Q6_K (NBSERVE_ROUND8=1)", results["round8"],
+    report("8-bit inputs for Q4_K and Q6_K in decode steps (the default)", results["round8"],
            results["quantized-exact"], exact, max_tokens)
+    report("8-bit inputs for Q4_K and Q6_K in prompts too (NBSERVE_ROUND8=all)",
+           results["round8-all"], results["quantized-exact"], exact, max_tokens)
     if not with_transformers:
         return
     reference = transformers_greedy(path, prompts, max_tokens)
     what = "transformers' on the same file (float32)"
     for dtype, name in (("quantized-exact", "exact float32 arithmetic (exact=True)"),
                         ("quantized", "16-bit inputs"),
-                        ("round8", "8-bit inputs for Q4_K and Q6_K")):
+                        ("round8", "8-bit inputs for Q4_K and Q6_K in decode steps"),
+                        ("round8-all", "8-bit inputs for Q4_K and Q6_K in prompts too")):
         report(name, results[dtype], reference, what, max_tokens)
 
 

@@ -174,7 +174,7 @@ def test_round8_sums_of_the_largest_products_stay_exact(arch, block_type):
 
 def test_the_environment_sets_round8_where_rounding_is_allowed(monkeypatch):
     """ROUND8 is in the flags of Q4_K and Q6_K weights served with rounding (weights="blocks")
-    where the build has the kernels, by default (unset) and with NBSERVE_ROUND8=1; never with
+    where the build has the kernels, by default (unset) and with NBSERVE_ROUND8=1 or all; never with
     NBSERVE_ROUND8=0, never with exact=True, never for other types; anything else is refused
     by name."""
     from nbserve.execution.quant import GGMLBlocks, KernelLinear
@@ -185,7 +185,7 @@ def test_the_environment_sets_round8_where_rounding_is_allowed(monkeypatch):
         _, size = block_layout(block_type, lib)
         raw = _random_blocks(block_type, 4, 512, seed=1)
         weights[block_type] = GGMLBlocks.of_file(raw.reshape(4, 2, size), block_type)
-    for value in ("1", "0", ""):
+    for value in ("1", "0", "", "all"):
         monkeypatch.setenv("NBSERVE_ROUND8", value)
         for block_type, weight in weights.items():
             rounded = KernelLinear(weight, kernels=lib, round16=True).flags
@@ -203,8 +203,8 @@ def test_decode_rows_round_to_8_bits_and_prompt_chunks_do_not(monkeypatch):
     rows, gives each row what it gives alone with 8-bit inputs (what decode steps use at any
     batch size); an input of several positions (a prompt chunk, (1, 12, k)) the product of the
     same rows without ROUND8 (16-bit or float32 inputs), so a prompt's rows are not rounded to 8
-    bits. (Before, a 12-row decode batch took the float32 panels and a 5-position prompt chunk
-    8-bit inputs.)"""
+    bits; NBSERVE_ROUND8=all rounds them too. (Before, a 12-row decode batch took the float32
+    panels and a 5-position prompt chunk 8-bit inputs.)"""
     from nbserve.execution.quant import GGMLBlocks, KernelLinear
 
     lib = _kernels(None)
@@ -228,6 +228,9 @@ def test_decode_rows_round_to_8_bits_and_prompt_chunks_do_not(monkeypatch):
                             round16=linear.flags & KernelFlag.ROUND16 != 0)
         assert torch.equal(linear(chunk).reshape(positions, n).double(), without8)
         assert not torch.equal(without8, alone8[:positions])
+    monkeypatch.setenv("NBSERVE_ROUND8", "all")  # llama.cpp's arithmetic: prompts too
+    everywhere = KernelLinear(linear.weight, kernels=lib, round16=True)
+    assert torch.equal(everywhere(x.unsqueeze(0)).reshape(12, n).double(), alone8)
 
 
 @pytest.fixture(scope="module")

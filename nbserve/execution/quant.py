@@ -18,9 +18,10 @@ products, which decode the weights in fewer instructions.
 Q4_K's and Q6_K's products in decode steps (weights="blocks" without exact=True) take their
 inputs rounded to 8 bits per 256 as llama.cpp's CPU kernels do (Q8_K), at any batch size, a row
 the same bits in any batch; prompt chunks keep 16-bit or float32 inputs, so a greedy answer
-starts where float32 arithmetic starts it. NBSERVE_ROUND8=0 keeps decode steps at 16 bits
-(`cpu.kernels.tuning.round8_wanted`); benchmarks/activation_rounding.py counts the greedy
-answers each keeps identical to exact arithmetic and to transformers' (benchmarks/README.md).
+starts where float32 arithmetic starts it. NBSERVE_ROUND8=0 keeps decode steps at 16 bits,
+NBSERVE_ROUND8=all rounds prompts too (`cpu.kernels.tuning.round8_wanted`);
+benchmarks/activation_rounding.py counts the greedy answers each keeps identical to exact
+arithmetic and to transformers' (benchmarks/README.md).
 The blocks serve every step, so a model loaded from them needs no float32 copy of its weights.
 """
 
@@ -382,7 +383,8 @@ class KernelLinear:
         path on this machine (always on AVX2, measured once on AVX-512: see
         `cpu.kernels.tuning`); exact float32 arithmetic elsewhere and for float32 weights.
         Q4_K's and Q6_K's in decode steps to 8 bits per 256 instead, where the build has those
-        kernels, unless NBSERVE_ROUND8=0 (`tuning.round8_wanted`)."""
+        kernels, unless NBSERVE_ROUND8=0; with NBSERVE_ROUND8=all, prompt chunks' too
+        (`tuning.round8_wanted`)."""
         from ..cpu.kernels.blocks import blocks_rounded8
         from ..cpu.kernels.build import quant_kernels
         from ..cpu.kernels.tuning import round8_wanted, round16_pays
@@ -404,8 +406,10 @@ class KernelLinear:
         row = KINDS[self.kind]
         self.weight_kind, self._matmul, self.max_rows = row.weight_kind, row.matmul, row.max_rows
         self.block_type = row.block_type
-        self._rounds8 = (self.round16 and self.weight_kind == WeightKind.BLOCKS
-                         and round8_wanted() and blocks_rounded8(self.block_type, self._lib))
+        round8 = round8_wanted() if self.round16 else "none"
+        self._rounds8 = (round8 != "none" and self.weight_kind == WeightKind.BLOCKS
+                         and blocks_rounded8(self.block_type, self._lib))
+        self._prompts8 = self._rounds8 and round8 == "all"
 
     @property
     def pointers(self) -> Pointers:
@@ -421,7 +425,8 @@ class KernelLinear:
         per call). ROUND8 is dropped per call for an input of several positions a sequence (a
         prompt chunk, (batch, positions, k)): decode steps round to 8 bits, prompts keep 16-bit
         or float32 inputs, which keeps far more greedy answers identical to float32 arithmetic
-        (benchmarks/activation_rounding.py) for a slower prefill."""
+        (benchmarks/activation_rounding.py) for a slower prefill; NBSERVE_ROUND8=all keeps it
+        for prompts too."""
         return (ROUND16 if self._rounds else 0) | (ROUND8 if self._rounds8 else 0)
 
     @property
@@ -453,7 +458,7 @@ class KernelLinear:
         y = torch.empty(rows, n, dtype=torch.float32)
         norm_at, eps = (None, 0.0) if norm is None else (norm.weight.data_ptr(), norm.eps)
         flags = self.flags | (GATED if gated else 0)
-        if x.dim() >= 3 and x.shape[-2] > 1:  # a prompt's positions: see `flags`
+        if x.dim() >= 3 and x.shape[-2] > 1 and not self._prompts8:  # a prompt: see `flags`
             flags &= ~ROUND8
         failed = self._matmul(self._lib, self.pointers, flat.data_ptr(), rows, k, n,
                               y.data_ptr(), torch.get_num_threads(), norm_at, eps, flags)

@@ -13,8 +13,9 @@ that a machine keeps one choice (and one set of greedy answers) from run to run.
 8-bit inputs (flag NBQ_ROUND8 of `gguf_blocks.c`, llama.cpp's Q8_K: 8 bits per 256 inputs):
 Q4_K's and Q6_K's products in decode steps take them by default, where rounding is allowed
 (weights="blocks" without exact=True) and the build has those kernels; `NBSERVE_ROUND8=0` keeps
-the 16-bit choice above for them instead. Not measured per machine: the 8-bit kernels read
-fewer bytes of input and do half the integer work of the 16-bit ones on every core measured.
+the 16-bit choice above for them instead, `NBSERVE_ROUND8=all` rounds prompt chunks too. Not
+measured per machine: the 8-bit kernels read fewer bytes of input and do half the integer work
+of the 16-bit ones on every core measured.
 """
 
 from __future__ import annotations
@@ -55,18 +56,21 @@ def round16_pays(lib: ctypes.CDLL, threads: int = 1) -> bool:
         return _choices[name]
 
 
-def round8_wanted() -> bool:
-    """Whether Q4_K and Q6_K products in decode steps round their inputs to 8 bits per 256:
-    yes unless NBSERVE_ROUND8=0 (1 or unset: yes; anything else is refused). Read once per
+def round8_wanted() -> str:
+    """Which Q4_K and Q6_K products round their inputs to 8 bits per 256: "decode" (unset or
+    NBSERVE_ROUND8=1: the rows of decode steps), "all" (NBSERVE_ROUND8=all: prompt chunks too,
+    llama.cpp's arithmetic everywhere) or "none" (0); anything else is refused. Read once per
     weight, when its kernel is made (at load)."""
     forced = os.environ.get("NBSERVE_ROUND8", "").strip()
     if forced in ("", "1"):
-        return True
+        return "decode"
+    if forced == "all":
+        return "all"
     if forced == "0":
-        return False
+        return "none"
     raise ValueError(f"NBSERVE_ROUND8={forced!r}: use 1 or leave it unset (round the inputs of "
-                     "Q4_K and Q6_K products in decode steps to 8 bits per 256), or 0 (keep "
-                     "them at 16 bits)")
+                     "Q4_K and Q6_K products in decode steps to 8 bits per 256), all (prompt "
+                     "chunks too), or 0 (keep them at 16 bits)")
 
 
 def _remembered_or_measured(lib: ctypes.CDLL, library: Path, threads: int) -> bool:
