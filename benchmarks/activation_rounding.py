@@ -18,8 +18,10 @@ Q4_K's and Q6_K's inputs in decode steps rounded to 8 bits per 256 (llama.cpp's 
 default); and with NBSERVE_ROUND8=all (prompts too; the other types as with 16 bits). The same
 count of identical greedy answers, each rounding against exact; then `transformers` on the same
 file (its GGUF loader dequantizes every tensor to float32; `--no-transformers` skips it), greedy
-on the same prompt ids, the reference each mode's answers are counted against too. Chat prompts
-through the file's template, or plain text prompts for a base model without one.
+on the same prompt ids, the reference each mode's answers are counted against too, and so are
+llama.cpp's llama-server's on the same file and prompt ids, where it is built
+(benchmarks/llama_server.py). Chat prompts through the file's template, or plain text prompts
+for a base model without one.
 
     python benchmarks/activation_rounding.py            # ~6 minutes on 2 cores
     python benchmarks/activation_rounding.py --file FILE.gguf   # Gemma 3 270M: ~7 minutes
@@ -123,6 +125,43 @@ def transformers_greedy(path: Path, prompts: list[list[int]], max_tokens: int
     return out
 
 
+def llama_server_greedy(path: Path, prompts: list[list[int]], max_tokens: int
+                        ) -> list[list[int]] | None:
+    """Each prompt's greedy tokens from llama.cpp's llama-server on the same file (its own
+    arithmetic: 8-bit activations everywhere), one at a time through /completion with the prompt
+    as token ids, past any end of text; None where llama-server is not built."""
+    import json
+    import tempfile
+    import urllib.request
+
+    import llama_server
+    from peers import PeerError, llama_server_spec, start_peer, stop_peer
+
+    binary = llama_server.find()
+    if binary is None:
+        print("llama-server: not built (python benchmarks/llama_server.py --build); skipped")
+        return None
+    try:
+        peer = start_peer(llama_server_spec(path, binary, parallel=1, context=4096), 300,
+                          Path(tempfile.mkdtemp()))
+    except PeerError as exc:
+        print(f"llama-server: {exc}; skipped")
+        return None
+    out = []
+    try:
+        for ids in prompts:
+            body = json.dumps({"prompt": ids, "n_predict": max_tokens, "temperature": 0.0,
+                               "top_k": 1, "ignore_eos": True, "cache_prompt": False,
+                               "return_tokens": True}).encode()
+            request = urllib.request.Request(peer.base.removesuffix("/v1") + "/completion",
+                                             body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=300) as answer:
+                out.append(list(json.load(answer)["tokens"]))
+    finally:
+        stop_peer(peer)
+    return out
+
+
 def report(name: str, got: list[list[int]], reference: list[list[int]], what: str,
            max_tokens: int) -> None:
     first = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), None)
@@ -179,6 +218,9 @@ def file_modes(path: Path, n_prompts: int, max_tokens: int, with_transformers: b
                         ("round8", "8-bit inputs for Q4_K and Q6_K in decode steps"),
                         ("round8-all", "8-bit inputs for Q4_K and Q6_K in prompts too")):
         report(name, results[dtype], reference, what, max_tokens)
+    theirs = llama_server_greedy(path, prompts, max_tokens)
+    if theirs is not None:
+        report("llama-server", theirs, reference, what, max_tokens)
 
 
 def main(argv: list[str] | None = None) -> None:
