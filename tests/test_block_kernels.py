@@ -180,7 +180,8 @@ def test_round16_multiplies_the_input_rounded_to_16_bits(arch, block_type):
     of the products' sizes; measured within 3e-7), so within the rounding's bound of the exact
     product; the inputs (one large value a block) make the exact product differ from the
     rounded one by more than that tolerance, so a kernel that ignored the flag fails here. A
-    build without integer row kernels (plain C), and the panels (16 rows), stay exact."""
+    build without integer row kernels (plain C), and the panels (16 rows; Q6_K: 129 rows), stay
+    exact. Q6_K's row kernels take up to 128 rows (16 and 128 here: faster than its panels)."""
     lib = _kernels(arch)
     elems, _ = block_layout(block_type, lib)
     g = torch.Generator().manual_seed(int(block_type) + 100)
@@ -189,12 +190,13 @@ def test_round16_multiplies_the_input_rounded_to_16_bits(arch, block_type):
         raw = _random_blocks(block_type, n, k, seed=n + 1)
         w = _reference(raw, block_type, n, k).double()
         blocks = torch.from_numpy(raw.reshape(-1).copy())
-        for rows in (1, 2, 3, 4, 7, 16):
+        most = 128 if block_type == BlockType.Q6_K else 8  # the row kernels' rows
+        for rows in (1, 2, 3, 4, 7, 16, *((128, 129) if most > 8 else ())):
             x = torch.randn(rows, k, generator=g)
             x[:, ::32] *= 300  # each block's step is then about 300 / 65534
             got = blocks_matmul(x, block_type, blocks, n, k, round16=True, lib=lib,
                                 threads=2).double()
-            if rows > 8 or not blocks_rounded(block_type, lib):
+            if rows > most or not blocks_rounded(block_type, lib):
                 _assert_product(got.float(), x, w.float())
                 continue
             rounded, half_step = _round16(x, elems)

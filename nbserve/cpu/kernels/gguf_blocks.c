@@ -59,6 +59,9 @@ typedef struct {
     dot_fn dot;
     dot16_fn dot16;  /* the same over the input rounded to 16 bits (NBQ_ROUND16); NULL: none */
     dot8_fn dot8;    /* the same over the input rounded to 8 bits (NBQ_ROUND8); NULL: none */
+    int rows16;      /* with NBQ_ROUND16, dot16 takes inputs of up to this many rows (0:
+                        ROW_PATH_MAX), where it beats the panels (measured: Q6_K's up to ~150
+                        rows, 2 threads; benchmarks/README.md) */
 } block_type;
 
 #include "gguf_blocks_decode.h"  /* the block decoders */
@@ -431,7 +434,7 @@ static const block_type TYPES[N_TYPES] = {
     [NBQ_GGML_Q3_K] = {256, 110, q3_k_to_float, q3_k_dot, DOT16(q3_k)},
     [NBQ_GGML_Q4_K] = {256, 144, q4_k_to_float, q4_k_dot, DOT16(q4_k), DOT8(q4_k)},
     [NBQ_GGML_Q5_K] = {256, 176, q5_k_to_float, q5_k_dot, DOT16(q5_k)},
-    [NBQ_GGML_Q6_K] = {256, 210, q6_k_to_float, q6_k_dot, DOT16(q6_k), DOT8(q6_k)},
+    [NBQ_GGML_Q6_K] = {256, 210, q6_k_to_float, q6_k_dot, DOT16(q6_k), DOT8(q6_k), 128},
     [NBQ_GGML_IQ4_NL] = {32, 18, iq4_nl_to_float, iq4_nl_dot, DOT16(iq4_nl)},
     [NBQ_GGML_IQ4_XS] = {256, 136, iq4_xs_to_float, iq4_xs_dot, DOT16(iq4_xs)},
 };
@@ -486,9 +489,10 @@ static int blocks_panels(const block_type *t, const float *x, int rows, int k,
 
 /* y (rows, n) = prepare(x) (rows, k) @ w.T, w the n weight rows of `type`'s blocks (each row
  * k / elems blocks, in the file's order); prepare as nbq_q4_matmul's (RMSNorm with `norm`,
- * NBQ_GATED); with NBQ_ROUND16, inputs of up to ROW_PATH_MAX rows are rounded to 16 bits per
- * block of the type (round16) for the integer row kernels, where the build has them (AVX2,
- * AVX-512); with NBQ_ROUND8, to 8 bits per 256 (round8) for Q4_K's and Q6_K's on those builds,
+ * NBQ_GATED); with NBQ_ROUND16, inputs of up to ROW_PATH_MAX rows (the type's rows16 where it
+ * has one) are rounded to 16 bits per block of the type (round16) for the integer row kernels,
+ * where the build has them (AVX2, AVX-512); with NBQ_ROUND8, to 8 bits per 256 (round8) for
+ * Q4_K's and Q6_K's on those builds, at any row count,
  * the flag ignored elsewhere (other types, the plain C build: what the other flags give).
  * Returns 0, -1 when out of memory, -2 for a type not served or k not a multiple of its block. */
 int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blocks, int n,
@@ -506,7 +510,7 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
     int8_t *x8 = NULL;
     float *xs = NULL, *xsum = NULL;
     int rounds8 = (flags & NBQ_ROUND8) && t->dot8, rounds16 = (flags & NBQ_ROUND16) && t->dot16;
-    int row_path = rows <= ROW_PATH_MAX || rounds8;
+    int row_path = rows <= ROW_PATH_MAX || rounds8 || (rounds16 && rows <= t->rows16);
     if (row_path && rounds8) {  /* 8 bits, once a call */
         x8 = malloc((size_t)rows * k);
         xs = malloc(sizeof(float) * (size_t)rows * (k / 256));
@@ -530,7 +534,7 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
          * weight row meets them. No software prefetch: the weight rows are read in order, which
          * the hardware prefetchers follow; asking for a whole row ahead (as quant_matmul.c
          * does for its smaller rows) filled the miss buffers and stalled a lone decode step */
-        int chunk = rows <= ROW_PATH_MAX ? rows : ROW_CHUNK;
+        int chunk = rows <= ROW_PATH_MAX ? rows : x8 ? ROW_CHUNK : ROW_CHUNK / 2;  /* int16: 2x */
         #pragma omp parallel num_threads(threads)
         for (int c0 = 0; c0 < rows; c0 += chunk) {
             int c1 = rows - c0 < chunk ? rows : c0 + chunk;
