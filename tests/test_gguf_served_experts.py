@@ -118,6 +118,34 @@ def test_k_quant_experts_are_served_from_their_blocks(tmp_path, types):
     _same_logits(model, full)
 
 
+def test_k_quant_experts_round_decode_rows_to_8_bits_and_not_prompts(tmp_path, monkeypatch):
+    """As a dense layer's kernels: a Q4_K/Q6_K MoE's experts multiply decode rows (one
+    position a sequence) with 8-bit inputs (the default) and a prompt chunk's positions without
+    them, the product of a load with NBSERVE_ROUND8=0 (before, the experts' rows came flattened
+    and a prompt took 8-bit inputs too)."""
+    from nbserve.cpu.kernels.blocks import BlockType, blocks_rounded8
+    from nbserve.cpu.kernels.build import quant_kernels
+
+    if not blocks_rounded8(BlockType.Q4_K, quant_kernels()):
+        pytest.skip("this build has no 8-bit row kernels")
+    hf = _kquant_moe_dir(tmp_path / "hf")
+    path = hf_dir_to_gguf(hf, tmp_path / "m.gguf", "Q8_0", tensor_types={
+        f"blk.{i}.{role}.weight": kind for i in range(2)
+        for role, kind in zip(ROLES, ("Q4_K", "Q4_K", "Q6_K"))})
+    monkeypatch.setenv("NBSERVE_ROUND16", "1")  # the same 16-bit choice for both loads
+    monkeypatch.delenv("NBSERVE_ROUND8", raising=False)
+    rounded = nbserve.load(str(path), verbose=False).model
+    monkeypatch.setenv("NBSERVE_ROUND8", "0")
+    sixteen = nbserve.load(str(path), verbose=False).model
+    mlp, mlp16 = (next(m for m in model.modules() if isinstance(m, SparseMoE))
+                  for model in (rounded, sixteen))
+    x = torch.randn(1, 12, 256, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        assert torch.equal(mlp(x), mlp16(x))  # a prompt chunk: no 8-bit inputs
+        decode = x.reshape(12, 1, 256)
+        assert not torch.equal(mlp(decode), mlp16(decode))  # decode rows: 8-bit
+
+
 def test_greedy_answers_over_http_equal_the_float32_load(moe_dirs, tmp_path):
     """Served from its experts' blocks (exact arithmetic), a Qwen3-MoE answers as its float32
     load token for token; /stats reports the weight bytes as served, the experts at their

@@ -106,9 +106,11 @@ class Experts(nn.Module):
         self.forms: tuple[list[BlockForm | PartsForm], list[BlockForm]] | None = None
         self._released = False  # the parameters on meta, the forms serving (`released`)
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
-                ) -> torch.Tensor:
-        """x (N, H), experts and weights (N, k) -> sum over k of weight * expert(x), (N, H)."""
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                prompt: bool = False) -> torch.Tensor:
+        """x (N, H), experts and weights (N, k) -> sum over k of weight * expert(x), (N, H).
+        `prompt`: the rows are a prompt chunk's positions, which the kernels of experts served
+        from blocks multiply without 8-bit inputs (`execution.quant.KernelLinear.flags`)."""
         n, k = experts.shape
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, choice) pairs, expert by expert
@@ -118,11 +120,11 @@ class Experts(nn.Module):
         ends = counts.cumsum(0).to(torch.int32)  # grouped_mm's offsets: each group's end row
         forms = self.forms if self.released else None
         gate_up = (self._matmul(rows, self.gate_up_proj, counts, ends) if forms is None
-                   else served_linear(rows, forms[0], counts))  # (N*k, 2I)
+                   else served_linear(rows, forms[0], counts, prompt))  # (N*k, 2I)
         i = self.intermediate
         hidden = self.act(gate_up[:, :i]) * gate_up[:, i:]
         out = (self._matmul(hidden, self.down_proj, counts, ends) if forms is None
-               else served_linear(hidden, forms[1], counts))  # (N*k, H)
+               else served_linear(hidden, forms[1], counts, prompt))  # (N*k, H)
         out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
         unsorted = torch.empty_like(out).index_copy_(0, order, out)
         return unsorted.view(n, k, -1).sum(dim=1)
@@ -224,9 +226,12 @@ def per_expert_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tenso
 
 
 def served_linear(x: torch.Tensor, forms: list[BlockForm] | list[BlockForm | PartsForm],
-                  counts: torch.Tensor) -> torch.Tensor:
+                  counts: torch.Tensor, prompt: bool = False) -> torch.Tensor:
     """`per_expert_linear` over experts served from blocks: each expert's rows through its
-    form (`BlockForm.matmul`, the C kernels)."""
+    form (`BlockForm.matmul`, the C kernels); a prompt's rows as one sequence's positions
+    (1, rows, H), as the kernels tell a prompt chunk from decode rows (one position each)."""
+    if prompt:
+        return by_expert(x, counts, lambda e, rows: forms[e].matmul(rows[None])[0])
     return by_expert(x, counts, lambda e, rows: forms[e].matmul(rows))
 
 
@@ -274,7 +279,8 @@ class SparseMoE(DecoderMLP):
         h = x if norm is None else norm(x)
         flat = h.reshape(-1, h.shape[-1])
         weights, experts = self.route(flat)
-        return self.experts(flat, experts, weights).view(x.shape)
+        prompt = x.dim() >= 3 and x.shape[-2] > 1  # several positions a sequence
+        return self.experts(flat, experts, weights, prompt).view(x.shape)
 
     def fuse(self, rebuild: bool = False) -> None:
         """Nothing to fuse: each expert's gate and up are one tensor already."""
