@@ -17,18 +17,19 @@
  * decoders are plain loops the compiler vectorizes for the build's ISA (with a shuffle or two
  * where the build has SSSE3), the products GCC vector types (matmul_common.h) or intrinsics.
  *
- * Rounded mode (flag NBQ_ROUND16, AVX2 and AVX-512 builds, up to ROW_PATH_MAX input rows): the
+ * Rounded mode (flag NBQ_ROUND16, AVX2 and AVX-512 builds, up to ROW_PATH_MAX input rows, a
+ * type's rows16 where it has one): the
  * input is rounded once per call to 16 bits per block of the weight type (32 inputs, or 256
  * for the K-quants and IQ4_XS, as llama.cpp's Q8_0 and Q8_K; round16, as quant_matmul.c's),
  * and every type's row kernel multiplies its codes with the input's in integers ("rounded
  * inputs" below). The product is then the one of gguf's weights with the rounded input, up to
  * float32 rounding: each input within max |x| / 65534 of its block's largest. With NBQ_ROUND8
- * (asked for, not by default), Q4_K's and Q6_K's take the input rounded to 8 bits per 256 as
- * llama.cpp's CPU kernels round it (Q8_K; gguf_blocks_round8.h), within max |x| / 254
- * (benchmarks/activation_rounding.py measures what either does to greedy answers), at any row
- * count: the 8-bit row kernels multiply in integers faster than the float32 panels, so batches
- * and prefill chunks take them too, ROW_CHUNK input rows at a time, and a row's product is the
- * same bits in any batch.
+ * (the caller's choice: execution/quant.py sets it for decode rows by default), Q4_K's and
+ * Q6_K's take the input rounded to 8 bits per 256 as llama.cpp's CPU kernels round it (Q8_K;
+ * gguf_blocks_round8.h), within max |x| / 254 (benchmarks/activation_rounding.py measures what
+ * either does to greedy answers), at any row count: the 8-bit row kernels multiply in integers
+ * faster than the float32 panels, so a batch takes them too, ROW_CHUNK input rows at a time,
+ * and a row's product is the same bits in any batch.
  */
 #include "matmul_common.h"
 #include "nbserve_kernels.h"
