@@ -27,6 +27,7 @@ from nbserve.cpu.kernels.blocks import (
     blocks_dequantize,
     blocks_matmul,
     blocks_rounded,
+    blocks_rounded_many,
     row_bytes,
 )
 
@@ -37,6 +38,7 @@ HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0":
                "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
                "IQ4_NL": [0], "IQ4_XS": [0]}
 TYPES = list(BlockType)
+K256 = [t for t in TYPES if gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(t))][0] == 256]
 ROWS = (1, 2, 3, 4, 7, 16, 33)  # up to 8: the row kernels (tiles of 4), past it: the panels
 GEMMA3 = Path.home() / ".cache" / "nbserve-bench" / "gemma3-270m" / "gemma-3-270m-q4_k_m.gguf"
 _builds: dict[str, ctypes.CDLL] = {}
@@ -180,8 +182,10 @@ def test_round16_multiplies_the_input_rounded_to_16_bits(arch, block_type):
     of the products' sizes; measured within 3e-7), so within the rounding's bound of the exact
     product; the inputs (one large value a block) make the exact product differ from the
     rounded one by more than that tolerance, so a kernel that ignored the flag fails here. A
-    build without integer row kernels (plain C), and the panels (16 rows; Q6_K: 129 rows), stay
-    exact. Q6_K's row kernels take up to 128 rows (16 and 128 here: faster than its panels)."""
+    build without integer row kernels (plain C), and the panels (past 8 rows) stay exact,
+    except for the 256-weight types on AVX-512, which round at any row count: past 8 rows
+    their built blocks (gemm16) take prompt chunks and batches (16, 33, 129 rows: tile and
+    chunk edges)."""
     lib = _kernels(arch)
     elems, _ = block_layout(block_type, lib)
     g = torch.Generator().manual_seed(int(block_type) + 100)
@@ -190,8 +194,8 @@ def test_round16_multiplies_the_input_rounded_to_16_bits(arch, block_type):
         raw = _random_blocks(block_type, n, k, seed=n + 1)
         w = _reference(raw, block_type, n, k).double()
         blocks = torch.from_numpy(raw.reshape(-1).copy())
-        most = 128 if block_type == BlockType.Q6_K else 8  # the row kernels' rows
-        for rows in (1, 2, 3, 4, 7, 16, *((128, 129) if most > 8 else ())):
+        most = 10**6 if blocks_rounded_many(block_type, lib) else 8  # the rows that round
+        for rows in (1, 2, 3, 4, 7, 16, *((33, 129) if elems == 256 else ())):
             x = torch.randn(rows, k, generator=g)
             x[:, ::32] *= 300  # each block's step is then about 300 / 65534
             got = blocks_matmul(x, block_type, blocks, n, k, round16=True, lib=lib,
@@ -206,6 +210,29 @@ def test_round16_multiplies_the_input_rounded_to_16_bits(arch, block_type):
                 float(((got - want).abs() / size).max())
             assert bool(((got - exact).abs() <= half_step @ w.abs().t() + 2e-6 * size).all())
             assert bool(((exact - want).abs() > 2e-6 * size).any())  # the flag matters here
+
+
+@pytest.mark.parametrize("arch", PATHS)
+@pytest.mark.parametrize("block_type", K256, ids=[t.name for t in K256])
+def test_round16_gives_a_row_the_same_bits_in_any_batch(arch, block_type):
+    """The 256-weight types' 16-bit products of many rows (gemm16: weight rows a few at a time,
+    input rows in tiles, chunks by k) give each row bit for bit its product alone (the row
+    kernels'), whatever the rows beside it: 1, 5, 13 and 70 rows against 7 and 11 weight rows
+    (groups with a remainder), k of 1 and 12 blocks."""
+    lib = _kernels(arch)
+    if not blocks_rounded_many(block_type, lib):
+        pytest.skip("this build rounds no more than 8 rows (AVX2, plain C)")
+    g = torch.Generator().manual_seed(int(block_type) + 7)
+    for k, n in ((256, 7), (3072, 11)):
+        raw = _random_blocks(block_type, n, k, seed=k + n)
+        blocks = torch.from_numpy(raw.reshape(-1).copy())
+        for rows in (1, 5, 13, 70):
+            x = torch.randn(rows, k, generator=g)
+            batch = blocks_matmul(x, block_type, blocks, n, k, round16=True, lib=lib, threads=2)
+            for i in range(rows):
+                alone = blocks_matmul(x[i:i + 1], block_type, blocks, n, k, round16=True,
+                                      lib=lib, threads=2)
+                assert torch.equal(batch[i:i + 1], alone), (k, rows, i)
 
 
 @pytest.mark.parametrize("block_type", [BlockType.Q4_K, BlockType.Q6_K, BlockType.Q5_0],

@@ -19,7 +19,7 @@ from .abi import BlockType, KernelFlag
 from .build import quant_kernels
 
 __all__ = ["BlockType", "block_layout", "blocks_dequantize", "blocks_matmul", "blocks_rounded",
-           "blocks_rounded8", "row_bytes"]
+           "blocks_rounded8", "blocks_rounded_many", "row_bytes"]
 
 
 def _lib(lib: ctypes.CDLL | None) -> ctypes.CDLL:
@@ -48,6 +48,13 @@ def blocks_rounded8(block_type: int, lib: ctypes.CDLL | None = None) -> bool:
     """Whether `round8` products of `block_type` take 8-bit row kernels in this build (Q4_K and
     Q6_K on the AVX2 and AVX-512 builds; elsewhere `round8` changes nothing)."""
     return bool(_lib(lib).nbq_blocks_rounded8(int(block_type)))
+
+
+def blocks_rounded_many(block_type: int, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether `round16` products of `block_type` round inputs of any row count (the 256-weight
+    types on the AVX-512 build: prompt chunks and batches through built blocks, faster than
+    the float32 panels there); elsewhere inputs past 8 rows take the exact panels."""
+    return bool(_lib(lib).nbq_blocks_rounded_many(int(block_type)))
 
 
 def row_bytes(block_type: int, k: int, lib: ctypes.CDLL | None = None) -> int:

@@ -17,12 +17,14 @@
  * decoders are plain loops the compiler vectorizes for the build's ISA (with a shuffle or two
  * where the build has SSSE3), the products GCC vector types (matmul_common.h) or intrinsics.
  *
- * Rounded mode (flag NBQ_ROUND16, AVX2 and AVX-512 builds, up to ROW_PATH_MAX input rows, a
- * type's rows16 where it has one): the
+ * Rounded mode (flag NBQ_ROUND16, AVX2 and AVX-512 builds, up to ROW_PATH_MAX input rows;
+ * on AVX-512 the 256-weight types' at any row count): the
  * input is rounded once per call to 16 bits per block of the weight type (32 inputs, or 256
  * for the K-quants and IQ4_XS, as llama.cpp's Q8_0 and Q8_K; round16, as quant_matmul.c's),
  * and every type's row kernel multiplies its codes with the input's in integers ("rounded
- * inputs" below). The product is then the one of gguf's weights with the rounded input, up to
+ * inputs" below); more rows (prompt chunks, batches) of a 256-weight type take the same
+ * arithmetic over weight blocks built once for all of them (gemm16), a row's product the same
+ * bits as alone. The product is then the one of gguf's weights with the rounded input, up to
  * float32 rounding: each input within max |x| / 65534 of its block's largest. With NBQ_ROUND8
  * (the caller's choice: execution/quant.py sets it for decode rows by default), Q4_K's and
  * Q6_K's take the input rounded to 8 bits per 256 as llama.cpp's CPU kernels round it (Q8_K;
@@ -51,6 +53,8 @@ typedef void (*dot16_fn)(const int16_t *xq, const float *xs, const float *xsum, 
 typedef void (*dot8_fn)(const int8_t *xq, const float *xs, const int16_t *bsum, int rows, int k,
                         const uint8_t *w, float *out, int n_out);
 
+struct built16;  /* gguf_blocks_round16.h's weight blocks built for many input rows */
+
 /* One GGUF block type: `elems` weights in `bytes` bytes a block; to_float: `nblocks`
  * consecutive blocks as float32; dot: out[i * n_out] = x[i] . (the weight row w) for 1 to
  * TILE input rows of k. */
@@ -60,9 +64,10 @@ typedef struct {
     dot_fn dot;
     dot16_fn dot16;  /* the same over the input rounded to 16 bits (NBQ_ROUND16); NULL: none */
     dot8_fn dot8;    /* the same over the input rounded to 8 bits (NBQ_ROUND8); NULL: none */
-    int rows16;      /* with NBQ_ROUND16, dot16 takes inputs of up to this many rows (0:
-                        ROW_PATH_MAX), where it beats the panels (measured: Q6_K's up to ~150
-                        rows, 2 threads; benchmarks/README.md) */
+    void (*build16)(const uint8_t *blk, struct built16 *o);  /* with NBQ_ROUND16, a
+                        256-weight type's block built for gemm16, the products of more than
+                        ROW_PATH_MAX rows (the same bits as dot16's); NULL: the panels */
+    int adds16;      /* whether build16's blocks have adds (Q2_K's, Q4_K's, Q5_K's mins) */
 } block_type;
 
 #include "gguf_blocks_decode.h"  /* the block decoders */
@@ -424,20 +429,22 @@ DEFINE_TYPE(q5_k, 256, 176)
 DEFINE_TYPE(q6_k, 256, 210)
 #endif
 
-/* The served types by ggml number (enum nbq_ggml_type); elems 0: not served. */
+/* The served types by ggml number (enum nbq_ggml_type); elems 0: not served. K256: a
+ * 256-weight type's many-row products through built blocks (gemm16), with adds or not. */
+#define K256(T, ADDS) .build16 = BUILD16(T), .adds16 = (ADDS)
 static const block_type TYPES[N_TYPES] = {
     [NBQ_GGML_Q4_0] = {32, 18, q4_0_to_float, q4_0_dot, DOT16(q4_0)},
     [NBQ_GGML_Q4_1] = {32, 20, q4_1_to_float, q4_1_dot, DOT16(q4_1)},
     [NBQ_GGML_Q5_0] = {32, 22, q5_0_to_float, q5_0_dot, DOT16(q5_0)},
     [NBQ_GGML_Q5_1] = {32, 24, q5_1_to_float, q5_1_dot, DOT16(q5_1)},
     [NBQ_GGML_Q8_0] = {32, 34, q8_0_to_float, q8_0_dot, DOT16(q8_0)},
-    [NBQ_GGML_Q2_K] = {256, 84, q2_k_to_float, q2_k_dot, DOT16(q2_k)},
-    [NBQ_GGML_Q3_K] = {256, 110, q3_k_to_float, q3_k_dot, DOT16(q3_k)},
-    [NBQ_GGML_Q4_K] = {256, 144, q4_k_to_float, q4_k_dot, DOT16(q4_k), DOT8(q4_k)},
-    [NBQ_GGML_Q5_K] = {256, 176, q5_k_to_float, q5_k_dot, DOT16(q5_k)},
-    [NBQ_GGML_Q6_K] = {256, 210, q6_k_to_float, q6_k_dot, DOT16(q6_k), DOT8(q6_k), 128},
+    [NBQ_GGML_Q2_K] = {256, 84, q2_k_to_float, q2_k_dot, DOT16(q2_k), K256(q2_k, 1)},
+    [NBQ_GGML_Q3_K] = {256, 110, q3_k_to_float, q3_k_dot, DOT16(q3_k), K256(q3_k, 0)},
+    [NBQ_GGML_Q4_K] = {256, 144, q4_k_to_float, q4_k_dot, DOT16(q4_k), DOT8(q4_k), K256(q4_k, 1)},
+    [NBQ_GGML_Q5_K] = {256, 176, q5_k_to_float, q5_k_dot, DOT16(q5_k), K256(q5_k, 1)},
+    [NBQ_GGML_Q6_K] = {256, 210, q6_k_to_float, q6_k_dot, DOT16(q6_k), DOT8(q6_k), K256(q6_k, 0)},
     [NBQ_GGML_IQ4_NL] = {32, 18, iq4_nl_to_float, iq4_nl_dot, DOT16(iq4_nl)},
-    [NBQ_GGML_IQ4_XS] = {256, 136, iq4_xs_to_float, iq4_xs_dot, DOT16(iq4_xs)},
+    [NBQ_GGML_IQ4_XS] = {256, 136, iq4_xs_to_float, iq4_xs_dot, DOT16(iq4_xs), K256(iq4_xs, 0)},
 };
 
 static const block_type *type_of(int type) {
@@ -453,6 +460,8 @@ int nbq_block_bytes(int type) { return type_of(type) ? type_of(type)->bytes : 0;
 int nbq_blocks_rounded(int type) { return type_of(type) && type_of(type)->dot16 ? 1 : 0; }
 
 int nbq_blocks_rounded8(int type) { return type_of(type) && type_of(type)->dot8 ? 1 : 0; }
+
+int nbq_blocks_rounded_many(int type) { return type_of(type) && type_of(type)->build16 ? 1 : 0; }
 
 /* ---------------------------------------------------------------- many rows: the panels */
 
@@ -511,7 +520,7 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
     int8_t *x8 = NULL;
     float *xs = NULL, *xsum = NULL;
     int rounds8 = (flags & NBQ_ROUND8) && t->dot8, rounds16 = (flags & NBQ_ROUND16) && t->dot16;
-    int row_path = rows <= ROW_PATH_MAX || rounds8 || (rounds16 && rows <= t->rows16);
+    int row_path = rows <= ROW_PATH_MAX || rounds8 || (rounds16 && t->build16);
     if (row_path && rounds8) {  /* 8 bits, once a call */
         x8 = malloc((size_t)rows * k);
         xs = malloc(sizeof(float) * (size_t)rows * (k / 256));
@@ -527,6 +536,11 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
     }
     if (!row_path) {
         failed = blocks_panels(t, x, rows, k, w0, n, y, threads);
+#ifdef HAS_ROUNDED
+    } else if (xq && t->build16 && rows > ROW_PATH_MAX) {
+        failed = blocks_gemm16(t->build16, t->adds16, t->bytes, xq, xs, xsum, rows, k, w0, n, y,
+                               threads);
+#endif
     } else {
         dot_fn dot = t->dot;
         dot16_fn dot16 = t->dot16;

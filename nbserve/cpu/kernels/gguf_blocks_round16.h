@@ -2,6 +2,7 @@
  * length): per type, a block's codes times the input's 16-bit codes in integers; DOT16(T)
  * names a type's kernel, NULL on a build without them. */
 #if defined(HAS_DIRECT_DOTS) && (VL == 8 || defined(__AVX512BW__))
+#include <omp.h>
 /* ---------------------------------------------------------------- rounded inputs (NBQ_ROUND16)
  * The integer row kernels: the input rounded once per call to 16 bits per block of the type
  * (round16, matmul_common.h: codes xq, scales xs, and the rounded input's sums per 16, xsum),
@@ -176,6 +177,10 @@ INLINE vf lane_of(__m256 f, int c) {
 INLINE void add16(const float *add, const float *su, vf *a) {
     for (int h = 0; h < 16 / VL; h++) a[h] = vfma(vload(add + h * VL), vload(su + h * VL), a[h]);
 }
+/* *a += add (16 floats) times su (16 floats), lane-wise (AVX2: both halves into the one) */
+INLINE void add16_into(const float *add, const float *su, vf *a) {
+    for (int h = 0; h < 16 / VL; h++) *a = vfma(vload(add + h * VL), vload(su + h * VL), *a);
+}
 
 #define DOT16_BY_ROWS(T)                                                                         \
     static void T##_dot16(const int16_t *xq, const float *xs, const float *xsum, int rows, int k, \
@@ -188,50 +193,225 @@ INLINE void add16(const float *add, const float *su, vf *a) {
         }                                                                                        \
     }
 
-/* The 256-weight types (the K-quants, IQ4_XS): the input rounded per 256 (one scale a block, as
- * llama.cpp's Q8_K) and every weight d * (mul * code) + add with an integer mul per 16 weights
- * (a sub-block's scale), so that a block's products add up in int32 (|mul code| <= 4096: on
- * AVX-512 a lane sums 16 products, below 2^31; on AVX2 32, so there the sums are converted
- * every 4 chunks) before one conversion and FMA by d times the input's scale; vpdpwssd where
- * the CPU has AVX-512 VNNI. The adds meet the rounded input's sums per 16. */
+/* The 256-weight types' integer sums (below): zero, and the conversion every FLUSH_EVERY
+ * chunks of 32 that keeps a lane's sum below 2^31 */
 #if VL == 16
 INLINE vi izero(void) { return _mm512_setzero_si512(); }
-INLINE vi iacc(vi acc, w16 w, const int16_t *x) {
-#if defined(__AVX512VNNI__)
-    return _mm512_dpwssd_epi32(acc, w, _mm512_loadu_si512((const void *)x));
-#else
-    return _mm512_add_epi32(acc, idot(w, x));
-#endif
-}
 #define FLUSH_EVERY 8
 #else
 INLINE vi izero(void) { return _mm256_setzero_si256(); }
-INLINE vi iacc(vi acc, w16 w, const int16_t *x) { return _mm256_add_epi32(acc, idot(w, x)); }
 #define FLUSH_EVERY 4
 #endif
-#define ROUNDED256(T, BYTES, ADD)                                                                \
+#if VL == 16
+typedef __m512i x16;  /* 32 of the input's 16-bit codes */
+INLINE x16 xload16(const int16_t *x) { return _mm512_loadu_si512((const void *)x); }
+INLINE vi iacc_x(vi acc, w16 w, x16 x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, w, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
+}
+INLINE w16 mul16_c(w16 w, const int16_t *mul, int c, int mul32) {
+    if (mul32) return _mm512_mullo_epi16(w, _mm512_set1_epi16(mul[2 * c]));
+    return _mm512_mullo_epi16(w, _mm512_inserti64x4(_mm512_set1_epi16(mul[2 * c]),
+                                                    _mm256_set1_epi16(mul[2 * c + 1]), 1));
+}
+#define PIN(v) __asm__("" : "+v"(v))  /* v in a register here */
+#define G_NR 4  /* block products: input rows a tile (32 vector registers) */
+#define G_NW 3  /* weight rows a call */
+#else
+typedef struct { __m256i lo, hi; } x16;
+INLINE x16 xload16(const int16_t *x) {
+    x16 r = {_mm256_loadu_si256((const __m256i *)x), _mm256_loadu_si256((const __m256i *)(x + 16))};
+    return r;
+}
+INLINE vi iacc_x(vi acc, w16 w, x16 x) {
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(w.lo, x.lo),
+                                                  _mm256_madd_epi16(w.hi, x.hi)));
+}
+INLINE w16 mul16_c(w16 w, const int16_t *mul, int c, int mul32) {
+    (void)mul32;
+    return mul16(w, mul, c);
+}
+#define PIN(v) do { __asm__("" : "+x"((v).lo)); __asm__("" : "+x"((v).hi)); } while (0)
+#define G_NR 2  /* 16 vector registers */
+#define G_NW 2
+#endif
+
+/* A block of weights built for the integer products once, for every input row: its 8 chunks
+ * of 32 as int16 (codes times their integer factor), d, and the adds per 16 (0 without). */
+typedef struct built16 {
+    w16 c[8];
+    float d, add[16];
+} built16;
+typedef void (*build16_fn)(const uint8_t *blk, built16 *o);
+
+/* One block's products of nr input rows (x: the first at the block, rows k apart; xs, su: its
+ * scale and sums per 16 at the block, rows nb and k / 16 apart) with nw built weight blocks
+ * (wb), into the float accumulators acc[i][r]: the adds first, then the integer sums
+ * converted every FLUSH_EVERY chunks, times d and the input's scale: T_dot16's operations in
+ * the same order (there with the weights built in registers), so a row's product is the same
+ * bits whichever kernel takes it. */
+INLINE void block16_step(const int16_t *restrict x, int k, const float *restrict xs, int nb,
+                         const float *restrict su, const built16 *restrict wb, int nr, int nw,
+                         int add, vf acc[][G_NW]) {
+    vi isum[G_NR][G_NW];
+    for (int i = 0; i < nr; i++)
+        for (int r = 0; r < nw; r++) {
+            isum[i][r] = izero();
+            if (add) add16_into(wb[r].add, su + (size_t)i * (k / 16), &acc[i][r]);
+        }
+    _Pragma("GCC unroll 8")
+    for (int c = 0; c < 8; c++) {
+        w16 wc[G_NW];  /* in registers for the tile's rows (pinned: GCC otherwise reloads
+                          them for every product and reads the input from memory) */
+        x16 xv[G_NR];
+        for (int r = 0; r < nw; r++) {
+            wc[r] = wb[r].c[c];
+            PIN(wc[r]);
+        }
+        for (int i = 0; i < nr; i++) {
+            xv[i] = xload16(x + (size_t)i * k + c * 32);
+            PIN(xv[i]);
+        }
+        for (int i = 0; i < nr; i++)
+            for (int r = 0; r < nw; r++) isum[i][r] = iacc_x(isum[i][r], wc[r], xv[i]);
+        if (c % FLUSH_EVERY == FLUSH_EVERY - 1)
+            for (int i = 0; i < nr; i++)
+                for (int r = 0; r < nw; r++) {
+                    vf f = vset(wb[r].d * xs[(size_t)i * nb]);
+                    acc[i][r] = vfma(vfloat(isum[i][r]), f, acc[i][r]);
+                    isum[i][r] = izero();
+                }
+    }
+}
+
+/* A tile of nr input rows (x, xs, su at the row's start) times nw weight rows built block by
+ * block (wb: G_NW built blocks a block), to y[i * n_out + r], the accumulators in registers
+ * over the whole row. */
+INLINE void tile16(const int16_t *restrict x, int k, const float *restrict xs,
+                   const float *restrict su, const built16 *restrict wb, int nr, int nw, int add,
+                   float *y, int n_out) {
+    vf acc[G_NR][G_NW];
+    int nb = k / 256;
+    for (int i = 0; i < nr; i++)
+        for (int r = 0; r < nw; r++) acc[i][r] = vzero();
+    for (int b = 0; b < nb; b++)
+        block16_step(x + (size_t)b * 256, k, xs + b, nb, su + (size_t)b * 16, wb + b * G_NW, nr,
+                     nw, add, acc);
+    for (int i = 0; i < nr; i++)
+        for (int r = 0; r < nw; r++) y[(size_t)i * n_out + r] = vsum(acc[i][r]);
+}
+
+#define TILE16_CASE(NR, NW)                                                                      \
+    case (NR) * 8 + (NW): tile16(x, k, xs, su, wb, NR, NW, add, y, n_out); break;
+#if G_NR == 4
+#define TILE16_W(NW) TILE16_CASE(1, NW) TILE16_CASE(2, NW) TILE16_CASE(3, NW) TILE16_CASE(4, NW)
+#else
+#define TILE16_W(NW) TILE16_CASE(1, NW) TILE16_CASE(2, NW)
+#endif
+#if G_NW == 4
+#define TILE16_ALL TILE16_W(1) TILE16_W(2) TILE16_W(3) TILE16_W(4)
+#elif G_NW == 3
+#define TILE16_ALL TILE16_W(1) TILE16_W(2) TILE16_W(3)
+#else
+#define TILE16_ALL TILE16_W(1) TILE16_W(2)
+#endif
+static void tile16_any(const int16_t *x, int k, const float *xs, const float *su,
+                       const built16 *wb, int nr, int nw, int add, float *y, int n_out) {
+    switch (nr * 8 + nw) { TILE16_ALL }
+}
+
+/* y (rows, nw of n_out) = the 16-bit input's rows (xq (rows, k), xs (rows, k / 256), xsum
+ * (rows, k / 16)) times nw <= G_NW weight rows (w, row_bytes apart) of a 256-weight type:
+ * the weight rows' blocks are built once into wb (k / 256 * G_NW of them) for all the input
+ * rows (the row kernels build a block once per TILE rows), then each tile of G_NR input rows
+ * meets them, each input chunk loaded once for the nw weight rows. */
+static void gemm16(build16_fn build, int bytes, int add, const int16_t *xq, const float *xs,
+                   const float *xsum, int rows, int k, const uint8_t *w, size_t row_bytes, int nw,
+                   float *y, int n_out, built16 *wb) {
+    int nb = k / 256;
+    for (int b = 0; b < nb; b++)
+        for (int r = 0; r < nw; r++)
+            build(w + (size_t)r * row_bytes + (size_t)b * bytes, &wb[b * G_NW + r]);
+    for (int i0 = 0; i0 < rows; i0 += G_NR)
+        tile16_any(xq + (size_t)i0 * k, k, xs + (size_t)i0 * nb, xsum + (size_t)i0 * (k / 16), wb,
+                   rows - i0 < G_NR ? rows - i0 : G_NR, nw, add, y + (size_t)i0 * n_out, n_out);
+}
+
+#define GEMM16_BYTES (256 << 10)  /* a chunk of input rows: 256 KiB of 16-bit codes, in L2 */
+#define GEMM16_UNITS 4            /* groups of G_NW weight rows a thread takes at a time */
+/* y (rows, n) = the 16-bit input (rows > ROW_PATH_MAX: prompt chunks, batches) times n weight
+ * rows of a 256-weight type, G_NW weight rows at a time (gemm16) over chunks of input rows
+ * that stay in L2, each group of weight rows built once a chunk; the groups handed out a few
+ * at a time, so that a core slowed by a neighbour does not hold the other at the barrier
+ * (the VMs measured have such cores). The same bits as T_dot16 for every row. Returns 0, -1
+ * when out of memory. */
+static int blocks_gemm16(build16_fn build, int add, int bytes, const int16_t *xq,
+                         const float *xs, const float *xsum, int rows, int k, const uint8_t *w,
+                         int n, float *y, int threads) {
+    size_t row_bytes = (size_t)(k / 256) * bytes, each = sizeof(built16) * G_NW * (k / 256);
+    int chunk = (int)(GEMM16_BYTES / (2 * (size_t)k)) / G_NR * G_NR;
+    chunk = chunk < 8 * G_NR ? 8 * G_NR : chunk;
+    char *built = aligned_alloc(64, each * (size_t)threads);
+    if (!built) return -1;
+    int groups = (n + G_NW - 1) / G_NW;
+    #pragma omp parallel num_threads(threads)
+    {
+        built16 *wb = (built16 *)(built + each * (size_t)omp_get_thread_num());
+        for (int c0 = 0; c0 < rows; c0 += chunk) {
+            int cr = rows - c0 < chunk ? rows - c0 : chunk;
+            #pragma omp for schedule(dynamic, GEMM16_UNITS)
+            for (int g = 0; g < groups; g++) {
+                int r = g * G_NW;
+                gemm16(build, bytes, add, xq + (size_t)c0 * k, xs + (size_t)c0 * (k / 256),
+                       xsum + (size_t)c0 * (k / 16), cr, k, w + (size_t)r * row_bytes, row_bytes,
+                       n - r < G_NW ? n - r : G_NW, y + (size_t)c0 * n + r, n, wb);
+            }
+        }
+    }
+    free(built);
+    return 0;
+}
+
+/* T_dot16: the 256-weight types (the K-quants, IQ4_XS) over up to TILE rows of one weight row,
+ * the input rounded per 256 (one scale a block, as llama.cpp's Q8_K) and every weight
+ * d * (mul * code) + add with an integer mul per 16 weights (a sub-block's scale; MUL32: one
+ * per 32, Q4_K's, Q5_K's, IQ4_XS's, broadcast at once), so that a block's products add up in
+ * int32 (|mul code| <= 4096: on AVX-512 a lane sums 16 products, below 2^31; on AVX2 32, so
+ * there the sums are converted every 4 chunks) before one conversion and FMA by d times the
+ * input's scale; vpdpwssd where the CPU has AVX-512 VNNI. The adds meet the rounded input's
+ * sums per 16 in the accumulators (whose lanes are summed at the end). T_build16 builds a
+ * block for gemm16. */
+#define ROUNDED256(T, BYTES, ADD, MUL32)                                                         \
+    __attribute__((unused)) static void T##_build16(const uint8_t *blk, built16 *o) {            \
+        block16 p;                                                                               \
+        T##_prep(blk, &p);                                                                       \
+        for (int c = 0; c < 8; c++) o->c[c] = mul16_c(widen(T##_chunk(blk, c)), p.mul, c, MUL32); \
+        o->d = p.scale[0];                                                                       \
+        if (ADD) memcpy(o->add, p.add, sizeof o->add);                                           \
+    }                                                                                            \
     INLINE void T##_dot16_n(const int16_t *xq, const float *xs, const float *xsum, int rows,     \
                             int k, const uint8_t *w, float *out, int n_out) {                    \
-        vf acc[TILE], adds[TILE][16 / VL];                                                       \
+        vf acc[TILE];                                                                            \
         int nb = k / 256;                                                                        \
-        for (int i = 0; i < TILE; i++) {                                                         \
-            acc[i] = vzero();                                                                    \
-            for (int h = 0; h < 16 / VL; h++) adds[i][h] = vzero();                              \
-        }                                                                                        \
-        for (int b = 0; b < nb; b++) {                                                           \
+        for (int i = 0; i < rows; i++) acc[i] = vzero();                                         \
+        for (int b = 0; b < nb; b++) { /* block16_step's operations, weights in registers */    \
             const uint8_t *blk = w + (size_t)b * (BYTES);                                        \
             block16 p;                                                                           \
             vi isum[TILE];                                                                       \
             T##_prep(blk, &p);                                                                   \
             for (int i = 0; i < rows; i++) {                                                     \
                 isum[i] = izero();                                                               \
-                if (ADD) add16(p.add, xsum + (size_t)i * (k / 16) + (size_t)b * 16, adds[i]);    \
+                if (ADD) add16_into(p.add, xsum + (size_t)i * (k / 16) + (size_t)b * 16, &acc[i]); \
             }                                                                                    \
             _Pragma("GCC unroll 8")                                                              \
             for (int c = 0; c < 8; c++) {                                                        \
-                w16 wv = mul16(widen(T##_chunk(blk, c)), p.mul, c);                              \
+                w16 wv = mul16_c(widen(T##_chunk(blk, c)), p.mul, c, MUL32);                     \
                 const int16_t *xc = xq + (size_t)(b * 8 + c) * 32;                               \
-                for (int i = 0; i < rows; i++) isum[i] = iacc(isum[i], wv, xc + (size_t)i * k); \
+                for (int i = 0; i < rows; i++)                                                   \
+                    isum[i] = iacc_x(isum[i], wv, xload16(xc + (size_t)i * k));                  \
                 if (c % FLUSH_EVERY == FLUSH_EVERY - 1)                                          \
                     for (int i = 0; i < rows; i++) {                                             \
                         vf f = vset(p.scale[0] * xs[(size_t)i * nb + b]);                        \
@@ -240,11 +420,7 @@ INLINE vi iacc(vi acc, w16 w, const int16_t *x) { return _mm256_add_epi32(acc, i
                     }                                                                            \
             }                                                                                    \
         }                                                                                        \
-        for (int i = 0; i < rows; i++) {                                                         \
-            float a = 0.f;                                                                       \
-            for (int h = 0; h < 16 / VL; h++) a += vsum(adds[i][h]);                             \
-            out[(size_t)i * n_out] = vsum(acc[i]) + a;                                           \
-        }                                                                                        \
+        for (int i = 0; i < rows; i++) out[(size_t)i * n_out] = vsum(acc[i]);                    \
     }                                                                                            \
     DOT16_BY_ROWS(T)
 
@@ -307,13 +483,20 @@ ROUNDED(q5_0, 32, 22, 0, 0)
 ROUNDED(q5_1, 32, 24, 0, 1)
 ROUNDED(q8_0, 32, 34, 0, 0)
 ROUNDED(iq4_nl, 32, 18, 0, 0)
-ROUNDED256(q2_k, 84, 1)
-ROUNDED256(q3_k, 110, 0)
-ROUNDED256(q4_k, 144, 1)
-ROUNDED256(q5_k, 176, 1)
-ROUNDED256(q6_k, 210, 0)
-ROUNDED256(iq4_xs, 136, 0)
+ROUNDED256(q2_k, 84, 1, 0)
+ROUNDED256(q3_k, 110, 0, 0)
+ROUNDED256(q4_k, 144, 1, 1)
+ROUNDED256(q5_k, 176, 1, 1)
+ROUNDED256(q6_k, 210, 0, 0)
+ROUNDED256(iq4_xs, 136, 0, 1)
 #define DOT16(T) T##_dot16
+#if VL == 16
+#define BUILD16(T) T##_build16
+#else  /* AVX2: no faster than the float32 panels (vpmaddwd and an add do 16 products, as two
+          float32 FMAs), so many rows take those, exactly */
+#define BUILD16(T) NULL
+#endif
 #else
 #define DOT16(T) NULL
+#define BUILD16(T) NULL
 #endif

@@ -102,6 +102,9 @@ int nbq_block_elems(int type);      /* weights a block of the type (0: not serve
 int nbq_block_bytes(int type);      /* bytes a block of the type (0: not served) */
 int nbq_blocks_rounded(int type);   /* 1 where NBQ_ROUND16 takes integer row kernels, else 0 */
 int nbq_blocks_rounded8(int type);  /* 1 where NBQ_ROUND8 takes 8-bit row kernels, else 0 */
+int nbq_blocks_rounded_many(int type); /* 1 where NBQ_ROUND16 takes inputs of any row count
+                                           (built blocks, gemm16), else 0 (past ROW_PATH_MAX
+                                           rows: the exact panels) */
 
 /* paged_attention.c, over a float32 cache and (_f16) a float16 one; 0, -1 when out of memory,
  * -2 for invalid arguments. */
