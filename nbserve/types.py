@@ -299,6 +299,20 @@ class SamplingParams:
 # ----------------------------------------------------------------------------- requests
 
 
+@dataclass(frozen=True, slots=True)
+class EmbedSpec:
+    """Asks for the prompt's representation instead of an answer: a prefill-only request.
+
+    By default, the prompt's hidden states after the final norm, pooled as the model declares
+    (`nbserve.models.pooling.Pooling`: last token, mean or first; L2-normalised or not), in one
+    `Embedded` event. `dimensions` keeps the first N values (a Matryoshka model's truncation;
+    normalised again after the cut when the model normalises). `score_token_ids` asks instead
+    for the logits of those tokens at the prompt's last position (a yes/no reranker)."""
+
+    dimensions: int | None = None
+    score_token_ids: tuple[int, ...] | None = None
+
+
 def new_request_id(prefix: str = "req") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -326,6 +340,7 @@ class Request:
     parallel_tool_calls: bool = True
     template_kwargs: JSONObject = field(default_factory=dict)  # e.g. enable_thinking
     add_generation_prompt: bool = True
+    embed: EmbedSpec | None = None  # a prefill-only request: Started, Embedded, Finished
     request_id: str = field(default_factory=new_request_id)
     # Set by whoever routes the request (pool affinity, logging); the engine ignores it.
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -422,7 +437,17 @@ class ErrorEvent:
     type: Literal["error"] = "error"
 
 
-Event = Started | PromptLogprobs | Delta | Finished | ErrorEvent
+@dataclass(slots=True)
+class Embedded:
+    """The answer of an `EmbedSpec` request (between its Started and its Finished): the pooled
+    vector, or the requested tokens' logits in `score_token_ids`' order."""
+
+    index: int
+    values: list[float]
+    type: Literal["embedded"] = "embedded"
+
+
+Event = Started | PromptLogprobs | Delta | Embedded | Finished | ErrorEvent
 
 
 # ----------------------------------------------------------------------------- backend seam

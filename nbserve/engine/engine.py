@@ -380,6 +380,9 @@ class Engine(SyncHelpers):
         """Validate and queue `request`; events go to `sink` (called from the engine thread).
         Raises InvalidRequestError, ContextLengthError, BusyError or EngineStoppedError."""
         self._check_running()
+        if request.embed is not None:
+            raise InvalidRequestError("embedding requests are not served by this engine yet",
+                                      param="input")
         params = request.params
         params.validate(self.vocab_size)
         if params.n > self.max_batch:

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from .pooling import DECODER_DEFAULT, Pooling
+
 if TYPE_CHECKING:
     from ..text import ChatTemplate, Tokenizer
 
@@ -202,3 +204,4 @@ class LoadedModel:
     name: str
     stop_token_ids: list[int] = field(default_factory=list)
     source: str = ""
+    pooling: Pooling = DECODER_DEFAULT  # how embedding requests pool (models/pooling.py)
