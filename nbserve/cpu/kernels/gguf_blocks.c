@@ -499,9 +499,9 @@ static int blocks_panels(const block_type *t, const float *x, int rows, int k,
 
 /* y (rows, n) = prepare(x) (rows, k) @ w.T, w the n weight rows of `type`'s blocks (each row
  * k / elems blocks, in the file's order); prepare as nbq_q4_matmul's (RMSNorm with `norm`,
- * NBQ_GATED); with NBQ_ROUND16, inputs of up to ROW_PATH_MAX rows (the type's rows16 where it
- * has one) are rounded to 16 bits per block of the type (round16) for the integer row kernels,
- * where the build has them (AVX2, AVX-512); with NBQ_ROUND8, to 8 bits per 256 (round8) for
+ * NBQ_GATED); with NBQ_ROUND16, inputs of up to ROW_PATH_MAX rows (of any row count for a
+ * type with build16: gemm16) are rounded to 16 bits per block of the type (round16) for the
+ * integer kernels, where the build has them (AVX2, AVX-512); with NBQ_ROUND8, to 8 bits per 256 (round8) for
  * Q4_K's and Q6_K's on those builds, at any row count,
  * the flag ignored elsewhere (other types, the plain C build: what the other flags give).
  * Returns 0, -1 when out of memory, -2 for a type not served or k not a multiple of its block. */
