@@ -206,6 +206,39 @@ def test_empty_prompt_is_a_load_request(client: ollama.Client, name: str) -> Non
     assert r.done is True and r.done_reason == "load" and r.response == ""
 
 
+FIM = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+
+
+@pytest.fixture(scope="module")
+def fim_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The tiny model with Qwen's infill tokens added to its tokenizer (ids below the
+    model's vocabulary, made wider for them)."""
+    from tiny_models import make_tiny_hf_dir
+    from tokenizers import Tokenizer
+
+    path = make_tiny_hf_dir(tmp_path_factory.mktemp("models") / "tiny-fim", vocab_size=704)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens(list(FIM))
+    tok.save(str(path / "tokenizer.json"))
+    with engine_running(path, max_context=256) as eng:
+        yield eng
+
+
+def test_suffix_is_infill_in_the_models_own_tokens(fim_engine: Any) -> None:
+    prefix, suffix = "def add(a, b):\n    ", "\n\nprint(add(1, 2))"
+    with app_running(fim_engine) as base:
+        client = ollama.Client(host=base)
+        assert "insert" in client.show(fim_engine.model_name).capabilities
+        r = client.generate(model=fim_engine.model_name, prompt=prefix, suffix=suffix,
+                            options=GREEDY)
+        fim_prompt = f"{FIM[0]}{prefix}{FIM[1]}{suffix}{FIM[2]}"
+        ref = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0).completions.create(
+            model="", prompt=fim_prompt, temperature=0, max_tokens=8)
+    assert r.response == ref.choices[0].text
+    assert r.prompt_eval_count == ref.usage.prompt_tokens
+    assert r.prompt_eval_count == len(fim_engine.tokenizer.encode(fim_prompt, True))
+
+
 # ----------------------------------------------------------------------------- models
 
 
@@ -276,6 +309,7 @@ def test_embed_waits_for_the_engine(client: ollama.Client, name: str) -> None:
     input (`len(r.embeddings) == 2`, each of the model's width) and prompt_eval_count > 0."""
     err = _error(lambda: client.embed(model=name, input=["a cat", "a dog"]))
     assert err.status_code == 400 and "embedding requests are not served" in err.error
+    assert client.embed(model=name, input=[]).embeddings == []  # a load request
 
 
 # ----------------------------------------------------------------------------- the default model
@@ -283,8 +317,8 @@ def test_embed_waits_for_the_engine(client: ollama.Client, name: str) -> None:
 
 @pytest.mark.slow
 def test_the_default_model_answers_through_the_ollama_client(default_loaded: Any) -> None:
-    """The README snippet: a real answer; a tool call after two earlier ones, with its
-    arguments as an object; infill with the model's own FIM tokens."""
+    """The README snippet: a real answer; then a tool call after two earlier ones, with its
+    arguments as an object."""
     from nbserve.engine import Engine
 
     with Engine(default_loaded, max_batch=2, quiet=True) as eng, app_running(eng) as base:
@@ -293,11 +327,6 @@ def test_the_default_model_answers_through_the_ollama_client(default_loaded: Any
                         messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in (r.message.content or "")
         _check_final(r)
-        assert "insert" in client.show(eng.model_name).capabilities
-        r = client.generate(model=eng.model_name, prompt="def add(a, b):\n    ",
-                            suffix="\n\nprint(add(1, 2))", options={"temperature": 0,
-                                                                    "num_predict": 12})
-        assert r.eval_count > 0 and r.response
 
         def turn(city: str, degrees: int) -> list[dict[str, Any]]:
             return [{"role": "user", "content": f"What is the weather in {city}?"},

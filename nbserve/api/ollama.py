@@ -142,13 +142,14 @@ def router(ctx: RouteContext) -> APIRouter:
     async def embed(request: HTTPRequest) -> Response:
         body, rid = await ctx.parse(request, OllamaEmbedRequest, check)
         reqs = body.to_requests(ctx.limits, rid, ctx.backend.tokenizer, ctx.backend.max_context)
+        # no input ("" or []): a load request, answered with no embeddings
         trace = ctx.begin(request, rid, [r.prompt or r.prompt_ids for r in reqs])
         done = await unless_disconnected(request, embed_all(ctx.backend, reqs))
         if done is None:
             trace.disconnected = True
             return Response(status_code=CLIENT_GONE)
         trace.prompt_tokens = sum(tokens for _, tokens, _ in done)
-        last_start = max(started for _, _, started in done)
+        last_start = max((started for _, _, started in done), default=time.perf_counter())
         return JSONResponse({
             "model": model_label(body.model), "embeddings": [v for v, _, _ in done],
             "total_duration": _ns(time.perf_counter() - trace.start),

@@ -351,8 +351,9 @@ class OllamaEmbedRequest(_Body):
     keep_alive: str | int | float | None = None  # no-op
 
     def inputs(self, limits: Limits) -> list[str]:
-        """The inputs as a list, within the limits."""
-        items = [self.input] if isinstance(self.input, str) else list(self.input)
+        """The inputs as a list, within the limits (none for "" or []: a load request)."""
+        items = ([self.input] if self.input else []) if isinstance(self.input, str) \
+            else list(self.input)
         if len(items) > limits.max_prompts:
             raise InvalidRequestError(f"input holds {len(items)} texts; the limit is "
                                       f"{limits.max_prompts}", param="input")
