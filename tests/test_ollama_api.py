@@ -136,6 +136,26 @@ def test_format_as_a_schema_answers_valid_json(client: ollama.Client, name: str)
         assert (r.message.content or "").startswith("{")
 
 
+def test_the_thought_comes_back_as_thinking_and_think_reaches_the_template() -> None:
+    """A scripted model with Qwen3-like thinking tags: the thought is `thinking` (chat's
+    message, generate's record), streamed and not; think=false renders the template's
+    switch (its NOTHINK marker: a longer prompt)."""
+    from test_reasoning import QWEN3_LIKE, USER, scripted_server
+
+    with scripted_server(QWEN3_LIKE, "<think>\nSix sevens: 42.\n</think>\n\nIt is 42.") as base:
+        client = ollama.Client(host=base)
+        r = client.chat(model="thinker", messages=USER, think=True)
+        assert (r.message.thinking, r.message.content) == ("Six sevens: 42.", "It is 42.")
+        parts = list(client.chat(model="thinker", messages=USER, think=True, stream=True))
+        assert "".join(p.message.thinking or "" for p in parts) == "Six sevens: 42."
+        assert "".join(p.message.content or "" for p in parts) == "It is 42."
+        off = client.chat(model="thinker", messages=USER, think=False,
+                          options={"num_predict": 1})
+        assert off.prompt_eval_count > r.prompt_eval_count
+        g = client.generate(model="thinker", prompt=USER[0]["content"], think=True)
+        assert (g.thinking, g.response) == ("Six sevens: 42.", "It is 42.")
+
+
 def test_no_messages_is_a_load_request(client: ollama.Client, name: str) -> None:
     r = client.chat(model=name, messages=[])
     assert r.done is True and r.done_reason == "load"
