@@ -15,7 +15,7 @@ import jsonschema
 import ollama
 import openai
 import pytest
-from server_util import app_running, engine_running
+from server_util import app_running, engine_running, wait_until
 
 GREEDY = {"temperature": 0, "num_predict": 8}
 ASK = [{"role": "user", "content": "Say something about the sea."}]
@@ -94,6 +94,19 @@ def test_the_stream_is_ndjson_and_streams_by_default(url: str, name: str) -> Non
         lines = [json.loads(line) for line in r.iter_lines() if line]
     assert lines[-1]["done"] is True and len(lines) > 2
     assert all(set(rec["message"]) >= {"role", "content"} for rec in lines)
+
+
+def test_a_stream_dropped_midway_cancels_its_request(url: str, name: str,
+                                                    engine: Any) -> None:
+    cancelled = lambda: engine.stats()["requests_finished"].get("cancelled", 0)  # noqa: E731
+    before = cancelled()
+    long = {"model": name, "messages": ASK, "options": {"num_predict": 400},
+            "format": {"type": "string", "minLength": 3000}}  # no early end
+    with httpx.stream("POST", url + "/api/chat", json=long, timeout=30) as r:
+        lines = (line for line in r.iter_lines() if line)
+        assert [json.loads(next(lines))["done"] for _ in range(3)] == [False] * 3
+    assert wait_until(lambda: cancelled() > before, timeout=2.0)
+    assert wait_until(lambda: engine.stats()["running"] == 0, timeout=2.0)
 
 
 def test_tools_reach_the_template_and_a_tool_round_trip_is_accepted(

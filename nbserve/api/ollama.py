@@ -90,15 +90,15 @@ def router(ctx: RouteContext) -> APIRouter:
     def model_label(name: str | None) -> str:
         return name or tag_name(ctx.backend.model_name)
 
-    def load_answer(shape: Shape, model: str, stream: bool) -> Response:
+    def load_answer(shape: Shape, model: str, stream: bool, rid: str) -> Response:
         rec = RecordMaker(shape, model, Timings(0.0, 0.0)).load()
         if not stream:
-            return JSONResponse(rec)
+            return JSONResponse(rec, headers={"X-Request-ID": rid})
 
         async def line() -> AsyncGenerator[bytes, None]:
             yield ndjson_line(rec)
 
-        return NDJSONResponse(line(), rid="")
+        return NDJSONResponse(line(), rid=rid)
 
     async def generated(request: HTTPRequest, rid: str, req: Request, model: str,
                         shape: Shape, stream: bool, tools: set[str] | None) -> Response:
@@ -122,7 +122,7 @@ def router(ctx: RouteContext) -> APIRouter:
     async def chat(request: HTTPRequest) -> Response:
         body, rid = await ctx.parse(request, OllamaChatRequest, check)
         if not body.messages:
-            return load_answer("chat", model_label(body.model), body.stream)
+            return load_answer("chat", model_label(body.model), body.stream, rid)
         req = body.to_request(ctx.limits, ctx.backend.max_context, rid)
         return await generated(request, rid, req, model_label(body.model), "chat",
                                body.stream, body.tool_names)
@@ -131,7 +131,7 @@ def router(ctx: RouteContext) -> APIRouter:
     async def generate(request: HTTPRequest) -> Response:
         body, rid = await ctx.parse(request, OllamaGenerateRequest, check)
         if not body.prompt and not body.suffix:
-            return load_answer("generate", model_label(body.model), body.stream)
+            return load_answer("generate", model_label(body.model), body.stream, rid)
         req = body.to_request(ctx.limits, ctx.backend.max_context, rid, ctx.backend.tokenizer)
         if body.context:
             req = body.after_context(req, ctx.backend.prompt_token_ids(req))

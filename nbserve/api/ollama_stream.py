@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from typing import Literal
 
 from ..types import Delta, Event, Finished, Started
+from .chat import add_tool_call_piece
 from .errors import APIError
 from .handler import SSEResponse, guarded_frames
 from .streams import JSONBody
@@ -138,7 +139,7 @@ class RecordMaker:
         return rec
 
 
-def _call(call: JSONBody) -> JSONBody | None:
+def _call(index: int, call: JSONBody) -> JSONBody | None:
     """An OpenAI tool call (arguments as JSON text) as Ollama's (an object); None when the
     arguments are not a whole object (a call cut by the token limit)."""
     try:
@@ -147,7 +148,7 @@ def _call(call: JSONBody) -> JSONBody | None:
         return None
     if not isinstance(args, dict):
         return None
-    return {"id": call["id"], "function": {"index": call["index"],
+    return {"id": call["id"], "function": {"index": index,
                                            "name": call["function"]["name"],
                                            "arguments": args}}
 
@@ -168,15 +169,10 @@ async def ollama_records(chunks: AsyncGenerator[JSONBody, None], maker: RecordMa
             if d.get("reasoning_content") or d.get("content"):
                 yield maker.piece(d.get("content") or "", d.get("reasoning_content") or "")
             for call in d.get("tool_calls") or ():
-                if call["index"] not in calls:
-                    calls[call["index"]] = {"id": call["id"], "index": call["index"],
-                                            "function": {"name": call["function"]["name"],
-                                                         "arguments": ""}}
-                calls[call["index"]]["function"]["arguments"] += \
-                    call["function"].get("arguments", "")
+                add_tool_call_piece(calls, call)
             if ch.get("finish_reason"):
                 finish = "length" if ch["finish_reason"] == "length" else "stop"
-        whole = [_call(calls[k]) for k in sorted(calls)]
+        whole = [_call(k, calls[k]) for k in sorted(calls)]
         if calls:
             done = [c for c in whole if c is not None]
             cut = [calls[k]["function"]["arguments"] for k, c in zip(sorted(calls), whole)
