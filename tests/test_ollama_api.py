@@ -202,6 +202,9 @@ def test_raw_generate_is_the_completion_of_the_text(client: ollama.Client,
     assert r.response == ref.choices[0].text
     assert (r.prompt_eval_count, r.eval_count) == (ref.usage.prompt_tokens,
                                                    ref.usage.completion_tokens)
+    bare = client.generate(model=name, prompt=prompt, template="{{ .Prompt }}",
+                           options=GREEDY)  # a template of the prompt alone: raw
+    assert bare.response == r.response
     parts = list(client.generate(model=name, prompt=prompt, raw=True, options=GREEDY,
                                  stream=True))
     assert "".join(p.response for p in parts) == r.response
@@ -312,7 +315,8 @@ def test_errors_come_in_ollamas_shape(client: ollama.Client, url: str, name: str
     assert err.status_code == 400 and "num_ctx" in err.error
     err = _error(lambda: client.generate(model=name, prompt="def f(", suffix="return 1"))
     assert err.status_code == 400 and "infill" in err.error
-    err = _error(lambda: client.generate(model=name, prompt="hi", template="{{ .Prompt }}"))
+    err = _error(lambda: client.generate(model=name, prompt="hi",
+                                         template="<|user|>{{ .Prompt }}<|assistant|>"))
     assert err.status_code == 400 and "template" in err.error
     err = _error(lambda: client.pull("llama3"))
     assert err.status_code == 400 and "fetches nothing" in err.error

@@ -12,6 +12,7 @@ templates, sampling nbserve does not implement). A field no schema defines is a 
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal
 
 from ..text.chat_template import plain_json
@@ -295,13 +296,18 @@ class OllamaGenerateRequest(_Generating):
                             ("steps", self.steps)):
             if value is not None:
                 raise _refuse(name, "it generates text, not images")
-        if self.template:
+        if self.template and not self.bare_template:
             raise _refuse("template", "custom prompt templates are not applied; the model's "
                           "own chat template is, or none with raw=true (send the prompt "
                           "already formatted)")
-        if self.raw and self.system:
+        if (self.raw or self.bare_template) and self.system:
             raise InvalidRequestError("system has no place in a raw prompt (no template is "
                                       "applied): write it into the prompt", param="system")
+
+    @property
+    def bare_template(self) -> bool:
+        """A template that is the prompt alone (`{{ .Prompt }}`): the same as raw."""
+        return re.sub(r"\s", "", self.template or "") == "{{.Prompt}}"
 
     def to_request(self, limits: Limits, max_context: int | None, request_id: str,
                    tokenizer: TokenCodec | None) -> Request:
@@ -313,7 +319,7 @@ class OllamaGenerateRequest(_Generating):
                           limits.max_conversation_chars, "The prompt")
         params = self.sampling(limits, max_context)
         kwargs = think_switch(self.think)
-        if self.suffix or self.raw:
+        if self.suffix or self.raw or self.bare_template:
             text = infill_prompt(tokenizer, self.prompt, self.suffix) if self.suffix \
                 else self.prompt
             req = Request(prompt=text, params=params, template_kwargs=kwargs,
