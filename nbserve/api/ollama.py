@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
@@ -31,8 +30,8 @@ from .ollama_stream import (
     _ns,
     fold_records,
     ndjson_frames,
-    ndjson_line,
     ollama_records,
+    one_record,
 )
 from .openapi_schemas import body_ref
 from .streams import StreamFailed, StreamInfo
@@ -91,14 +90,7 @@ def router(ctx: RouteContext) -> APIRouter:
         return name or tag_name(ctx.backend.model_name)
 
     def load_answer(shape: Shape, model: str, stream: bool, rid: str) -> Response:
-        rec = RecordMaker(shape, model, Timings(0.0, 0.0)).load()
-        if not stream:
-            return JSONResponse(rec, headers={"X-Request-ID": rid})
-
-        async def line() -> AsyncGenerator[bytes, None]:
-            yield ndjson_line(rec)
-
-        return NDJSONResponse(line(), rid=rid)
+        return one_record(RecordMaker(shape, model, Timings(0.0, 0.0)).load(), stream, rid)
 
     async def generated(request: HTTPRequest, rid: str, req: Request, model: str,
                         shape: Shape, stream: bool, tools: set[str] | None) -> Response:

@@ -10,7 +10,6 @@ does not expose: those fields are left out, never guessed."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncGenerator
 from datetime import datetime, timezone
 
 from fastapi import APIRouter
@@ -22,7 +21,7 @@ from ..types import Backend
 from .errors import APIError
 from .handler import RouteContext
 from .ollama_schemas import FIM_TOKENS, _is_special
-from .ollama_stream import NDJSONResponse, ndjson_line
+from .ollama_stream import one_record
 from .openapi_schemas import body_ref
 from .protocol import _Body, parse_body
 from .streams import JSONBody
@@ -177,13 +176,7 @@ def router(ctx: RouteContext) -> APIRouter:
             raise APIError(400, f"nbserve fetches nothing at run time: it serves "
                            f"{tag_name(served)!r} only, which it loaded when it started. "
                            f"Start nbserve with {name!r} to serve that model.", param="model")
-        if not body.stream:
-            return JSONResponse({"status": "success"})
-
-        async def lines() -> AsyncGenerator[bytes, None]:
-            yield ndjson_line({"status": "success"})
-
-        return NDJSONResponse(lines(), rid=str(request.scope.get("state", {}).get(
-            "request_id", "")))
+        rid = str(request.scope.get("state", {}).get("request_id", ""))
+        return one_record({"status": "success"}, body.stream, rid)
 
     return r

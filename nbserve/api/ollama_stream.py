@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Literal
 
+from fastapi.responses import JSONResponse, Response
+
 from ..types import Delta, Event, Finished, Started
 from .chat import add_tool_call_piece
 from .errors import APIError
@@ -38,6 +40,17 @@ class NDJSONResponse(SSEResponse):
 def ndjson_line(obj: JSONBody) -> bytes:
     """One record as a line (JSON escapes every line break inside it)."""
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+def one_record(rec: JSONBody, stream: bool, rid: str) -> Response:
+    """An answer of one record: a one-line stream, or the record as JSON."""
+    if not stream:
+        return JSONResponse(rec, headers={"X-Request-ID": rid})
+
+    async def line() -> AsyncGenerator[bytes, None]:
+        yield ndjson_line(rec)
+
+    return NDJSONResponse(line(), rid=rid)
 
 
 def error_record(err: APIError) -> JSONBody:
