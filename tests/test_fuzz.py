@@ -44,7 +44,10 @@ OPERATIONS = [("GET", "/health"), ("GET", "/stats"), ("GET", "/metrics"), ("GET"
               ("GET", "/v1/models/{model_id}"), ("POST", "/v1/chat/completions"),
               ("POST", "/v1/completions"), ("POST", "/v1/responses"),
               ("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
-              ("POST", "/tokenize"), ("POST", "/detokenize")]
+              ("POST", "/tokenize"), ("POST", "/detokenize"),
+              ("POST", "/api/chat"), ("POST", "/api/generate"), ("POST", "/api/embed"),
+              ("GET", "/api/tags"), ("GET", "/api/ps"), ("GET", "/api/version"),
+              ("POST", "/api/show"), ("POST", "/api/pull")]
 POSITIVE, NEGATIVE = schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE
 # Fields the schema allows but nbserve refuses with a 400 (deprecated or not served); the
 # "repaired" cases drop them and use a valid prompt, so that the other random fields reach
@@ -52,6 +55,11 @@ POSITIVE, NEGATIVE = schemathesis.GenerationMode.POSITIVE, schemathesis.Generati
 UNSERVED = ("functions", "function_call", "audio", "modalities", "prediction",
             "response_format", "suffix", "web_search_options", "best_of", "moderation",
             "reasoning_effort", "verbosity")  # random values of these are refused
+# The same for Ollama's bodies (random formats and contexts are mostly refused too), and its
+# options that random values get refused for (sampling nbserve does not implement).
+OLLAMA_UNSERVED = ("images", "template", "logprobs", "top_logprobs", "context", "width",
+                   "height", "steps", "format", "think")
+UNSERVED_OPTIONS = ("tfs_z", "typical_p", "mirostat", "repeat_last_n", "num_ctx")
 FUZZ_CASES = [(m, p, "positive") for m, p in OPERATIONS] + [
     (m, p, mode) for m, p in OPERATIONS if m == "POST" for mode in ("negative", "repaired")]
 
@@ -61,10 +69,13 @@ def api_schema(fuzz_url: str) -> Any:
     return schemathesis.openapi.from_url(fuzz_url + "/openapi.json")
 
 
-def assert_openai_error(resp: Any) -> None:
-    """An error answer is JSON of exactly the OpenAI shape."""
+def assert_openai_error(resp: Any, path: str = "/v1") -> None:
+    """An error answer is JSON of exactly the OpenAI shape (Ollama's under /api/)."""
     body = resp.json()
     assert set(body) == {"error"}, body
+    if path.startswith("/api/"):
+        assert isinstance(body["error"], str) and body["error"], body
+        return
     err = body["error"]
     assert set(err) == {"message", "type", "param", "code"}, err
     assert isinstance(err["message"], str) and err["message"], err
@@ -88,9 +99,22 @@ def _repair(case: Any) -> None:
     for tool in body.get("tools") or []:
         if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
             tool["function"].pop("strict", None)  # random strict schemas are mostly refused
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+    path = case.operation.path
+    if path.startswith("/api/"):  # Ollama's: the length is an option
+        for key in OLLAMA_UNSERVED:
+            body.pop(key, None)
+        options = body["options"] = body.get("options") if isinstance(body.get("options"),
+                                                                      dict) else {}
+        for key in UNSERVED_OPTIONS:
+            options.pop(key, None)
+        if not isinstance(options.get("num_predict"), int) or options["num_predict"] < 1:
+            options["num_predict"] = 8
+        if path == "/api/embed":
+            body["input"] = "Once upon a time"
+            return
+    elif body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = 8  # the default (up to the context) is in the positive cases
-    if case.operation.path.endswith("/chat/completions"):
+    if path.endswith("/chat/completions") or path == "/api/chat":
         body["messages"] = [{"role": "user", "content": "Tell me a story."}]
     else:
         body["prompt"] = "Once upon a time"
@@ -114,9 +138,13 @@ def test_api_fuzz_no_5xx_and_openai_errors(api_schema: Any, fuzz_url: str, metho
         resp = case.call(base_url=fuzz_url, timeout=60)
         assert resp.status_code < 500, (case.as_curl_command(), resp.text[:500])
         if resp.status_code >= 400:
-            assert_openai_error(resp)
+            assert_openai_error(resp, path)
         elif "text/event-stream" in resp.headers.get("content-type", ""):
             assert resp.text.rstrip().endswith("data: [DONE]"), resp.text[-300:]
+        elif "application/x-ndjson" in resp.headers.get("content-type", ""):
+            last = json.loads(resp.text.splitlines()[-1])
+            assert last.get("done") is True or set(last) in ({"error"}, {"status"}), \
+                resp.text[-300:]
 
     check()
 

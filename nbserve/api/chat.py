@@ -308,14 +308,19 @@ def _add_chat_chunk(st: JSONBody, ch: JSONBody) -> None:
     if d.get("reasoning_content"):
         st["thought"] = (st["thought"] or "") + d["reasoning_content"]
     for call in d.get("tool_calls") or ():
-        if call["index"] not in st["calls"]:
-            st["calls"][call["index"]] = {"id": call["id"], "type": "function",
-                                          "function": {"name": call["function"]["name"],
-                                                       "arguments": ""}}
-        st["calls"][call["index"]]["function"]["arguments"] += \
-            call["function"].get("arguments", "")
+        add_tool_call_piece(st["calls"], call)
     if ch.get("logprobs"):
         st["lps"] = (st["lps"] or []) + ch["logprobs"]["content"]
+
+
+def add_tool_call_piece(calls: dict[int, JSONBody], piece: JSONBody) -> None:
+    """One streamed tool-call delta into the calls so far, by index: the first piece of a
+    call names it, the others add to its arguments (JSON text)."""
+    if piece["index"] not in calls:
+        calls[piece["index"]] = {"id": piece["id"], "type": "function",
+                                 "function": {"name": piece["function"]["name"],
+                                              "arguments": ""}}
+    calls[piece["index"]]["function"]["arguments"] += piece["function"].get("arguments", "")
 
 
 # ----------------------------------------------------------------------------- the route

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeAlias
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,6 +42,19 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+# How a route family answers errors on its paths (Ollama's `{"error": message}` under /api/),
+# by path prefix; every other path answers in the OpenAI shape (`APIError.response`).
+ErrorShaper: TypeAlias = Callable[["APIError"], JSONResponse]
+
+
+def shaped_response(err: APIError, path: str, shapers: Mapping[str, ErrorShaper]) -> JSONResponse:
+    """`err` as the route family serving `path` shapes its errors (OpenAI's by default)."""
+    for prefix, shape in shapers.items():
+        if path.startswith(prefix):
+            return shape(err)
+    return err.response()
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -154,18 +167,25 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> InvalidRequestError
 _HTTP_CODES = {404: "unknown_url", 405: "method_not_allowed", 413: "request_too_large"}
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Answer every error in the OpenAI shape (including 404/405 and crashes)."""
+def install_error_handlers(app: FastAPI, shapers: Mapping[str, ErrorShaper] | None = None
+                           ) -> None:
+    """Answer every error (including 404/405 and crashes) in the OpenAI shape, or in the shape
+    `shapers` gives the paths under one of its prefixes."""
+    shapes = dict(shapers or {})
 
     def rid(request: Request) -> str:
         return str(request.scope.get("state", {}).get("request_id", ""))
 
+    def respond(request: Request, err: APIError) -> JSONResponse:
+        return shaped_response(err, request.url.path, shapes)
+
     async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
-        return from_exception(exc, rid(request)).response()
+        return respond(request, from_exception(exc, rid(request)))
 
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        return from_exception(validation_error(list(exc.errors())), rid(request)).response()
+        return respond(request, from_exception(validation_error(list(exc.errors())),
+                                               rid(request)))
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
@@ -179,11 +199,11 @@ def install_error_handlers(app: FastAPI) -> None:
             message = str(exc.detail)
         err = APIError(status, message, "invalid_request_error", None,
                        _HTTP_CODES.get(status), dict(exc.headers or {}))
-        return err.response()
+        return respond(request, err)
 
     async def on_crash(request: Request, exc: Exception) -> JSONResponse:
         log.error("request %s failed", rid(request), exc_info=exc)
-        return from_exception(exc, rid(request)).response()
+        return respond(request, from_exception(exc, rid(request)))
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(NbserveError, on_api_error)

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -27,7 +27,7 @@ from starlette.types import Send
 
 from ..types import Backend, ErrorEvent, Event
 from ..types import Request as GenRequest
-from .errors import APIError, error_event_to_api, from_exception
+from .errors import APIError, ErrorShaper, error_event_to_api, from_exception
 from .fields import UnknownFields
 from .limits import Limits
 from .protocol import _Body, parse_body
@@ -79,34 +79,53 @@ def sse_named(name: str, obj: object) -> bytes:
     return b"event: " + name.encode() + b"\n" + sse_data(obj)
 
 
-async def sse_chunks(chunks: AsyncGenerator[JSONBody, None], include_usage: bool, trace: Trace,
-                     rid: str) -> AsyncGenerator[bytes, None]:
-    """Frame OpenAI chunks (chat, completions) as SSE, the usage chunk only when asked for; an
-    engine error becomes a final `data: {"error": ...}` event; `data: [DONE]` ends it."""
+async def guarded_frames(items: AsyncGenerator[JSONBody, None], frame: Callable[[JSONBody], bytes],
+                         error_body: Callable[[APIError], JSONBody], trace: Trace, rid: str
+                         ) -> AsyncGenerator[bytes, None]:
+    """Each of `items` framed; an engine error, or a bug on our side, ends the stream with the
+    frame of its `error_body` (the family's error shape) instead of breaking the connection.
+    A stream closed before its end is the client's disconnect (in the trace)."""
     done = False
     try:
-        async for c in chunks:
-            if not c["choices"]:  # the usage chunk
-                if include_usage:
-                    yield sse_data(c)
-                continue
-            if include_usage:
-                c["usage"] = None
-            yield sse_data(c)
+        async for item in items:
+            yield frame(item)
         done = True
     except StreamFailed as exc:
         done = True
-        err = error_event_to_api(exc.event.message, exc.event.kind, rid)
-        yield sse_data(err.body())
+        yield frame(error_body(error_event_to_api(exc.event.message, exc.event.kind, rid)))
     except Exception as exc:  # a bug on our side: still end the stream properly
         done = True
         log.exception("stream %s failed", rid)
         trace.error = "server_error"
-        yield sse_data(from_exception(exc, rid).body())
+        yield frame(error_body(from_exception(exc, rid)))
     finally:
         if not done:
             trace.disconnected = True
-        await chunks.aclose()
+        await items.aclose()
+
+
+async def sse_chunks(chunks: AsyncGenerator[JSONBody, None], include_usage: bool, trace: Trace,
+                     rid: str) -> AsyncGenerator[bytes, None]:
+    """Frame OpenAI chunks (chat, completions) as SSE, the usage chunk only when asked for; an
+    engine error becomes a final `data: {"error": ...}` event; `data: [DONE]` ends it."""
+
+    async def shown() -> AsyncGenerator[JSONBody, None]:
+        try:
+            async for c in chunks:
+                if not c["choices"]:  # the usage chunk
+                    if include_usage:
+                        yield c
+                    continue
+                if include_usage:
+                    c["usage"] = None
+                yield c
+        finally:
+            await chunks.aclose()
+
+    async with contextlib.aclosing(guarded_frames(shown(), sse_data, APIError.body, trace,
+                                                  rid)) as frames:
+        async for f in frames:
+            yield f
     yield b"data: [DONE]\n\n"
 
 
@@ -171,11 +190,13 @@ class RouteContext:
                            f"{served!r} (see GET /v1/models).", "invalid_request_error",
                            "model", "model_not_found")
 
-    async def parse(self, request: Request, schema: type[B]) -> tuple[B, str]:
+    async def parse(self, request: Request, schema: type[B],
+                    check_model: Callable[[str | None], None] | None = None) -> tuple[B, str]:
         """The handler prologue: the body as `schema` (a 400 naming a bad or unknown field),
-        its model checked, and the request's id (the middleware's, or a new one)."""
+        its model checked (by `check_model` where the family names models its own way), and
+        the request's id (the middleware's, or a new one)."""
         body = parse_body(schema, await request.body(), self.fields)
-        self.check_model(body.model)
+        (check_model or self.check_model)(body.model)
         return body, str(request.scope.get("state", {}).get("request_id") or
                          uuid.uuid4().hex[:24])
 
@@ -212,13 +233,14 @@ class RouteContext:
 async def answer(request: Request, rid: str, trace: Trace, stream: bool,
                  frames: Callable[[], AsyncGenerator[bytes, None]],
                  fold: Callable[[], Awaitable[JSONBody]],
-                 close: Callable[[], Awaitable[None]]) -> Response:
-    """The answer of a started request: its SSE `frames`, or the JSON body that `fold` makes
-    of the same events, unless the client leaves first (499). A request that fails after it
-    started is its HTTP error when folded. `close` releases the request even if neither ever
-    starts (the client left first)."""
+                 close: Callable[[], Awaitable[None]],
+                 stream_class: type[SSEResponse] = SSEResponse) -> Response:
+    """The answer of a started request: its streamed `frames` (SSE, or the family's
+    `stream_class`), or the JSON body that `fold` makes of the same events, unless the client
+    leaves first (499). A request that fails after it started is its HTTP error when folded.
+    `close` releases the request even if neither ever starts (the client left first)."""
     if stream:
-        return SSEResponse(frames(), rid=rid, close=close)
+        return stream_class(frames(), rid=rid, close=close)
     try:
         body = await unless_disconnected(request, fold())
     except StreamFailed as exc:
@@ -234,10 +256,12 @@ async def answer(request: Request, rid: str, trace: Trace, stream: bool,
 @dataclass(frozen=True, slots=True)
 class RouteFamily:
     """One route family as `serving/app.py` mounts it: its router, the request schemas its
-    routes document, and the paths of its routes that generate (refused while the server
-    shuts down, logged at INFO even when refused before they start)."""
+    routes document, the paths of its routes that generate (refused while the server shuts
+    down, logged at INFO even when refused before they start), and how it shapes the errors
+    of the paths under a prefix when not as OpenAI does (Ollama's `{"error": ...}`)."""
 
     router: Callable[[RouteContext], APIRouter]
     schemas: Sequence[type[BaseModel]] = ()
     generation: frozenset[str] = frozenset()
+    errors: Mapping[str, ErrorShaper] = field(default_factory=dict)
 

@@ -1,5 +1,6 @@
-"""The OpenAI-shaped 404 and 405 for /v1 paths no route family serves (the UI mounted at /
-would answer them otherwise). Mounted after every family, as the last /v1 route."""
+"""The 404 and 405 for /v1 (and /api) paths no route family serves (the UI mounted at /
+would answer them otherwise), in the shape of the family under that prefix. Mounted after
+every family, as the last route of its prefix."""
 
 from __future__ import annotations
 
@@ -15,25 +16,28 @@ from .errors import APIError
 UNKNOWN_ROUTE = "v1_unknown"  # its name: the request log and metrics count it as "other"
 
 
-def router(served: Sequence[APIRouter]) -> APIRouter:
-    """The catch-all for /v1; a path that `served` routes know under another method is a 405
-    naming the allowed ones."""
-    r = APIRouter(prefix="/v1")
-    routes = [route for s in served for route in s.routes if isinstance(route, APIRoute)]
+OPENAI_ROUTES = ("The OpenAI routes are /v1/chat/completions, /v1/completions, /v1/responses "
+                 "and /v1/models.")
+
+
+def router(served: Sequence[APIRouter], prefix: str = "/v1", routes: str = OPENAI_ROUTES
+           ) -> APIRouter:
+    """The catch-all for `prefix`; a path that `served` routes know under another method is a
+    405 naming the allowed ones; any other a 404 that names the prefix's `routes`."""
+    r = APIRouter(prefix=prefix)
+    known = [route for s in served for route in s.routes if isinstance(route, APIRoute)]
 
     @r.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD",
                                           "OPTIONS"], include_in_schema=False,
                  name=UNKNOWN_ROUTE)
     async def unknown(request: Request, rest: str) -> Response:
-        allowed = {m for route in routes for m in route.methods or ()
+        allowed = {m for route in known for m in route.methods or ()
                    if route.matches(request.scope)[0] == Match.PARTIAL}
         if allowed:
             raise APIError(405, f"Method {request.method} is not allowed on {request.url.path}; "
                            f"use {', '.join(sorted(allowed))}.", code="method_not_allowed",
                            headers={"Allow": ", ".join(sorted(allowed))})
-        raise APIError(404, f"Unknown URL: {request.method} {request.url.path}. The OpenAI "
-                       "routes are /v1/chat/completions, /v1/completions, /v1/responses and "
-                       "/v1/models.",
+        raise APIError(404, f"Unknown URL: {request.method} {request.url.path}. {routes}",
                        code="unknown_url")
 
     return r

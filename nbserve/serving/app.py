@@ -1,5 +1,6 @@
-"""create_app(): one FastAPI app with the OpenAI routes under /v1, /health, /stats, /metrics,
-API keys, a rate limit, size limits, OpenAI-shaped errors, request logs, then the Gradio UI.
+"""create_app(): one FastAPI app with the OpenAI routes under /v1, Ollama's under /api, /health,
+/stats, /metrics, API keys, a rate limit, size limits, errors in each API's shape, request
+logs, then the Gradio UI.
 
 The app never binds a socket: the launcher does (127.0.0.1 by default).
 """
@@ -20,9 +21,9 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..api import chat, completions, models, responses, tokenize, unknown
+from ..api import chat, completions, models, ollama, ollama_models, responses, tokenize, unknown
 from ..api.auth import KeyAuth, RateLimiter
-from ..api.errors import APIError, install_error_handlers
+from ..api.errors import APIError, ErrorShaper, install_error_handlers, shaped_response
 from ..api.fields import UnknownFields
 from ..api.handler import RouteContext, RouteFamily
 from ..api.limits import Limits
@@ -45,8 +46,15 @@ ROUTE_FAMILIES: tuple[RouteFamily, ...] = (
                 generation=frozenset({"/v1/completions"})),
     RouteFamily(responses.router, (responses.ResponsesRequest,),
                 generation=frozenset({"/v1/responses"})),
+    RouteFamily(ollama_models.router, (ollama_models.ShowRequest, ollama_models.PullRequest),
+                errors={ollama_models.PREFIX: ollama_models.error_response}),
+    RouteFamily(ollama.router, ollama.SCHEMAS, generation=ollama.GENERATION_PATHS,
+                errors={ollama_models.PREFIX: ollama_models.error_response}),
 )
 GENERATION_PATHS = frozenset().union(*(f.generation for f in ROUTE_FAMILIES))
+# How errors are shaped under a family's prefix (OpenAI's shape everywhere else).
+ERROR_SHAPES: dict[str, ErrorShaper] = {p: f for fam in ROUTE_FAMILIES
+                                        for p, f in fam.errors.items()}
 # Every route is behind the API keys and the rate limit (an app-level dependency, so a route
 # added later is too) and every path behind the body limit (a middleware), except these, which
 # tests/test_route_limits.py lists again with their reasons. Open: probes and the static docs.
@@ -103,16 +111,16 @@ class ObservabilityMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Refuses request bodies over `max_bytes` with an OpenAI-shaped 413, on every path (the
-    API's routes, the UI's, and any added later)."""
+    """Refuses request bodies over `max_bytes` with a 413 (in the shape of the path's route
+    family), on every path (the API's routes, the UI's, and any added later)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
 
-    async def _too_large(self, send: Send, close: bool) -> None:
+    async def _too_large(self, send: Send, close: bool, path: str) -> None:
         err = APIError(413, f"The request body is over the limit of {self.max_bytes} bytes. "
                        "Send a shorter conversation.", code="request_too_large")
-        resp = err.response()
+        resp = shaped_response(err, path, ERROR_SHAPES)
         if close:
             resp.headers["Connection"] = "close"
         await resp({"type": "http"}, _no_receive, send)
@@ -123,7 +131,8 @@ class BodyLimitMiddleware:
             return
         declared = Headers(scope=scope).get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > 8 * self.max_bytes:
-            await self._too_large(send, close=True)  # not worth reading: answer and close
+            # not worth reading: answer and close
+            await self._too_large(send, close=True, path=scope["path"])
             return
         chunks: list[bytes] = []
         size, too_large = 0, False
@@ -142,7 +151,7 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 break
         if too_large:
-            await self._too_large(send, close=size > 8 * self.max_bytes)
+            await self._too_large(send, close=size > 8 * self.max_bytes, path=scope["path"])
             return
         replayed = False
 
@@ -219,7 +228,7 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.accepting = True
-        log.info("serving %r: OpenAI API at /v1%s", backend.model_name,
+        log.info("serving %r: OpenAI API at /v1, Ollama API at /api%s", backend.model_name,
                  " (API keys required)" if keys else "")
         yield
         app.state.accepting = False
@@ -231,7 +240,7 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
     # The chat UI checks its turns with these same objects (one rate-limit bucket per client).
     app.state.key_auth, app.state.rate_limiter = keys, limiter
     app.state.accepting = True  # False once the server shuts down
-    install_error_handlers(app)
+    install_error_handlers(app, ERROR_SHAPES)
 
     def health_body() -> tuple[int, JSONObject]:
         h: JSONObject
@@ -267,7 +276,10 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
     ctx = RouteContext(backend, limits, UnknownFields(accept=opts.accept_unknown_fields),
                        log_messages)
     routers = [family.router(ctx) for family in ROUTE_FAMILIES]
-    for router in [*routers, unknown.router(routers)]:
+    catch_alls = [unknown.router(routers),
+                  unknown.router(routers, ollama_models.PREFIX.rstrip("/"),
+                                 ollama_models.ROUTES)]
+    for router in [*routers, *catch_alls]:
         app.include_router(router)
     base_openapi = app.openapi
 

@@ -1,0 +1,152 @@
+"""Ollama's generation routes: POST /api/chat, /api/generate and /api/embed, over the same
+Backend, request types and limits as the OpenAI routes (keys, rate limit, body limit, cancel
+on disconnect, metrics by route come from the app). The answers stream as NDJSON by default
+(`ollama_stream.py`), or fold into one JSON object with `"stream": false`; errors are
+Ollama's `{"error": message}` (`ollama_models.error_response`, by the /api/ prefix).
+
+A request with nothing to generate (no messages, an empty prompt) is Ollama's load request:
+it answers `done_reason: "load"` at once (the model is always loaded)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response
+
+from ..types import Backend, Embedded, ErrorEvent, Event, Finished, Request, Started
+from .chat import chat_chunks
+from .errors import APIError, error_event_to_api
+from .handler import CLIENT_GONE, RouteContext, answer, first_event, unless_disconnected
+from .ollama_models import PREFIX, check_model, tag_name
+from .ollama_schemas import OllamaChatRequest, OllamaEmbedRequest, OllamaGenerateRequest
+from .ollama_stream import (
+    NDJSONResponse,
+    RecordMaker,
+    Shape,
+    Timings,
+    _ns,
+    fold_records,
+    ndjson_frames,
+    ollama_records,
+    one_record,
+)
+from .openapi_schemas import body_ref
+from .streams import StreamFailed, StreamInfo
+
+SCHEMAS = (OllamaChatRequest, OllamaGenerateRequest, OllamaEmbedRequest)
+GENERATION_PATHS = frozenset({f"{PREFIX}chat", f"{PREFIX}generate", f"{PREFIX}embed"})
+
+
+async def embed_one(backend: Backend, req: Request) -> tuple[list[float], int, float]:
+    """One prefill-only request: (its vector, its prompt's tokens, when it started)."""
+    first, gen = await first_event(backend, req)
+    started, values, tokens = time.perf_counter(), None, 0
+    try:
+        ev: Event | None = first
+        while ev is not None:
+            if isinstance(ev, Started):
+                tokens = ev.prompt_tokens
+            elif isinstance(ev, Embedded):
+                values = ev.values
+            elif isinstance(ev, Finished):
+                tokens = ev.usage.prompt_tokens
+            elif isinstance(ev, ErrorEvent):
+                raise StreamFailed(ev)
+            ev = await anext(gen, None)
+    except StreamFailed as exc:
+        raise error_event_to_api(exc.event.message, exc.event.kind, req.request_id) from None
+    finally:
+        await gen.aclose()
+    if values is None:
+        raise APIError(500, f"the backend answered the embedding request {req.request_id} "
+                       "without a vector", "server_error", code="internal_error")
+    return values, tokens, started
+
+
+async def embed_all(backend: Backend, reqs: list[Request]
+                    ) -> list[tuple[list[float], int, float]]:
+    """Every request at once (batched by the engine with the other work); the first refusal
+    cancels the others."""
+    tasks = [asyncio.ensure_future(embed_one(backend, r)) for r in reqs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def router(ctx: RouteContext) -> APIRouter:
+    """POST /api/chat, /api/generate and /api/embed."""
+    r = APIRouter(prefix=PREFIX.rstrip("/"))
+
+    def check(name: str | None) -> None:
+        check_model(ctx.backend, name)
+
+    def model_label(name: str | None) -> str:
+        return name or tag_name(ctx.backend.model_name)
+
+    def load_answer(shape: Shape, model: str, stream: bool, rid: str) -> Response:
+        return one_record(RecordMaker(shape, model, Timings(0.0, 0.0)).load(), stream, rid)
+
+    async def generated(request: HTTPRequest, rid: str, req: Request, model: str,
+                        shape: Shape, stream: bool, tools: set[str] | None) -> Response:
+        """The answer of `req`: NDJSON records, or their fold (one code path)."""
+        started = await ctx.start(request, req)
+        if started is None:
+            return Response(status_code=CLIENT_GONE)
+        first, gen = started
+        inputs = req.messages if req.messages is not None else req.prompt or req.prompt_ids
+        trace = ctx.begin(request, rid, inputs)
+        timings = Timings.of(trace, first)
+        info = StreamInfo(f"ollama-{rid}", model, int(time.time()), trace, ctx.token_bytes)
+        chunks = chat_chunks(timings.watch(gen), first, info, 1, tools)
+        records = ollama_records(chunks, RecordMaker(shape, model, timings,
+                                                     context=shape == "generate"))
+        return await answer(request, rid, trace, stream,
+                            lambda: ndjson_frames(records, trace, rid),
+                            lambda: fold_records(records, shape), gen.aclose, NDJSONResponse)
+
+    @r.post("/chat", openapi_extra=body_ref(OllamaChatRequest))
+    async def chat(request: HTTPRequest) -> Response:
+        body, rid = await ctx.parse(request, OllamaChatRequest, check)
+        if not body.messages:
+            return load_answer("chat", model_label(body.model), body.stream, rid)
+        req = body.to_request(ctx.limits, ctx.backend.max_context, rid)
+        return await generated(request, rid, req, model_label(body.model), "chat",
+                               body.stream, body.tool_names)
+
+    @r.post("/generate", openapi_extra=body_ref(OllamaGenerateRequest))
+    async def generate(request: HTTPRequest) -> Response:
+        body, rid = await ctx.parse(request, OllamaGenerateRequest, check)
+        if not body.prompt and not body.suffix:
+            return load_answer("generate", model_label(body.model), body.stream, rid)
+        req = body.to_request(ctx.limits, ctx.backend.max_context, rid, ctx.backend.tokenizer)
+        if body.context:
+            req = body.after_context(req, ctx.backend.prompt_token_ids(req))
+        return await generated(request, rid, req, model_label(body.model), "generate",
+                               body.stream, None)
+
+    @r.post("/embed", openapi_extra=body_ref(OllamaEmbedRequest))
+    async def embed(request: HTTPRequest) -> Response:
+        body, rid = await ctx.parse(request, OllamaEmbedRequest, check)
+        reqs = body.to_requests(ctx.limits, rid, ctx.backend.tokenizer, ctx.backend.max_context)
+        # no input ("" or []): a load request, answered with no embeddings
+        trace = ctx.begin(request, rid, [r.prompt or r.prompt_ids for r in reqs])
+        done = await unless_disconnected(request, embed_all(ctx.backend, reqs))
+        if done is None:
+            trace.disconnected = True
+            return Response(status_code=CLIENT_GONE)
+        trace.prompt_tokens = sum(tokens for _, tokens, _ in done)
+        last_start = max((started for _, _, started in done), default=time.perf_counter())
+        return JSONResponse({
+            "model": model_label(body.model), "embeddings": [v for v, _, _ in done],
+            "total_duration": _ns(time.perf_counter() - trace.start),
+            "load_duration": _ns(last_start - trace.start),
+            "prompt_eval_count": trace.prompt_tokens}, headers={"X-Request-ID": rid})
+
+    return r
+
