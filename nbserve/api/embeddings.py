@@ -1,18 +1,67 @@
 """POST /v1/embeddings (OpenAI's shape) and `embed_texts`, the one way every route family
 (this one, Ollama's `/api/embed`, `/v1/rerank`) turns inputs into prefill-only engine
-requests: one `Request` with an `EmbedSpec` per input, all submitted at once so that the
-engine batches them, each answered by one `Embedded` event."""
+requests: one `Request` with an `EmbedSpec` per input, submitted together so that the
+engine batches them, each answered by one `Embedded` event. The body's schema, the shared
+function, then the route."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import struct
 from collections.abc import Sequence
+from typing import Any, Literal
 
-from ..types import Backend, Embedded, EmbedSpec, ErrorEvent, Finished, Request
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response
+
+from ..types import Backend, Embedded, EmbedSpec, ErrorEvent, Finished, InvalidRequestError, Request
 from .errors import APIError, error_event_to_api
+from .handler import CLIENT_GONE, RouteContext, unless_disconnected
+from .limits import Limits
+from .openapi_schemas import body_ref
+from .protocol import _Body
+from .streams import JSONBody
 
 EmbedInput = str | list[int]
+WINDOW = 64  # requests of one call in the engine at once: the rest wait for them, not in its queue
+
+
+class EmbeddingRequest(_Body):
+    """POST /v1/embeddings: `input` a string, a list of them, token ids or lists of them."""
+
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = None
+    user: str | None = None
+
+    def inputs(self, limits: Limits) -> list[EmbedInput]:
+        """The input as a list: one string or token-id list per embedding; a 400 for an empty
+        one, or more than `limits.max_embedding_inputs`, or a text past the prompt limit."""
+        given = self.input
+        items: list[Any]
+        if isinstance(given, str):
+            items = [given]
+        elif given and all(isinstance(x, int) for x in given):
+            items = [list(given)]
+        else:
+            items = list(given)
+        if not items:
+            raise InvalidRequestError("input must not be an empty list", param="input")
+        if len(items) > limits.max_embedding_inputs:
+            raise InvalidRequestError(f"input holds {len(items)} items; the limit is "
+                                      f"{limits.max_embedding_inputs}: send them in several "
+                                      "requests", param="input")
+        for i, item in enumerate(items):
+            where = f"input[{i}]" if len(items) > 1 else "input"
+            if not item:
+                raise InvalidRequestError(f"{where} is empty: every input needs a text or a "
+                                          "token", param="input")
+            limits.check_text("input", len(item), limits.max_conversation_chars, where)
+        return items
+
 
 
 async def _embed_one(backend: Backend, req: Request) -> tuple[list[float], int]:
@@ -40,14 +89,16 @@ async def _embed_one(backend: Backend, req: Request) -> tuple[list[float], int]:
 
 async def embed_texts(backend: Backend, inputs: Sequence[EmbedInput],
                       spec: EmbedSpec | None = None, *, request_id: str = "embd",
-                      user: str | None = None) -> tuple[list[list[float]], int]:
+                      user: str | None = None, window: int = WINDOW
+                      ) -> tuple[list[list[float]], int]:
     """The embeddings of `inputs` (texts encoded as the engine encodes a raw prompt, or token
     ids), in order, and the prompt tokens they took in all.
 
-    Every input is one engine request, all submitted before any is awaited (they batch). A
-    refusal raises the backend's exception (`InvalidRequestError`, `BusyError`, ...) or, for
-    an ErrorEvent, its `APIError`; the other requests are then cancelled, as they are when
-    the caller is cancelled (a client that left)."""
+    Every input is one engine request, up to `window` of them in the engine at once (they
+    batch; a long list does not fill the engine's queue). A refusal raises the backend's
+    exception (`InvalidRequestError`, `BusyError`, ...) or, for an ErrorEvent, its
+    `APIError`; the other requests are then cancelled, as they are when the caller is
+    cancelled (a client that left)."""
     spec = spec or EmbedSpec()
     reqs = []
     for i, item in enumerate(inputs):
@@ -59,7 +110,13 @@ async def embed_texts(backend: Backend, inputs: Sequence[EmbedInput],
         if user:
             r.metadata["user"] = user
         reqs.append(r)
-    tasks = [asyncio.ensure_future(_embed_one(backend, r)) for r in reqs]
+    slots = asyncio.Semaphore(max(1, window))
+
+    async def one(req: Request) -> tuple[list[float], int]:
+        async with slots:
+            return await _embed_one(backend, req)
+
+    tasks = [asyncio.ensure_future(one(r)) for r in reqs]
     try:
         done = await asyncio.gather(*tasks)
     finally:
@@ -67,3 +124,42 @@ async def embed_texts(backend: Backend, inputs: Sequence[EmbedInput],
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     return [v for v, _ in done], sum(n for _, n in done)
+
+
+# ----------------------------------------------------------------------------- the route
+
+
+def encode_base64(values: list[float]) -> str:
+    """A vector as OpenAI's base64 encoding: little-endian float32s."""
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
+
+
+def router(ctx: RouteContext) -> APIRouter:
+    """POST /v1/embeddings: one JSON answer (embeddings do not stream)."""
+    r = APIRouter(prefix="/v1")
+
+    @r.post("/embeddings", openapi_extra=body_ref(EmbeddingRequest))
+    async def embeddings(request: HTTPRequest) -> Response:
+        body, rid = await ctx.parse(request, EmbeddingRequest)
+        items = body.inputs(ctx.limits)
+        trace = ctx.begin(request, rid, items)
+        spec = EmbedSpec(dimensions=body.dimensions)
+        done = await unless_disconnected(request, embed_texts(
+            ctx.backend, items, spec, request_id=rid, user=body.user))
+        if done is None:
+            trace.disconnected = True
+            return Response(status_code=CLIENT_GONE)
+        vectors, tokens = done
+        trace.prompt_tokens = tokens
+        trace.finish_reasons.append("stop")
+        b64 = body.encoding_format == "base64"
+        answer: JSONBody = {
+            "object": "list",
+            "data": [{"object": "embedding", "index": i,
+                      "embedding": encode_base64(v) if b64 else v}
+                     for i, v in enumerate(vectors)],
+            "model": ctx.backend.model_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return JSONResponse(answer, headers={"X-Request-ID": rid})
+
+    return r
