@@ -28,11 +28,13 @@ from family_models import save_family_dir
 from server_util import app_running
 from tiny_models import make_tiny_tokenizer
 
+from nbserve.api.embeddings import embed_texts
 from nbserve.api.limits import Limits
 from nbserve.engine import Engine
 from nbserve.loading.hf_dir import load_hf_dir
 from nbserve.models.adopt import adopt
 from nbserve.models.pooling import Pooling
+from nbserve.pool import Pool
 from nbserve.types import (
     Embedded,
     EmbedSpec,
@@ -234,6 +236,7 @@ def test_whole_prompt_pooling_over_chunks(qwen3_dir: Path, backbone: Any, kind: 
         assert first[0].cached_tokens == again[0].cached_tokens == 0
         close(first[1], want)
         close(again[1], want)
+        close(eng.embed([LONG])[0], want)  # the notebook helper
 
 
 def test_last_token_pooling_reuses_a_cached_prefix(engine: Engine, backbone: Any) -> None:
@@ -268,6 +271,26 @@ def test_refusals_at_submit(engine: Engine) -> None:
         with pytest.raises(InvalidRequestError, match="gives no hidden states"):
             own.stream(Request(prompt="x", embed=EmbedSpec()))
         _embed(own, EmbedSpec(score_token_ids=(1, 2)), prompt="x")  # its logits: served
+
+
+def test_a_pool_forwards_embeddings(qwen3_dir: Path, backbone: Any) -> None:
+    with Pool(load_hf_dir(qwen3_dir), devices=["cpu", "cpu"], max_batch=4, max_context=256,
+              prefill_chunk=CHUNK, quiet=True) as pool:
+        vectors, tokens = asyncio.run(embed_texts(pool, TEXTS * 2, request_id="pool"))
+        ids = [ids_of_pool(pool, t) for t in TEXTS * 2]
+        assert tokens == sum(len(i) for i in ids)
+        for v, row in zip(vectors, ids):
+            close(v, reference(backbone, row))
+        close(pool.embed(TEXTS[1], dimensions=8)[0], reference(backbone, ids[1], dims=8))
+        st = pool.stats()
+        assert [r["in_flight"] for r in st["replicas"]] == [0, 0]
+        assert st["requests_finished"].get("stop") == len(ids) + 1
+
+
+def ids_of_pool(pool: Pool, text: str) -> list[int]:
+    ids = pool.prompt_token_ids(Request(prompt=text))
+    assert ids is not None
+    return ids
 
 
 # ----------------------------------------------------------------------------- the default model
