@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -119,6 +121,18 @@ def test_float_embeddings_equal_transformers(client: openai.OpenAI, engine: Engi
     for d, text in zip(out.data, TEXTS):
         close(d.embedding, reference(backbone, ids_of(engine, text)))
         assert abs(np.linalg.norm(d.embedding) - 1) < 1e-5
+
+
+def test_metrics_count_the_route(client: openai.OpenAI, url: str) -> None:
+    def served() -> float:
+        text = httpx.get(url + "/metrics").text
+        found = re.search(r'nbserve_requests_total\{route="/v1/embeddings",status="200"\} '
+                          r"(\S+)", text)
+        return float(found.group(1)) if found else 0.0
+
+    before = served()
+    client.embeddings.create(model="", input="count me", encoding_format="float")
+    assert served() == before + 1
 
 
 def test_base64_embeddings(client: openai.OpenAI, url: str, engine: Engine,
