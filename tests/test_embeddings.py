@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import transformers
 from family_models import save_family_dir
 from gguf_util import hf_dir_to_gguf
-from server_util import app_running
+from server_util import app_running, wait_until
 from tiny_models import make_tiny_tokenizer
 
 from nbserve.api.embeddings import embed_texts
@@ -190,6 +190,20 @@ def test_embeddings_and_chat_in_the_same_steps(url: str, engine: Engine,
     assert mixed == alone and alone
     for d, text in zip(emb.data, [LONG, TEXTS[0], LONG[:40]]):
         close(d.embedding, reference(backbone, ids_of(engine, text)))
+
+
+def test_a_client_that_leaves_cancels_its_inputs(url: str, engine: Engine) -> None:
+    """200 prompts of ~230 tokens take the engine seconds (16 tokens a step); the client
+    leaves after 0.3 s: the inputs in the engine are cancelled, the rest never start."""
+    before = engine.stats()["requests_finished"]
+    body = {"input": [f"{i} " + LONG * 2 for i in range(200)], "encoding_format": "float"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/embeddings", json=body, timeout=httpx.Timeout(10, read=0.3))
+    assert wait_until(lambda: engine.stats()["running"] == engine.stats()["waiting"] == 0, 10)
+    after = engine.stats()["requests_finished"]
+    cancelled = after.get("cancelled", 0) - before.get("cancelled", 0)
+    stopped = after.get("stop", 0) - before.get("stop", 0)
+    assert cancelled >= 1 and cancelled + stopped < 200
 
 
 def _bad(client: openai.OpenAI, **kw: Any) -> dict[str, Any]:
