@@ -291,6 +291,9 @@ def test_token_scores_equal_the_lm_heads_logits(engine: Engine, qwen3_dir: Path)
 def test_refusals_at_submit(engine: Engine) -> None:
     with pytest.raises(InvalidRequestError, match="n must be 1"):
         engine.stream(Request(prompt="x", embed=EmbedSpec(), params=SamplingParams(n=2)))
+    with pytest.raises(InvalidRequestError, match="log-probabilities"):
+        engine.stream(Request(prompt="x", embed=EmbedSpec(),
+                              params=SamplingParams(prompt_logprobs=1)))
     with pytest.raises(InvalidRequestError, match="score_token_ids"):
         engine.stream(Request(prompt="x", embed=EmbedSpec(score_token_ids=())))
     sys.path.insert(0, str(ROOT / "examples"))

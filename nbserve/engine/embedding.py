@@ -18,14 +18,17 @@ from ..types import EmbedSpec, InvalidRequestError, Request
 
 def check_embed(request: Request, spec: EmbedSpec, model: SlotModel, vocab_size: int) -> None:
     """Refuse (400) what an embedding request cannot be served with here: several choices,
-    tools or a constraint (nothing is generated), a model that gives no hidden states (a
-    user's StepModel, an adapter), `dimensions` outside [1, hidden size], or token scores
-    without an LM head or with ids outside the vocabulary."""
+    tools, a constraint or prompt log-probabilities (nothing is sampled), a model that gives
+    no hidden states (a user's StepModel, an adapter), `dimensions` outside [1, hidden
+    size], or token scores without an LM head or with ids outside the vocabulary."""
     if request.params.n != 1:
         raise InvalidRequestError("an embedding request has one answer: n must be 1", param="n")
     if request.tools or request.params.constraint is not None:
         raise InvalidRequestError("an embedding request generates nothing: it takes no tools "
                                   "or output constraint", param="tools")
+    if request.params.prompt_logprobs is not None:
+        raise InvalidRequestError("an embedding request answers a vector, not the prompt's "
+                                  "log-probabilities", param="prompt_logprobs")
     if spec.score_token_ids is not None:
         if not model.has_lm_head:
             raise InvalidRequestError("this model has no LM head (an embedding model's "

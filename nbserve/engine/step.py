@@ -464,8 +464,9 @@ class EngineStep:
         """After an embedding request's prefill: its pooled vector (or its tokens' scores from
         the last position's logits) in one Embedded event, then Finished; its blocks go back
         to the cache (no KV is held for a decode)."""
-        group = seq.group
+        group: RequestGroup = seq.group
         spec = group.embed
+        assert spec is not None  # only embedding requests are answered here
         if group.pooler is not None:
             values = group.pooler.vector(spec.dimensions)
         else:
