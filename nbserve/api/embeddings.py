@@ -11,7 +11,7 @@ import base64
 import contextlib
 import struct
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
@@ -22,7 +22,7 @@ from .errors import APIError, error_event_to_api
 from .handler import CLIENT_GONE, RouteContext, unless_disconnected
 from .limits import Limits
 from .openapi_schemas import body_ref
-from .protocol import _Body
+from .protocol import PromptInput, _Body, prompt_list
 from .streams import JSONBody
 
 EmbedInput = str | list[int]
@@ -32,36 +32,21 @@ WINDOW = 64  # requests of one call in the engine at once: the rest wait for the
 class EmbeddingRequest(_Body):
     """POST /v1/embeddings: `input` a string, a list of them, token ids or lists of them."""
 
-    input: str | list[str] | list[int] | list[list[int]]
+    input: PromptInput
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: int | None = None
     user: str | None = None
 
     def inputs(self, limits: Limits) -> list[EmbedInput]:
-        """The input as a list: one string or token-id list per embedding; a 400 for an empty
-        one, or more than `limits.max_embedding_inputs`, or a text past the prompt limit."""
-        given = self.input
-        items: list[Any]
-        if isinstance(given, str):
-            items = [given]
-        elif given and all(isinstance(x, int) for x in given):
-            items = [list(given)]
-        else:
-            items = list(given)
-        if not items:
-            raise InvalidRequestError("input must not be an empty list", param="input")
-        if len(items) > limits.max_embedding_inputs:
-            raise InvalidRequestError(f"input holds {len(items)} items; the limit is "
-                                      f"{limits.max_embedding_inputs}: send them in several "
-                                      "requests", param="input")
+        """The input as a list: one string or token-id list per embedding, at most
+        `limits.max_embedding_inputs` of them, none empty (a 400 naming it)."""
+        items = prompt_list(self.input, "input", limits.max_embedding_inputs, limits)
         for i, item in enumerate(items):
-            where = f"input[{i}]" if len(items) > 1 else "input"
             if not item:
+                where = f"input[{i}]" if len(items) > 1 else "input"
                 raise InvalidRequestError(f"{where} is empty: every input needs a text or a "
                                           "token", param="input")
-            limits.check_text("input", len(item), limits.max_conversation_chars, where)
         return items
-
 
 
 async def _embed_one(backend: Backend, req: Request) -> tuple[list[float], int]:
