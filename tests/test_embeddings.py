@@ -40,6 +40,7 @@ from nbserve.models.adopt import adopt
 from nbserve.models.pooling import Pooling
 from nbserve.pool import Pool
 from nbserve.types import (
+    Delta,
     Embedded,
     EmbedSpec,
     Finished,
@@ -267,6 +268,30 @@ def test_whole_prompt_pooling_over_chunks(qwen3_dir: Path, backbone: Any, kind: 
         close(first[1], want)
         close(again[1], want)
         close(eng.embed([LONG])[0], want)  # the notebook helper
+
+
+def test_embeddings_beside_static_decode_steps(qwen3_dir: Path, engine: Engine,
+                                               backbone: Any) -> None:
+    """An engine that decodes at fixed shapes (`static_decode`, eager on CPU): a greedy answer
+    decoding while embeddings prefill is the one the module's engine gives alone."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def answer(eng: Engine) -> list[int]:
+        events = eng.stream(Request(prompt="Once upon a time", params=params))
+        return [t for ev in events if isinstance(ev, Delta) for t in ev.token_ids]
+
+    alone = answer(engine)
+    with Engine(load_hf_dir(qwen3_dir), max_batch=8, max_context=256, prefill_chunk=CHUNK,
+                static_decode=True, quiet=True) as eng:
+        assert eng._step.static is not None
+        chat = eng.stream(Request(prompt="Once upon a time", params=params))
+        first = next(chat)  # admitted: it decodes while the embeddings prefill
+        embeds = [eng.stream(Request(prompt=t, embed=EmbedSpec())) for t in TEXTS]
+        tokens = [t for ev in [first, *chat] if isinstance(ev, Delta) for t in ev.token_ids]
+        assert tokens == alone
+        for events, text in zip(embeds, TEXTS):
+            values = [ev.values for ev in events if isinstance(ev, Embedded)]
+            close(values[0], reference(backbone, ids_of(eng, text)))
 
 
 def test_last_token_pooling_reuses_a_cached_prefix(engine: Engine, backbone: Any) -> None:
