@@ -14,6 +14,7 @@ import asyncio
 import base64
 import dataclasses
 import re
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,13 +24,15 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import tokenizers
+import tokenizers.processors
 import torch
 import torch.nn.functional as F
 import transformers
 from family_models import save_family_dir
 from gguf_util import hf_dir_to_gguf
 from server_util import app_running, wait_until
-from tiny_models import make_tiny_tokenizer
+from tiny_models import ENDOFTEXT_ID, make_tiny_tokenizer
 
 from nbserve.api.embeddings import embed_texts
 from nbserve.api.limits import Limits
@@ -292,6 +295,29 @@ def test_embeddings_beside_static_decode_steps(qwen3_dir: Path, engine: Engine,
         for events, text in zip(embeds, TEXTS):
             values = [ev.values for ev in events if isinstance(ev, Embedded)]
             close(values[0], reference(backbone, ids_of(eng, text)))
+
+
+def test_a_text_ends_as_the_tokenizer_closes_it(qwen3_dir: Path, backbone: Any,
+                                                tmp_path: Path) -> None:
+    """A tokenizer.json whose post-processor appends <|endoftext|> (Qwen3-Embedding's): an
+    embedded text ends with it (the model reads it as the sequence's summary); token ids are
+    embedded as given, and a completion's prompt does not get it."""
+    closed = tmp_path / "closed"
+    shutil.copytree(qwen3_dir, closed)
+    tok = tokenizers.Tokenizer.from_file(str(closed / "tokenizer.json"))
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", ENDOFTEXT_ID)])
+    tok.save(str(closed / "tokenizer.json"))
+    with Engine(load_hf_dir(closed), max_batch=2, max_context=256, quiet=True) as eng:
+        assert eng.tokenizer.closing_ids == (ENDOFTEXT_ID,)
+        ids = ids_of(eng, TEXTS[0])
+        assert ids[-1] != ENDOFTEXT_ID  # raw prompts are encoded as before
+        started, values, finished = _embed(eng, prompt=TEXTS[0])
+        assert started.prompt_ids == ids + [ENDOFTEXT_ID]
+        assert finished.usage.prompt_tokens == len(ids) + 1
+        close(values, reference(backbone, ids + [ENDOFTEXT_ID]))
+        _, as_given, _ = _embed(eng, prompt_ids=ids)
+        close(as_given, reference(backbone, ids))
 
 
 def test_last_token_pooling_reuses_a_cached_prefix(engine: Engine, backbone: Any) -> None:

@@ -377,6 +377,17 @@ class Engine(SyncHelpers):
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return ids
 
+    def _closed_text(self, ids: list[int], request: Request) -> list[int]:
+        """An embedded text's ids ending with what the tokenizer closes a text with (its
+        `closing_ids`: Qwen3-Embedding's <|endoftext|>), where they are not there yet."""
+        tail = list(self.tokenizer.closing_ids)
+        if not tail or ids[-len(tail):] == tail:
+            return ids
+        closed = ids + tail
+        if len(closed) >= self.max_context:
+            raise ContextLengthError(len(closed), self.max_context, param="prompt")
+        return closed
+
     def submit(self, request: Request, sink: Sink) -> RequestGroup:
         """Validate and queue `request`; events go to `sink` (called from the engine thread).
         Raises InvalidRequestError, ContextLengthError, BusyError or EngineStoppedError."""
@@ -389,6 +400,9 @@ class Engine(SyncHelpers):
             raise InvalidRequestError(
                 f"n must be at most max_batch={self.max_batch}, got {params.n}", param="n")
         ids = self.prepare_prompt(request)
+        if request.embed is not None and request.embed.score_token_ids is None and \
+                request.prompt is not None:
+            ids = self._closed_text(ids, request)
         budget = self._step.budget
         if budget is not None:  # every choice needs its own last block beside the prompt's
             need = self._step.space.admission_cost([], 0, len(ids) + 1, params.n)  # no cache
