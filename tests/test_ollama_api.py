@@ -340,12 +340,18 @@ def test_keys_and_the_body_limit_answer_in_ollamas_shape(engine: Any, name: str)
         assert err.status_code == 413 and "limit" in err.error
 
 
-def test_embed_waits_for_the_engine(client: ollama.Client, name: str) -> None:
-    """/api/embed sends prefill-only requests (EmbedSpec), which this engine refuses for now.
-    When the engine serves them, flip this test: `r = client.embed(...)` has one vector per
-    input (`len(r.embeddings) == 2`, each of the model's width) and prompt_eval_count > 0."""
-    err = _error(lambda: client.embed(model=name, input=["a cat", "a dog"]))
-    assert err.status_code == 400 and "embedding requests are not served" in err.error
+def test_embed_answers_one_unit_vector_per_input(client: ollama.Client, name: str) -> None:
+    """/api/embed: one vector per input, of the model's width, normalised (as Ollama's), in
+    the order given, each the same as the input embedded alone; measured counts."""
+    r = client.embed(model=name, input=["a cat", "a dog"])
+    assert len(r.embeddings) == 2 and all(len(v) == 64 for v in r.embeddings)
+    for v in r.embeddings:
+        assert abs(sum(x * x for x in v) - 1.0) < 1e-4
+    assert r.embeddings[0] != r.embeddings[1]
+    alone = client.embed(model=name, input="a dog")
+    assert max(abs(a - b) for a, b in zip(alone.embeddings[0], r.embeddings[1])) < 1e-5
+    assert (r.prompt_eval_count or 0) > 0 and 0 < (r.total_duration or 0)
+    assert (r.load_duration or 0) <= (r.total_duration or 0)
     assert client.embed(model=name, input=[]).embeddings == []  # a load request
 
 

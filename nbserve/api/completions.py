@@ -36,7 +36,7 @@ from .fields import unsupported as _refuse
 from .handler import CLIENT_GONE, RouteContext, answer, sse_chunks, unless_disconnected
 from .limits import Limits
 from .openapi_schemas import body_ref
-from .protocol import _Sampling
+from .protocol import PromptInput, _Sampling, prompt_list
 from .streams import (
     FINISH_REASONS,
     JSONBody,
@@ -50,7 +50,7 @@ from .streams import (
 class CompletionRequest(_Sampling):
     """POST /v1/completions (the legacy text API)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: PromptInput
     best_of: int | None = None
     echo: bool | None = False
     logprobs: int | None = None
@@ -59,23 +59,7 @@ class CompletionRequest(_Sampling):
 
     def prompts(self, limits: Limits) -> list[str | list[int]]:
         """The prompt as a list: one string or token-id list per prompt."""
-        p = self.prompt
-        if isinstance(p, str):
-            items: list[Any] = [p]
-        elif p and all(isinstance(x, int) for x in p):
-            items = [list(p)]
-        else:
-            items = list(p)
-        if not items:
-            raise InvalidRequestError("prompt must not be an empty list", param="prompt")
-        if len(items) > limits.max_prompts:
-            raise InvalidRequestError(f"prompt holds {len(items)} prompts; the limit is "
-                                      f"{limits.max_prompts}", param="prompt")
-        for i, item in enumerate(items):
-            size = len(item)
-            limits.check_text("prompt", size, limits.max_conversation_chars,
-                              f"prompt[{i}]" if len(items) > 1 else "The prompt")
-        return items
+        return prompt_list(self.prompt, "prompt", limits.max_prompts, limits)
 
     def to_requests(self, limits: Limits | None = None, request_id: str = "cmpl"
                     ) -> list[Request]:

@@ -18,6 +18,7 @@ class Limits:
     max_message_chars: int = 8_000
     max_conversation_chars: int = 32_000  # chat: all messages; completions: each prompt
     max_prompts: int = 32  # /v1/completions with a list of prompts
+    max_embedding_inputs: int = 2048  # /v1/embeddings' input list (OpenAI's own limit)
     min_temperature: float = 0.0
     max_temperature: float = 2.0
     max_top_k: int = 200  # 0 or absent = off
@@ -29,7 +30,8 @@ class Limits:
     def __post_init__(self) -> None:
         values = asdict(self)
         for name in ("max_messages", "max_message_chars", "max_conversation_chars", "max_prompts",
-                     "max_top_k", "max_tokens", "max_n", "max_stop", "max_body_bytes"):
+                     "max_embedding_inputs", "max_top_k", "max_tokens", "max_n", "max_stop",
+                     "max_body_bytes"):
             value = values[name]
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Limits.{name} must be an integer >= 1, got {value!r}")

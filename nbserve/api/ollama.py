@@ -9,17 +9,16 @@ it answers `done_reason: "load"` at once (the model is always loaded)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
-from ..types import Backend, Embedded, ErrorEvent, Event, Finished, Request, Started
+from ..types import Request
 from .chat import chat_chunks
-from .errors import APIError, error_event_to_api
-from .handler import CLIENT_GONE, RouteContext, answer, first_event, unless_disconnected
+from .embeddings import embed_requests
+from .handler import CLIENT_GONE, RouteContext, answer, unless_disconnected
 from .ollama_models import PREFIX, check_model, tag_name
 from .ollama_schemas import OllamaChatRequest, OllamaEmbedRequest, OllamaGenerateRequest
 from .ollama_stream import (
@@ -34,49 +33,10 @@ from .ollama_stream import (
     one_record,
 )
 from .openapi_schemas import body_ref
-from .streams import StreamFailed, StreamInfo
+from .streams import StreamInfo
 
 SCHEMAS = (OllamaChatRequest, OllamaGenerateRequest, OllamaEmbedRequest)
 GENERATION_PATHS = frozenset({f"{PREFIX}chat", f"{PREFIX}generate", f"{PREFIX}embed"})
-
-
-async def embed_one(backend: Backend, req: Request) -> tuple[list[float], int, float]:
-    """One prefill-only request: (its vector, its prompt's tokens, when it started)."""
-    first, gen = await first_event(backend, req)
-    started, values, tokens = time.perf_counter(), None, 0
-    try:
-        ev: Event | None = first
-        while ev is not None:
-            if isinstance(ev, Started):
-                tokens = ev.prompt_tokens
-            elif isinstance(ev, Embedded):
-                values = ev.values
-            elif isinstance(ev, Finished):
-                tokens = ev.usage.prompt_tokens
-            elif isinstance(ev, ErrorEvent):
-                raise StreamFailed(ev)
-            ev = await anext(gen, None)
-    except StreamFailed as exc:
-        raise error_event_to_api(exc.event.message, exc.event.kind, req.request_id) from None
-    finally:
-        await gen.aclose()
-    if values is None:
-        raise APIError(500, f"the backend answered the embedding request {req.request_id} "
-                       "without a vector", "server_error", code="internal_error")
-    return values, tokens, started
-
-
-async def embed_all(backend: Backend, reqs: list[Request]
-                    ) -> list[tuple[list[float], int, float]]:
-    """Every request at once (batched by the engine with the other work); the first refusal
-    cancels the others."""
-    tasks = [asyncio.ensure_future(embed_one(backend, r)) for r in reqs]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def router(ctx: RouteContext) -> APIRouter:
@@ -136,14 +96,14 @@ def router(ctx: RouteContext) -> APIRouter:
         reqs = body.to_requests(ctx.limits, rid, ctx.backend.tokenizer, ctx.backend.max_context)
         # no input ("" or []): a load request, answered with no embeddings
         trace = ctx.begin(request, rid, [r.prompt or r.prompt_ids for r in reqs])
-        done = await unless_disconnected(request, embed_all(ctx.backend, reqs))
+        done = await unless_disconnected(request, embed_requests(ctx.backend, reqs))
         if done is None:
             trace.disconnected = True
             return Response(status_code=CLIENT_GONE)
-        trace.prompt_tokens = sum(tokens for _, tokens, _ in done)
-        last_start = max((started for _, _, started in done), default=time.perf_counter())
+        trace.prompt_tokens = sum(e.prompt_tokens for e in done)
+        last_start = max((e.started for e in done), default=time.perf_counter())
         return JSONResponse({
-            "model": model_label(body.model), "embeddings": [v for v, _, _ in done],
+            "model": model_label(body.model), "embeddings": [e.values for e in done],
             "total_duration": _ns(time.perf_counter() - trace.start),
             "load_duration": _ns(last_start - trace.start),
             "prompt_eval_count": trace.prompt_tokens}, headers={"X-Request-ID": rid})

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import hashlib
 from datetime import datetime, timezone
+from importlib import metadata
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
-from .. import __version__
 from ..types import Backend
 from .errors import APIError
 from .handler import RouteContext
@@ -149,7 +149,7 @@ def router(ctx: RouteContext) -> APIRouter:
 
     @r.get("/version")
     async def version() -> JSONBody:
-        return {"version": __version__}
+        return {"version": metadata.version("nbserve")}  # nbserve's own, installed
 
     @r.get("/tags")
     async def tags() -> JSONBody:

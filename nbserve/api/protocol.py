@@ -301,6 +301,32 @@ def _check_seed(seed: int | None) -> None:
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
+PromptInput = str | list[str] | list[int] | list[list[int]]  # OpenAI's prompt/input shapes
+
+
+def prompt_list(given: PromptInput, param: str, most: int, limits: Limits
+                ) -> list[str | list[int]]:
+    """A prompt field in any of OpenAI's four shapes (`prompt` of /v1/completions, `input` of
+    /v1/embeddings) as a list: one string or token-id list per item. A 400 naming `param`
+    for an empty list, more than `most` items, or an item past the prompt limit."""
+    items: list[str | list[int]]
+    if isinstance(given, str):
+        items = [given]
+    elif given and all(isinstance(x, int) for x in given):
+        items = [[x for x in given if isinstance(x, int)]]
+    else:
+        items = [x for x in given if not isinstance(x, int)]
+    if not items:
+        raise InvalidRequestError(f"{param} must not be an empty list", param=param)
+    if len(items) > most:
+        raise InvalidRequestError(f"{param} holds {len(items)} items; the limit is {most}: "
+                                  "send them in several requests", param=param)
+    for i, item in enumerate(items):
+        where = f"{param}[{i}]" if len(items) > 1 else f"The {param}"
+        limits.check_text(param, len(item), limits.max_conversation_chars, where)
+    return items
+
+
 def thinking_switch(effort: str | None, kwargs: Mapping[str, object] | None) -> JSONObject:
     """The chat-template variables of a request: its `chat_template_kwargs`, and for a
     `reasoning_effort` the switch thinking models' templates read (Qwen3's and SmolLM3's

@@ -45,6 +45,7 @@ from ..types import (
 )
 from .config import EngineConfig
 from .constraints import Grammars, grammars_for, has_grammars
+from .embedding import Pooler, check_embed
 from .requests import (
     ChoiceState,
     Mailbox,
@@ -376,19 +377,32 @@ class Engine(SyncHelpers):
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return ids
 
+    def _closed_text(self, ids: list[int], request: Request) -> list[int]:
+        """An embedded text's ids ending with what the tokenizer closes a text with (its
+        `closing_ids`: Qwen3-Embedding's <|endoftext|>), where they are not there yet."""
+        tail = list(self.tokenizer.closing_ids)
+        if not tail or ids[-len(tail):] == tail:
+            return ids
+        closed = ids + tail
+        if len(closed) >= self.max_context:
+            raise ContextLengthError(len(closed), self.max_context, param="prompt")
+        return closed
+
     def submit(self, request: Request, sink: Sink) -> RequestGroup:
         """Validate and queue `request`; events go to `sink` (called from the engine thread).
         Raises InvalidRequestError, ContextLengthError, BusyError or EngineStoppedError."""
         self._check_running()
-        if request.embed is not None:
-            raise InvalidRequestError("embedding requests are not served by this engine yet",
-                                      param="input")
         params = request.params
         params.validate(self.vocab_size)
+        if request.embed is not None:
+            check_embed(request, request.embed, self._step.model, self.vocab_size)
         if params.n > self.max_batch:
             raise InvalidRequestError(
                 f"n must be at most max_batch={self.max_batch}, got {params.n}", param="n")
         ids = self.prepare_prompt(request)
+        if request.embed is not None and request.embed.score_token_ids is None and \
+                request.prompt is not None:
+            ids = self._closed_text(ids, request)
         budget = self._step.budget
         if budget is not None:  # every choice needs its own last block beside the prompt's
             need = self._step.space.admission_cost([], 0, len(ids) + 1, params.n)  # no cache
@@ -401,7 +415,10 @@ class Engine(SyncHelpers):
         if not params.ignore_eos:
             stop_ids.update(self.stop_token_ids)
         group = RequestGroup(request.request_id, params, ids, frozenset(stop_ids), sink,
-                       remaining=params.n, submitted=time.perf_counter())
+                             remaining=params.n, submitted=time.perf_counter(),
+                             embed=request.embed)
+        if request.embed is not None and request.embed.score_token_ids is None:
+            group.pooler = Pooler(self.loaded.pooling, len(ids))
         thought: ThoughtRule = "none"
         if request.messages is not None and self.template is not None and \
                 thinks(self.template.source):
@@ -418,8 +435,9 @@ class Engine(SyncHelpers):
         ends_answer = None if matcher is None or grammars is None else partial(grammars.accepts,
                                                                                  matcher)
         for i in range(params.n):
-            group.seqs.append(Sequence(group, i, ids,
-                                       scores_prompt=params.prompt_logprobs is not None))
+            whole = params.prompt_logprobs is not None or \
+                (group.pooler is not None and group.pooler.whole_prompt)
+            group.seqs.append(Sequence(group, i, ids, whole_prompt=whole))
             sampler = SeqSampler.create(params, ids, device, seed_offset=i, stop_ids=stop_ids)
             sampler.matcher = None if matcher is None else matcher.deep_copy()
             if matcher is not None and params.ignore_eos:

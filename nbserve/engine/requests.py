@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from ..text import IncrementalDetokenizer, StopStringMatcher
-from ..types import ErrorEvent, Event, Finished, SamplingParams, TokenLogprob, Usage
+from ..types import EmbedSpec, ErrorEvent, Event, Finished, SamplingParams, TokenLogprob, Usage
+from .embedding import Pooler
 from .sampling import SeqSampler
 from .scheduler import Sequence
 
@@ -64,6 +65,8 @@ class RequestGroup:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # collected while the prompt is scored
     reasoning: bool = False  # a chat of a thinking model: its answer may open with a thought
     thought_open: bool = False  # the prompt opened the thought
+    embed: EmbedSpec | None = None  # a prefill-only request: answered by one Embedded event
+    pooler: Pooler | None = None  # its pooled state, unless it scores tokens
 
     def usage(self) -> Usage:
         s = self.seqs[0]

@@ -47,7 +47,9 @@ class Sequence:
     copy: tuple[int, int, int] | None = None
     resumed: bool = False  # preempted once: its request was already admitted
     skipped: int = 0  # times a request behind it was admitted first
-    scores_prompt: bool = False  # its prompt's log-probabilities were asked for
+    # every position of its prompt is computed, none taken from the cache: its prompt's
+    # log-probabilities were asked for, or an embedding pooled over every position
+    whole_prompt: bool = False
 
     @property
     def tokens(self) -> list[int]:
@@ -133,11 +135,11 @@ class Scheduler:
     @staticmethod
     def _limit(seq: Sequence) -> int:
         """How much of a sequence's tokens may come from the cache: a new prompt's last token
-        is computed (its logits give the first output token); none of a prompt whose
-        log-probabilities were asked for (every position's logits are needed)."""
+        is computed (its logits give the first output token, or its state the embedding);
+        none of a `whole_prompt` (every position's logits or states are needed)."""
         if seq.output_ids:
             return seq.target
-        if seq.scores_prompt:
+        if seq.whole_prompt:
             return 0
         return seq.target - 1
 

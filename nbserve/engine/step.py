@@ -23,6 +23,7 @@ from ..models.adapters.step_model import served
 from ..models.base import LoadedModel, PagedModel, SlotCache, SlotModel, StaticSteps
 from ..types import (
     Delta,
+    Embedded,
     ErrorEvent,
     Finished,
     FinishReason,
@@ -33,6 +34,7 @@ from ..types import (
 from .blocks import BlockSpace, KVSpace, SlotSpace
 from .config import EngineConfig
 from .constraints import MaskJob
+from .embedding import scores as embedding_scores
 from .kv_budget import KVBudget, plan_blocks, retained_blocks
 from .requests import RequestGroup, drop_event, gathered_wakeups
 from .sampling import sample
@@ -295,20 +297,32 @@ class EngineStep:
         return t1 - t0, time.perf_counter() - t1
 
     def _run_prefills(self, works: list[PrefillWork]) -> tuple[float, float]:
-        """Prefill this step's chunks: in one padded forward when padding wastes little
-        (a burst of similar prompts reads the weights once), else one forward each."""
+        """Prefill this step's chunks: the chunks of scored prompts one forward each (every
+        position's logits), those of pooled embeddings in a forward that gives hidden states,
+        the others in one that gives the last position's logits."""
         scores = [_scores_prompt(w) for w in works]  # decided before any runs (it samples)
-        if any(scores):  # every position's logits: a forward of their own
-            times = [self._run_scoring_prefill(w) for w, sc in zip(works, scores) if sc]
-            rest = [w for w, sc in zip(works, scores) if not sc]
-            more = self._run_prefills(rest) if rest else (0.0, 0.0)
-            return sum(t[0] for t in times) + more[0], sum(t[1] for t in times) + more[1]
+        pools = [w.seq.group.pooler is not None for w in works]
+        if not any(scores) and not any(pools):
+            return self._run_batch(works, hidden=False)
+        times = [self._run_scoring_prefill(w) for w, sc in zip(works, scores) if sc]
+        pooled = [w for w, p in zip(works, pools) if p]
+        rest = [w for w, sc, p in zip(works, scores, pools) if not sc and not p]
+        if pooled:
+            times.append(self._run_batch(pooled, hidden=True))
+        if rest:
+            times.append(self._run_batch(rest, hidden=False))
+        return sum(t[0] for t in times), sum(t[1] for t in times)
+
+    def _run_batch(self, works: list[PrefillWork], hidden: bool) -> tuple[float, float]:
+        """Chunks in one padded forward when padding wastes little (a burst of similar prompts
+        reads the weights once), else one forward each: the last position's logits of each,
+        or with `hidden` every position's final-norm states, pooled (embedding requests)."""
         real = sum(len(w.ids) for w in works)
         width = max(len(w.ids) for w in works)
         padded = any(len(w.ids) != width for w in works)
         wasteful = width * len(works) > 1.25 * real
         if len(works) > 1 and ((padded and not self.padded_rows) or wasteful):
-            times = [self._run_prefills([w]) for w in works]
+            times = [self._run_batch([w], hidden) for w in works]
             return sum(t[0] for t in times), sum(t[1] for t in times)
         dev = self.model.device
         limit = self.max_context - 1  # pad positions stay inside the cache, past real tokens
@@ -321,14 +335,25 @@ class EngineStep:
         t0 = time.perf_counter()
         try:
             with self._threads_for(real):
-                logits = self.model.forward(ids, positions, where, self.cache, logit_index=last,
-                                            max_pos=max_pos, contiguous_from=contiguous)
+                if hidden:
+                    out = self.model.forward_hidden(ids, positions, where, self.cache,
+                                                    max_pos=max_pos, contiguous_from=contiguous)
+                else:
+                    out = self.model.forward(ids, positions, where, self.cache,
+                                             logit_index=last, max_pos=max_pos,
+                                             contiguous_from=contiguous)
         except Exception as exc:
             self._fail_step([w.seq for w in works], exc)
             return time.perf_counter() - t0, 0.0
         t1 = time.perf_counter()
         for i, work in enumerate(works):
-            self._after_prefill(work, logits[i:i + 1])
+            if hidden:
+                pooler = work.seq.group.pooler
+                assert pooler is not None  # only pooled requests' chunks ask for states
+                pooler.add(work.start, out[i, :len(work.ids)])
+                self._after_prefill(work, None)
+            else:
+                self._after_prefill(work, out[i:i + 1])
         return t1 - t0, time.perf_counter() - t1
 
     def _run_scoring_prefill(self, work: PrefillWork) -> tuple[float, float]:
@@ -403,8 +428,10 @@ class EngineStep:
         yield
         self.tuner.record(tokens, n, time.perf_counter() - t0)
 
-    def _after_prefill(self, work: PrefillWork, logits: torch.Tensor) -> None:
-        """Advance the sequence; after its last chunk, fork n > 1 and sample first tokens."""
+    def _after_prefill(self, work: PrefillWork, logits: torch.Tensor | None) -> None:
+        """Advance the sequence; after its last chunk, fork n > 1 and sample first tokens, or
+        answer an embedding request. `logits`: the chunk's last position's (1, V); None for a
+        pooled embedding's chunk (its states went to its pooler)."""
         seq = work.seq
         seq.computed += len(work.ids)
         self.scheduler.computed(seq)
@@ -413,6 +440,10 @@ class EngineStep:
             return
         if not seq.resumed:
             self.stats.reused += seq.cached_prompt
+        if seq.group.embed is not None:
+            self._answer_embedding(seq, logits)
+            return
+        assert logits is not None  # only pooled embeddings' chunks come without
         forked = []
         for sib, copy in self.scheduler.fork(seq):  # n > 1: share the prefill
             if copy is not None:
@@ -428,6 +459,21 @@ class EngineStep:
                 self._finish_seq(s, group, "length")
         elif work.samples:
             self._sample_and_emit(live, logits.expand(len(live), -1))
+
+    def _answer_embedding(self, seq: Sequence, logits: torch.Tensor | None) -> None:
+        """After an embedding request's prefill: its pooled vector (or its tokens' scores from
+        the last position's logits) in one Embedded event, then Finished; its blocks go back
+        to the cache (no KV is held for a decode)."""
+        group: RequestGroup = seq.group
+        spec = group.embed
+        assert spec is not None  # only embedding requests are answered here
+        if group.pooler is not None:
+            values = group.pooler.vector(spec.dimensions)
+        else:
+            assert logits is not None and spec.score_token_ids is not None
+            values = embedding_scores(logits[0], spec.score_token_ids)
+        group.sink(Embedded(seq.index, values))
+        self._finish_seq(seq, group, "stop")
 
     def _mask_job(self, seqs: list[Sequence]) -> MaskJob | None:
         """The grammar masks of the constrained rows among `seqs`, if any."""

@@ -1,11 +1,21 @@
-"""Blocking `complete` / `chat` helpers shared by Engine and Pool, built on `self.stream`."""
+"""Blocking `complete` / `chat` / `embed` helpers shared by Engine and Pool, built on
+`self.stream`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
-from ..types import ChatMessage, Delta, ErrorEvent, Event, Request, SamplingParams
+from ..types import (
+    ChatMessage,
+    Delta,
+    Embedded,
+    EmbedSpec,
+    ErrorEvent,
+    Event,
+    Request,
+    SamplingParams,
+)
 
 
 class SyncHelpers:
@@ -23,6 +33,28 @@ class SyncHelpers:
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         return self._collect(Request(messages=messages, params=SamplingParams(**params)))
+
+    def embed(self, texts: str | list[str], dimensions: int | None = None
+              ) -> list[list[float]]:
+        """The embedding of each text (pooled as the model declares; cut to `dimensions`), in
+        order. Every text is submitted before any is read, so their prefills batch."""
+        items = [texts] if isinstance(texts, str) else list(texts)
+        streams: list[Iterator[Event]] = []
+        try:
+            for text in items:
+                streams.append(self.stream(Request(prompt=text, embed=EmbedSpec(dimensions))))
+            out: list[list[float]] = []
+            for events in streams:
+                for ev in events:
+                    if isinstance(ev, ErrorEvent):
+                        raise RuntimeError(ev.message)  # noqa: TRY004 - as complete's
+                    if isinstance(ev, Embedded):
+                        out.append(ev.values)
+            return out
+        finally:
+            for events in streams:  # a refusal or an error: the others are cancelled
+                if isinstance(events, Generator):  # Engine's and Pool's streams are
+                    events.close()
 
     def _collect(self, request: Request) -> str:
         parts: list[str] = []

@@ -55,6 +55,10 @@ class PagedSteps:
         """Float32 logits of the last layer's hidden states."""
         raise NotImplementedError
 
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's hidden states through the final norm (what `_logits` reads)."""
+        raise NotImplementedError
+
     def _batch_ropes(self, positions: torch.Tensor, kv_len: int) -> list[Rope]:
         """Each RoPE's rows (B, T, 1, rotary) for `positions` (B, T)."""
         raise NotImplementedError
@@ -105,13 +109,30 @@ class PagedSteps:
         kernel = self._paged_kernel and cache.dtype in CACHE_DTYPES
         return self.batched_step(ids, positions, tables, cache, max_pos + 1, logit_index, kernel)
 
+    @torch.inference_mode()
+    def forward_hidden(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                       cache: PagedKVCache, max_pos: int | None = None,
+                       contiguous_from: int | None = None) -> torch.Tensor:
+        """ids, positions (B, T), block tables (B, blocks) -> the hidden states after the
+        final norm (B, T, H), the cache written as `forward` writes it (an embedding's
+        prefill: its chunks run as a prompt's do, pooled by the engine)."""
+        if tables.dim() == 1:
+            tables = cache.row_tables(tables)
+        if max_pos is None:
+            max_pos = int(positions.max())
+        kernel = self._paged_kernel and cache.dtype in CACHE_DTYPES
+        return self.batched_step(ids, positions, tables, cache, max_pos + 1, None, kernel,
+                                 hidden=True)
+
     def batched_step(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
                      cache: PagedKVCache, kv_len: int, logit_index: torch.Tensor | None = None,
-                     kernel: bool = False, padded: bool = False) -> torch.Tensor:
+                     kernel: bool = False, padded: bool = False, hidden: bool = False
+                     ) -> torch.Tensor:
         """`forward` for a batch (never the lone-step shortcut), attention reading the first
         `kv_len` positions of every table row: the largest position + 1, or with `padded`
         more, masked by position (`StaticDecode` rounds it up, to run at fixed shapes).
-        `kernel`: decode attention in the C kernels (CPU)."""
+        `kernel`: decode attention in the C kernels (CPU). `hidden`: every position's states
+        after the final norm instead of logits (`forward_hidden`)."""
         identity = self._identity_rope(ids.shape[0]) if kernel and ids.shape[1] == 1 else None
         ropes = self._batch_ropes(positions, kv_len)
         x = self._embed(ids, positions)  # (B, T, H)
@@ -123,6 +144,8 @@ class PagedSteps:
             step = StepInputs(positions, tables, kv_len - 1, cache, kernel, padded, identity)
             for layer in self._step_layers():
                 x = layer(x, ropes, step, cache)
+        if hidden:
+            return self._final_norm(x)
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # (B, H)
         return self._logits(x)

@@ -77,6 +77,7 @@ class GGUFCheckpoint:
     bos_token: str | None
     eos_token: str | None
     add_bos_token: bool
+    add_eos_token: bool = False  # an embedding model's texts end with EOS (Tokenizer.closing_ids)
 
 
 class GGUFTensors:
@@ -368,7 +369,8 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheck
         chat_template=meta.get("tokenizer.chat_template"), bos_token_id=bos_id,
         eos_token_ids=cfg["eos_token_id"], bos_token=tokens[bos_id] if bos_id is not None else None,
         eos_token=tokens[cfg["eos_token_id"][0]] if cfg["eos_token_id"] else None,
-        add_bos_token=add_bos)
+        add_bos_token=add_bos,
+        add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)))
 
 
 def _checked_config(meta: Meta, reader: GGUFReader, path: Path
@@ -439,7 +441,8 @@ def load_gguf(path: str | Path, device: str | torch.device | None = None,
                              f"implementation; {type(model).__name__} does not have it")
         model.serve_file_blocks(ckpt.tensors.take_blocks(), round16=weight_format == QUANTIZED)
     tokenizer = Tokenizer(ckpt.tokenizer, bos_token_id=ckpt.bos_token_id,
-                          eos_token_ids=ckpt.eos_token_ids, add_bos_token=ckpt.add_bos_token)
+                          eos_token_ids=ckpt.eos_token_ids, add_bos_token=ckpt.add_bos_token,
+                          closing_ids=ckpt.eos_token_ids[:1] if ckpt.add_eos_token else ())
     template = (ChatTemplate(ckpt.chat_template, bos_token=ckpt.bos_token or "",
                              eos_token=ckpt.eos_token or "") if ckpt.chat_template else None)
     return LoadedModel(model=model, tokenizer=tokenizer, template=template, name=name,

@@ -139,6 +139,11 @@ class SlotModel(ABC):
     max_context: int
     vocab_size: int
     accepts_padded_rows: bool = False
+    # The width of `forward_hidden`'s states; None: the model gives none (an adapter, a user's
+    # StepModel), so it serves no pooled embedding.
+    hidden_size: int | None = None
+    # False for a headless checkpoint (an embedding model's backbone alone): no logits to score.
+    has_lm_head: bool = True
 
     @property
     @abstractmethod
@@ -156,6 +161,14 @@ class SlotModel(ABC):
                 cache: Any, logit_index: torch.Tensor | None = None,
                 max_pos: int | None = None, contiguous_from: int | None = None
                 ) -> torch.Tensor: ...
+
+    def forward_hidden(self, ids: torch.Tensor, positions: torch.Tensor, where: torch.Tensor,
+                       cache: Any, max_pos: int | None = None,
+                       contiguous_from: int | None = None) -> torch.Tensor:
+        """The hidden states after the final norm (B, T, hidden_size) of every position,
+        writing the cache as `forward` does: what an embedding request pools. Served where
+        `hidden_size` is set; the engine asks no other model."""
+        raise NotImplementedError(f"{type(self).__name__} gives no hidden states")
 
     def cache_nbytes(self, cache: SlotCache) -> int:
         """The bytes `cache` (made by this model) holds."""

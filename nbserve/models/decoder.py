@@ -141,6 +141,7 @@ class DecoderModel(PagedSteps, WeightFormats, PagedModel):
         self.model = Backbone(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.vocab_size = cfg.vocab_size
+        self.hidden_size = cfg.hidden_size
         self.max_context = cfg.max_position_embeddings
         self._rope_cache: dict[tuple[int, RopeRegime, torch.device, torch.dtype],
                               tuple[torch.Tensor, torch.Tensor]] = {}
@@ -315,6 +316,9 @@ class DecoderModel(PagedSteps, WeightFormats, PagedModel):
             logits = normed_linear(x, self.model.norm, self.lm_head).float()
         cap = self.config.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, self.model.norm(x))
 
     # ------------------------------------------------------------------ what the steps read
 

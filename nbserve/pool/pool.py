@@ -25,6 +25,7 @@ from ..engine.sync_helpers import SyncHelpers
 from ..types import (
     BusyError,
     Delta,
+    Embedded,
     EngineStoppedError,
     ErrorEvent,
     Event,
@@ -340,7 +341,7 @@ class Pool(SyncHelpers):
         ticket, rep = attempt.ticket, attempt.replica
 
         def sink(ev: Event) -> None:
-            if isinstance(ev, Delta):
+            if isinstance(ev, (Delta, Embedded)):  # an answer: the replica works
                 if rep.errors_in_row:
                     rep.errors_in_row, rep.cooldown = 0, None  # it works again
             elif isinstance(ev, Finished):

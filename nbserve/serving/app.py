@@ -21,7 +21,17 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..api import chat, completions, models, ollama, ollama_models, responses, tokenize, unknown
+from ..api import (
+    chat,
+    completions,
+    embeddings,
+    models,
+    ollama,
+    ollama_models,
+    responses,
+    tokenize,
+    unknown,
+)
 from ..api.auth import KeyAuth, RateLimiter
 from ..api.errors import APIError, ErrorShaper, install_error_handlers, shaped_response
 from ..api.fields import UnknownFields
@@ -46,6 +56,8 @@ ROUTE_FAMILIES: tuple[RouteFamily, ...] = (
                 generation=frozenset({"/v1/completions"})),
     RouteFamily(responses.router, (responses.ResponsesRequest,),
                 generation=frozenset({"/v1/responses"})),
+    RouteFamily(embeddings.router, (embeddings.EmbeddingRequest,),
+                generation=frozenset({"/v1/embeddings"})),
     RouteFamily(ollama_models.router, (ollama_models.ShowRequest, ollama_models.PullRequest),
                 errors={ollama_models.PREFIX: ollama_models.error_response}),
     RouteFamily(ollama.router, ollama.SCHEMAS, generation=ollama.GENERATION_PATHS,

@@ -143,9 +143,14 @@ class Tokenizer:
     """
 
     def __init__(self, tok: tokenizers.Tokenizer | _DuckBackend, bos_token_id: int | None = None,
-                 eos_token_ids: int | Iterable[int] = (), add_bos_token: bool = False):
+                 eos_token_ids: int | Iterable[int] = (), add_bos_token: bool = False,
+                 closing_ids: Iterable[int] = ()):
         self._tok = tok
         self.bos_token_id = bos_token_id
+        # What the tokenizer puts after a text of its own (Qwen3-Embedding's <|endoftext|>,
+        # from its post-processor; `add_eos_token` in tokenizer_config or a GGUF): an embedded
+        # text ends with it, as the model was trained to read it. Generation never adds it.
+        self.closing_ids: tuple[int, ...] = tuple(int(i) for i in closing_ids)
         eos = [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids
         self.eos_token_ids: list[int] = list(dict.fromkeys(int(i) for i in eos))
         self.add_bos_token = bool(add_bos_token and bos_token_id is not None)
@@ -173,9 +178,12 @@ class Tokenizer:
     @classmethod
     def from_file(cls, path: str | os.PathLike, *, bos_token: str | None = None,
                   eos_token: str | Sequence[str] | None = None,
-                  add_bos_token: bool | None = None) -> Tokenizer:
+                  add_bos_token: bool | None = None,
+                  add_eos_token: bool | None = None) -> Tokenizer:
         """Load a `tokenizer.json`. Special tokens are given as strings (as in tokenizer_config);
-        `add_bos_token=None` means: add BOS when the file's post-processor does."""
+        `add_bos_token=None` means: add BOS when the file's post-processor does. The closing
+        ids (`closing_ids`) are those the post-processor appends, else the EOS where
+        `add_eos_token` says so."""
         tok = tokenizers.Tokenizer.from_file(str(path))
         bos_id = tok.token_to_id(bos_token) if bos_token else None
         eos_tokens = [eos_token] if isinstance(eos_token, str) else list(eos_token or [])
@@ -185,7 +193,8 @@ class Tokenizer:
             bos_id = post_bos
         if add_bos_token is None:
             add_bos_token = post_bos is not None and post_bos == bos_id
-        return cls(tok, bos_id, eos_ids, add_bos_token)
+        closing = _post_processor_tail(tok) or (tuple(eos_ids[:1]) if add_eos_token else ())
+        return cls(tok, bos_id, eos_ids, add_bos_token, closing)
 
     @classmethod
     def from_any(cls, obj: Any) -> Tokenizer:
@@ -303,6 +312,20 @@ def _post_processor_bos(tok: tokenizers.Tokenizer) -> int | None:
     return None
 
 
+def _post_processor_tail(tok: tokenizers.Tokenizer) -> tuple[int, ...]:
+    """The ids a tokenizer.json post-processor puts after a text (Qwen3-Embedding's
+    <|endoftext|>), if any."""
+    try:
+        plain = tok.encode("a", add_special_tokens=False).ids
+        full = tok.encode("a", add_special_tokens=True).ids
+    except Exception:  # noqa: BLE001 - a post-processor that cannot run adds nothing
+        return ()
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return tuple(full[start + len(plain):])
+    return ()
+
+
 def load_tokenizer(root: Path) -> tuple[Tokenizer, JSONObject]:
     """The directory's `Tokenizer` and its tokenizer_config.json (empty if absent).
 
@@ -321,7 +344,8 @@ def load_tokenizer(root: Path) -> tuple[Tokenizer, JSONObject]:
     add_bos = cfg.get("add_bos_token")
     tokenizer = Tokenizer.from_file(tok_file, bos_token=token_str(specials.get("bos_token")),
                                     eos_token=token_str(specials.get("eos_token")),
-                                    add_bos_token=None if add_bos is None else bool(add_bos))
+                                    add_bos_token=None if add_bos is None else bool(add_bos),
+                                    add_eos_token=bool(cfg.get("add_eos_token")))
     stop = [*ids(optional_json(root / "generation_config.json").get("eos_token_id")),
             *ids(optional_json(root / "config.json").get("eos_token_id")),
             *tokenizer.eos_token_ids]
