@@ -376,10 +376,21 @@ class Engine(SyncHelpers):
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return ids
 
+    def _check_head(self, request: Request) -> None:
+        """A headless model (an embedding checkpoint without an LM head) serves pooled
+        embeddings only: generation and scores of tokens need the head it lacks."""
+        if self.loaded.headless and (request.embed is None or
+                                     request.embed.score_token_ids is not None):
+            raise InvalidRequestError(
+                f"{self.loaded.name} is an embedding model (its checkpoint has no LM head): "
+                "it answers /v1/embeddings, not generation or reranking requests; serve a "
+                "generative model (or a yes/no reranker) for those", param="model")
+
     def submit(self, request: Request, sink: Sink) -> RequestGroup:
         """Validate and queue `request`; events go to `sink` (called from the engine thread).
         Raises InvalidRequestError, ContextLengthError, BusyError or EngineStoppedError."""
         self._check_running()
+        self._check_head(request)
         if request.embed is not None:
             raise InvalidRequestError("embedding requests are not served by this engine yet",
                                       param="input")

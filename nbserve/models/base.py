@@ -205,3 +205,5 @@ class LoadedModel:
     stop_token_ids: list[int] = field(default_factory=list)
     source: str = ""
     pooling: Pooling = DECODER_DEFAULT  # how embedding requests pool (models/pooling.py)
+    # no LM head (an embedding checkpoint, loading/headless.py): embedding requests only
+    headless: bool = False
