@@ -20,7 +20,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..api import chat, completions, models, responses, tokenize, unknown
+from ..api import chat, completions, models, rerank, responses, tokenize, unknown
 from ..api.auth import KeyAuth, RateLimiter
 from ..api.errors import APIError, install_error_handlers
 from ..api.fields import UnknownFields
@@ -45,6 +45,7 @@ ROUTE_FAMILIES: tuple[RouteFamily, ...] = (
                 generation=frozenset({"/v1/completions"})),
     RouteFamily(responses.router, (responses.ResponsesRequest,),
                 generation=frozenset({"/v1/responses"})),
+    RouteFamily(rerank.router, (rerank.RerankRequest,), generation=frozenset(rerank.RERANK_PATHS)),
 )
 GENERATION_PATHS = frozenset().union(*(f.generation for f in ROUTE_FAMILIES))
 # Every route is behind the API keys and the rate limit (an app-level dependency, so a route
