@@ -21,7 +21,7 @@ from server_util import app_running, engine_running
 from nbserve.loading import load
 from nbserve.loading.hf_dir import load_hf_dir
 from nbserve.models.pooling import DECODER_DEFAULT, Pooling
-from nbserve.types import EmbedSpec, InvalidRequestError, Request
+from nbserve.types import InvalidRequestError, Request
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_a_bare_qwen3_model_loads_headless_with_its_declared_pooling(bare_dir: P
     assert names == ["Qwen3Model"]  # what transformers saves for the backbone alone
     loaded = load_hf_dir(bare_dir)
     assert loaded.pooling == Pooling(kind="last", normalize=True)
-    assert loaded.headless
+    assert not loaded.model.has_lm_head
     # the whole backbone loaded: its final hidden states (through the head slot, which holds
     # the embedding) equal transformers' Qwen3Model's
     hf = transformers.Qwen3Model.from_pretrained(bare_dir, attn_implementation="eager").eval()
@@ -67,7 +67,7 @@ def test_flat_names_under_a_causal_name_without_a_head_are_headless(
     (path / "config.json").write_text(json.dumps(cfg))
     (path / "modules.json").unlink()
     loaded = load_hf_dir(path)
-    assert loaded.headless and loaded.pooling == DECODER_DEFAULT
+    assert not loaded.model.has_lm_head and loaded.pooling == DECODER_DEFAULT
 
 
 @pytest.mark.parametrize(("modes", "normalize", "want"), [
@@ -117,7 +117,7 @@ def causal_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_causal_checkpoint_declares_nothing_and_generates(causal_dir: Path) -> None:
     loaded = load_hf_dir(causal_dir)
-    assert loaded.pooling == DECODER_DEFAULT and not loaded.headless
+    assert loaded.pooling == DECODER_DEFAULT and loaded.model.has_lm_head
 
 
 @pytest.mark.parametrize(("pooling_type", "want", "headless"), [
@@ -130,7 +130,7 @@ def test_gguf_pooling_type_is_read(tmp_path: Path, causal_dir: Path, pooling_typ
     path = hf_dir_to_gguf(causal_dir, tmp_path / "m.gguf", metadata=meta)
     loaded = load(str(path), device="cpu", weights="dense", verbose=False)
     assert loaded.pooling == want
-    assert loaded.headless is headless  # an embedding model without output.weight
+    assert loaded.model.has_lm_head is not headless  # an embedding model without output.weight
 
 
 def test_gguf_rank_pooling_is_refused(tmp_path: Path, causal_dir: Path) -> None:
@@ -143,9 +143,6 @@ def test_a_headless_model_refuses_generation_with_a_clear_400(bare_dir: Path) ->
     with engine_running(bare_dir) as engine:
         with pytest.raises(InvalidRequestError, match="embedding model"):
             engine.submit(Request(prompt="hello"), lambda ev: None)
-        with pytest.raises(InvalidRequestError, match="embedding model"):
-            engine.submit(Request(prompt="hello", embed=EmbedSpec(score_token_ids=(1, 2))),
-                          lambda ev: None)
         with app_running(engine) as url:
             r = httpx.post(url + "/v1/chat/completions", timeout=30, json={
                 "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})

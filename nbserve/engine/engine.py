@@ -378,13 +378,12 @@ class Engine(SyncHelpers):
 
     def _check_head(self, request: Request) -> None:
         """A headless model (an embedding checkpoint without an LM head) serves pooled
-        embeddings only: generation and scores of tokens need the head it lacks."""
-        if self.loaded.headless and (request.embed is None or
-                                     request.embed.score_token_ids is not None):
+        embeddings only: generation needs the head it lacks."""
+        if request.embed is None and not self._step.model.has_lm_head:
             raise InvalidRequestError(
                 f"{self.loaded.name} is an embedding model (its checkpoint has no LM head): "
-                "it answers /v1/embeddings, not generation or reranking requests; serve a "
-                "generative model (or a yes/no reranker) for those", param="model")
+                "it answers /v1/embeddings, not generation requests; serve a generative model "
+                "for those", param="model")
 
     def submit(self, request: Request, sink: Sink) -> RequestGroup:
         """Validate and queue `request`; events go to `sink` (called from the engine thread).

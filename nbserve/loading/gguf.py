@@ -445,13 +445,14 @@ def load_gguf(path: str | Path, device: str | torch.device | None = None,
             raise ValueError(f"weight_format={weight_format!r} needs nbserve's own model "
                              f"implementation; {type(model).__name__} does not have it")
         model.serve_file_blocks(ckpt.tensors.take_blocks(), round16=weight_format == QUANTIZED)
+    model.has_lm_head = not ckpt.headless  # the head slot holds the embedding
     tokenizer = Tokenizer(ckpt.tokenizer, bos_token_id=ckpt.bos_token_id,
                           eos_token_ids=ckpt.eos_token_ids, add_bos_token=ckpt.add_bos_token)
     template = (ChatTemplate(ckpt.chat_template, bos_token=ckpt.bos_token or "",
                              eos_token=ckpt.eos_token or "") if ckpt.chat_template else None)
     return LoadedModel(model=model, tokenizer=tokenizer, template=template, name=name,
                        stop_token_ids=list(ckpt.eos_token_ids), source=str(ckpt.path),
-                       pooling=ckpt.pooling or DECODER_DEFAULT, headless=ckpt.headless)
+                       pooling=ckpt.pooling or DECODER_DEFAULT)
 
 
 def _open(path: Path) -> GGUFReader:

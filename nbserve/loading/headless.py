@@ -6,8 +6,8 @@ without the `model.` prefix (`embed_tokens.weight`, `layers.0.…`, `norm.weight
 HF loader reads them through the family of the causal model (the backbone is the same), with
 the prefix put back; the model is headless when no head is stored and none is tied to the
 embedding, or when the checkpoint declares itself an embedding model (a bare architecture, a
-sentence-transformers `modules.json`). The head slot then holds the embedding (no copy) and
-generation requests are refused (`LoadedModel.headless`).
+sentence-transformers `modules.json`). The head slot then holds the embedding (no copy), the model
+says it has no head (`SlotModel.has_lm_head` False) and the engine refuses generation on it.
 """
 
 from __future__ import annotations

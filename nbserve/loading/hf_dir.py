@@ -54,9 +54,10 @@ def load_hf_dir(path: str | os.PathLike, device: str | torch.device | None = Non
     tensors = iter_safetensors(weight_files, desc=f"Loading {name}")
     model = family.build(config, prefixed(tensors) if is_bare(names) else tensors,
                          device=dev, dtype=resolve_dtype(dtype, dev), **options)
+    model.has_lm_head = not headless  # the head slot holds the embedding: no logits to serve
     return LoadedModel(model=model, tokenizer=tokenizer, template=template, name=name,
                        stop_token_ids=list(tokenizer.eos_token_ids), source=str(root),
-                       pooling=pooling or DECODER_DEFAULT, headless=headless)
+                       pooling=pooling or DECODER_DEFAULT)
 
 
 # ----------------------------------------------------------------------------- pieces

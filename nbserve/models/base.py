@@ -139,6 +139,11 @@ class SlotModel(ABC):
     max_context: int
     vocab_size: int
     accepts_padded_rows: bool = False
+    # The width of `forward_hidden`'s states; None: the model gives none (an adapter, a user's
+    # StepModel), so it serves no pooled embedding.
+    hidden_size: int | None = None
+    # False for a headless checkpoint (an embedding model's backbone alone): no logits to score.
+    has_lm_head: bool = True
 
     @property
     @abstractmethod
@@ -205,5 +210,3 @@ class LoadedModel:
     stop_token_ids: list[int] = field(default_factory=list)
     source: str = ""
     pooling: Pooling = DECODER_DEFAULT  # how embedding requests pool (models/pooling.py)
-    # no LM head (an embedding checkpoint, loading/headless.py): embedding requests only
-    headless: bool = False
