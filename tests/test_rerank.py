@@ -200,3 +200,12 @@ def test_top_n_return_documents_objects_and_aliases(url: str) -> None:
         assert alias.status_code == 200, alias.text
         assert [x["index"] for x in alias.json()["results"]] == \
             [x["index"] for x in full["results"]]
+
+
+@pytest.mark.usefixtures("scores_served")
+def test_a_headless_embedding_model_cannot_rerank(tmp_path: Path) -> None:
+    bare = save_qwen3(tmp_path / "qwen3-embedding", bare=True)
+    with engine_running(bare) as eng, app_running(eng) as base:
+        r = post(base, {"query": QUERY, "documents": DOCS[:2]})
+    assert r.status_code == 400, r.text
+    assert "LM head" in r.json()["error"]["message"]
