@@ -21,7 +21,7 @@ from server_util import app_running, engine_running
 from nbserve.loading import load
 from nbserve.loading.hf_dir import load_hf_dir
 from nbserve.models.pooling import DECODER_DEFAULT, Pooling
-from nbserve.types import InvalidRequestError, Request
+from nbserve.types import EmbedSpec, InvalidRequestError, Request
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +148,47 @@ def test_a_headless_model_refuses_generation_with_a_clear_400(bare_dir: Path) ->
                 "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
             assert r.status_code == 400, r.text
             assert "embedding model" in r.json()["error"]["message"]
+
+
+# ----------------------------------------------------------------------------- served vectors
+
+IDS = [[5, 17, 99, 123, 7, 300, 42, 11], [64, 3, 250, 9, 18], [400]]
+
+
+def _reference(path: Path, pooling: Pooling) -> list[list[float]]:
+    """transformers' Qwen3Model final hidden states of IDS, pooled as `pooling` says."""
+    hf = transformers.Qwen3Model.from_pretrained(path, attn_implementation="eager").eval()
+    out = []
+    for ids in IDS:
+        with torch.no_grad():
+            h = hf(torch.tensor([ids])).last_hidden_state[0]
+        v = {"last": h[-1], "mean": h.mean(0), "cls": h[0]}[pooling.kind]
+        out.append((torch.nn.functional.normalize(v, dim=0) if pooling.normalize else v).tolist())
+    return out
+
+
+@pytest.mark.parametrize(("modes", "normalize", "want"), [
+    ({"lasttoken": True}, True, Pooling("last", True)),
+    ({"mean_tokens": True}, False, Pooling("mean", False)),
+    ({"cls_token": True}, True, Pooling("cls", True))])
+def test_served_embeddings_are_pooled_as_the_checkpoint_declares(
+        tmp_path: Path, bare_dir: Path, modes: dict[str, bool], normalize: bool,
+        want: Pooling) -> None:
+    """Through /v1/embeddings on a real port: transformers' hidden states pooled the declared
+    way, to 1e-4. Skips until the engine serves embedding requests (the embed branch)."""
+    path = _copy_dir(bare_dir, tmp_path / "st")
+    write_st_config(path, modes, normalize=normalize)
+    with engine_running(path) as engine:
+        try:
+            engine.submit(Request(prompt_ids=[5, 6], embed=EmbedSpec()), lambda ev: None)
+        except InvalidRequestError as exc:
+            if "not served by this engine yet" in str(exc):
+                pytest.skip("waits for the engine side of issue 43 (prefill-only requests)")
+            raise
+        with app_running(engine) as url:
+            r = httpx.post(url + "/v1/embeddings", json={"input": IDS}, timeout=60)
+    assert r.status_code == 200, r.text
+    got = [d["embedding"] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
+    ref = _reference(path, want)
+    for g, w in zip(got, ref, strict=True):
+        torch.testing.assert_close(torch.tensor(g), torch.tensor(w), atol=1e-4, rtol=0)
