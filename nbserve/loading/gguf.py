@@ -439,6 +439,8 @@ def load_gguf(path: str | Path, device: str | torch.device | None = None,
             raise ValueError(f"weight_format={weight_format!r} serves blocks on CPU in float32, "
                              f"not on {device.type} in {dtype}")
         ckpt.tensors.serve_blocks()
+    if ckpt.headless:  # no single-row decode steps read the head: no transposed copy of it
+        options = {**options, "transposed_head": False}
     model = family.build(config, ckpt.tensors, device=device, dtype=dtype, **options)
     if blocks:
         if not isinstance(model, WeightFormats):

@@ -51,6 +51,8 @@ def load_hf_dir(path: str | os.PathLike, device: str | torch.device | None = Non
         warnings.warn(f"{name}: the tokenizer has {tokenizer.vocab_size} tokens but the model "
                       f"embeds only {config.vocab_size}; higher ids cannot be used", stacklevel=2)
     dev = torch.device(device if device is not None else "cpu")
+    if headless:  # no single-row decode steps read the head: no transposed copy of it
+        options = {**options, "transposed_head": False}
     tensors = iter_safetensors(weight_files, desc=f"Loading {name}")
     model = family.build(config, prefixed(tensors) if is_bare(names) else tensors,
                          device=dev, dtype=resolve_dtype(dtype, dev), **options)
