@@ -43,6 +43,7 @@ def fuzz_url(fuzz_engine: Any) -> Iterator[str]:
 OPERATIONS = [("GET", "/health"), ("GET", "/stats"), ("GET", "/metrics"), ("GET", "/v1/models"),
               ("GET", "/v1/models/{model_id}"), ("POST", "/v1/chat/completions"),
               ("POST", "/v1/completions"), ("POST", "/v1/responses"), ("POST", "/v1/embeddings"),
+              ("POST", "/v1/rerank"),
               ("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
               ("POST", "/tokenize"), ("POST", "/detokenize"),
               ("POST", "/api/chat"), ("POST", "/api/generate"), ("POST", "/api/embed"),
@@ -96,6 +97,9 @@ def _repair(case: Any) -> None:
         body.pop(key, None)
     if case.operation.path.endswith("/embeddings"):
         body["input"] = "Once upon a time"
+        return
+    if case.operation.path.endswith("/rerank"):
+        body.update(query="Once upon a time", documents=["a small dragon", "a quote"])
         return
     if body.get("tool_choice") not in (None, "none", "auto"):
         body.pop("tool_choice")

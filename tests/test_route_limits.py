@@ -109,7 +109,8 @@ def test_the_generation_routes_of_the_route_list_are_refused_while_shutting_down
     app = create_app(tiny_engine, ui=False)
     posts = {r.path for r in _routes(app) if isinstance(r, APIRoute) and "POST" in r.methods}
     assert GENERATION_PATHS == {"/v1/chat/completions", "/v1/completions", "/v1/responses",
-                                "/v1/embeddings", "/api/chat", "/api/generate", "/api/embed"}
+                                "/v1/embeddings", "/api/chat", "/api/generate", "/api/embed",
+                                "/v1/rerank", "/rerank", "/v2/rerank"}
     assert GENERATION_PATHS <= posts
     with running_server(app) as url, httpx.Client(base_url=url, timeout=30) as http:
         app.state.accepting = False

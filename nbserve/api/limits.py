@@ -17,7 +17,7 @@ class Limits:
     max_messages: int = 500
     max_message_chars: int = 8_000
     max_conversation_chars: int = 32_000  # chat: all messages; completions: each prompt
-    max_prompts: int = 32  # /v1/completions with a list of prompts
+    max_prompts: int = 32  # /v1/completions' list of prompts; /v1/rerank's documents
     max_embedding_inputs: int = 2048  # /v1/embeddings' input list (OpenAI's own limit)
     min_temperature: float = 0.0
     max_temperature: float = 2.0

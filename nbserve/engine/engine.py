@@ -388,10 +388,20 @@ class Engine(SyncHelpers):
             raise ContextLengthError(len(closed), self.max_context, param="prompt")
         return closed
 
+    def _check_head(self, request: Request) -> None:
+        """A headless model (an embedding checkpoint without an LM head) serves pooled
+        embeddings only: generation needs the head it lacks."""
+        if request.embed is None and not self._step.model.has_lm_head:
+            raise InvalidRequestError(
+                f"{self.loaded.name} is an embedding model (its checkpoint has no LM head): "
+                "it answers /v1/embeddings, not generation requests; serve a generative model "
+                "for those", param="model")
+
     def submit(self, request: Request, sink: Sink) -> RequestGroup:
         """Validate and queue `request`; events go to `sink` (called from the engine thread).
         Raises InvalidRequestError, ContextLengthError, BusyError or EngineStoppedError."""
         self._check_running()
+        self._check_head(request)
         params = request.params
         params.validate(self.vocab_size)
         if request.embed is not None:

@@ -29,8 +29,10 @@ from ..cpu.memory import return_freed_memory
 from ..models import registry
 from ..models.base import LoadedModel
 from ..models.family import GGUFLayout
+from ..models.pooling import DECODER_DEFAULT, Pooling
 from .gguf_archs import CONFIG_ONLY, Meta, Rule, hf_config, tensor_rule, unpermute_qk
 from .gguf_reader import BulkArrayReader
+from .pooling_config import gguf_pooling
 
 if TYPE_CHECKING:
     from ..execution.quant import QuantBlocks
@@ -78,6 +80,8 @@ class GGUFCheckpoint:
     eos_token: str | None
     add_bos_token: bool
     add_eos_token: bool = False  # an embedding model's texts end with EOS (Tokenizer.closing_ids)
+    pooling: Pooling | None = None  # declared by `<arch>.pooling_type` (pooling_config.py)
+    headless: bool = False  # an embedding model without output.weight (loading/headless.py)
 
 
 class GGUFTensors:
@@ -363,14 +367,17 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheck
         raise ValueError(f"{path} carries no tokenizer (tokenizer.ggml.tokens is missing)")
     tokenizer, add_bos = _tokenizer(meta, tokens, path)
     bos_id = cfg["bos_token_id"]
+    pooling_key = f"{layout.architecture}.pooling_type"
+    pooling = gguf_pooling(meta.get(pooling_key), pooling_key, path)
     return GGUFCheckpoint(
         path=path, name=meta.get("general.name") or path.stem, hf_config=cfg,
         tensors=tensors, tokenizer=tokenizer,
         chat_template=meta.get("tokenizer.chat_template"), bos_token_id=bos_id,
         eos_token_ids=cfg["eos_token_id"], bos_token=tokens[bos_id] if bos_id is not None else None,
         eos_token=tokens[cfg["eos_token_id"][0]] if cfg["eos_token_id"] else None,
-        add_bos_token=add_bos,
-        add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)))
+        add_bos_token=add_bos, pooling=pooling,
+        add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        headless=pooling is not None and all(t.name != "output.weight" for t in reader.tensors))
 
 
 def _checked_config(meta: Meta, reader: GGUFReader, path: Path
@@ -434,19 +441,23 @@ def load_gguf(path: str | Path, device: str | torch.device | None = None,
             raise ValueError(f"weight_format={weight_format!r} serves blocks on CPU in float32, "
                              f"not on {device.type} in {dtype}")
         ckpt.tensors.serve_blocks()
+    if ckpt.headless:  # no single-row decode steps read the head: no transposed copy of it
+        options = {**options, "transposed_head": False}
     model = family.build(config, ckpt.tensors, device=device, dtype=dtype, **options)
     if blocks:
         if not isinstance(model, WeightFormats):
             raise ValueError(f"weight_format={weight_format!r} needs nbserve's own model "
                              f"implementation; {type(model).__name__} does not have it")
         model.serve_file_blocks(ckpt.tensors.take_blocks(), round16=weight_format == QUANTIZED)
+    model.has_lm_head = not ckpt.headless  # the head slot holds the embedding
     tokenizer = Tokenizer(ckpt.tokenizer, bos_token_id=ckpt.bos_token_id,
                           eos_token_ids=ckpt.eos_token_ids, add_bos_token=ckpt.add_bos_token,
                           closing_ids=ckpt.eos_token_ids[:1] if ckpt.add_eos_token else ())
     template = (ChatTemplate(ckpt.chat_template, bos_token=ckpt.bos_token or "",
                              eos_token=ckpt.eos_token or "") if ckpt.chat_template else None)
     return LoadedModel(model=model, tokenizer=tokenizer, template=template, name=name,
-                       stop_token_ids=list(ckpt.eos_token_ids), source=str(ckpt.path))
+                       stop_token_ids=list(ckpt.eos_token_ids), source=str(ckpt.path),
+                       pooling=ckpt.pooling or DECODER_DEFAULT)
 
 
 def _open(path: Path) -> GGUFReader:

@@ -18,9 +18,12 @@ import torch
 from ..models import registry
 from ..models.base import LoadedModel
 from ..models.dtypes import resolve_dtype
+from ..models.pooling import DECODER_DEFAULT
 from ..text.chat_template import load_chat_template
 from ..text.files import MissingFileError, read_json
 from ..text.tokenizer import load_tokenizer
+from .headless import causal_config, is_bare, is_headless, prefixed, tensor_names
+from .pooling_config import read_hf_pooling
 
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -35,18 +38,28 @@ def load_hf_dir(path: str | os.PathLike, device: str | torch.device | None = Non
     family's `build` (pack, transposed_head...)."""
     root = _model_dir(path)
     name = model_name(path)
-    family, config = registry.read_config(read_json(root / "config.json"), name)
+    hf_config, bare_arch = causal_config(read_json(root / "config.json"))
+    family, config = registry.read_config(hf_config, name)
     weight_files = find_weight_files(root)  # fail on missing weights before the slow parts
+    pooling = read_hf_pooling(root)  # refused before the slow parts too
+    names = tensor_names(weight_files)
+    headless = is_headless(names, bool(hf_config.get("tie_word_embeddings")),
+                           bare_arch or pooling is not None)
     tokenizer, tokenizer_config = load_tokenizer(root)
     template = load_chat_template(root, tokenizer_config)
     if tokenizer.vocab_size > config.vocab_size:
         warnings.warn(f"{name}: the tokenizer has {tokenizer.vocab_size} tokens but the model "
                       f"embeds only {config.vocab_size}; higher ids cannot be used", stacklevel=2)
     dev = torch.device(device if device is not None else "cpu")
-    model = family.build(config, iter_safetensors(weight_files, desc=f"Loading {name}"),
+    if headless:  # no single-row decode steps read the head: no transposed copy of it
+        options = {**options, "transposed_head": False}
+    tensors = iter_safetensors(weight_files, desc=f"Loading {name}")
+    model = family.build(config, prefixed(tensors) if is_bare(names) else tensors,
                          device=dev, dtype=resolve_dtype(dtype, dev), **options)
+    model.has_lm_head = not headless  # the head slot holds the embedding: no logits to serve
     return LoadedModel(model=model, tokenizer=tokenizer, template=template, name=name,
-                       stop_token_ids=list(tokenizer.eos_token_ids), source=str(root))
+                       stop_token_ids=list(tokenizer.eos_token_ids), source=str(root),
+                       pooling=pooling or DECODER_DEFAULT)
 
 
 # ----------------------------------------------------------------------------- pieces

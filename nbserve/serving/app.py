@@ -28,6 +28,7 @@ from ..api import (
     models,
     ollama,
     ollama_models,
+    rerank,
     responses,
     tokenize,
     unknown,
@@ -62,6 +63,7 @@ ROUTE_FAMILIES: tuple[RouteFamily, ...] = (
                 errors={ollama_models.PREFIX: ollama_models.error_response}),
     RouteFamily(ollama.router, ollama.SCHEMAS, generation=ollama.GENERATION_PATHS,
                 errors={ollama_models.PREFIX: ollama_models.error_response}),
+    RouteFamily(rerank.router, (rerank.RerankRequest,), generation=frozenset(rerank.RERANK_PATHS)),
 )
 GENERATION_PATHS = frozenset().union(*(f.generation for f in ROUTE_FAMILIES))
 # How errors are shaped under a family's prefix (OpenAI's shape everywhere else).
