@@ -27,7 +27,7 @@ from starlette.types import Send
 
 from ..types import Backend, ErrorEvent, Event
 from ..types import Request as GenRequest
-from .errors import APIError, error_event_to_api, from_exception
+from .errors import APIError, ErrorShape, error_event_to_api, from_exception
 from .fields import UnknownFields
 from .limits import Limits
 from .protocol import _Body, parse_body
@@ -234,10 +234,14 @@ async def answer(request: Request, rid: str, trace: Trace, stream: bool,
 @dataclass(frozen=True, slots=True)
 class RouteFamily:
     """One route family as `serving/app.py` mounts it: its router, the request schemas its
-    routes document, and the paths of its routes that generate (refused while the server
-    shuts down, logged at INFO even when refused before they start)."""
+    routes document, the paths of its routes that generate (refused while the server shuts
+    down, logged at INFO even when refused before they start), and, for a family that speaks
+    another API than OpenAI's, the shape of its error bodies and the path prefixes where every
+    error takes it (the app's error handlers, body limit and loading gate read them)."""
 
     router: Callable[[RouteContext], APIRouter]
     schemas: Sequence[type[BaseModel]] = ()
     generation: frozenset[str] = frozenset()
+    error_shape: ErrorShape | None = None
+    error_paths: frozenset[str] = frozenset()
 

@@ -1,5 +1,6 @@
-"""create_app(): one FastAPI app with the OpenAI routes under /v1, /health, /stats, /metrics,
-API keys, a rate limit, size limits, OpenAI-shaped errors, request logs, then the Gradio UI.
+"""create_app(): one FastAPI app with the OpenAI routes and Anthropic's Messages routes under /v1,
+/health, /stats, /metrics, API keys, a rate limit, size limits, errors in each API's shape,
+request logs, then the Gradio UI.
 
 The app never binds a socket: the launcher does (127.0.0.1 by default).
 """
@@ -20,9 +21,9 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..api import chat, completions, models, responses, tokenize, unknown
+from ..api import anthropic, chat, completions, models, responses, tokenize, unknown
 from ..api.auth import KeyAuth, RateLimiter
-from ..api.errors import APIError, install_error_handlers
+from ..api.errors import APIError, ErrorShapes, install_error_handlers
 from ..api.fields import UnknownFields
 from ..api.handler import RouteContext, RouteFamily
 from ..api.limits import Limits
@@ -45,8 +46,15 @@ ROUTE_FAMILIES: tuple[RouteFamily, ...] = (
                 generation=frozenset({"/v1/completions"})),
     RouteFamily(responses.router, (responses.ResponsesRequest,),
                 generation=frozenset({"/v1/responses"})),
+    RouteFamily(anthropic.router, (anthropic.MessagesRequest, anthropic.CountTokensRequest),
+                generation=frozenset({"/v1/messages"}),
+                error_shape=anthropic.anthropic_error_shape, error_paths=anthropic.PATHS),
 )
 GENERATION_PATHS = frozenset().union(*(f.generation for f in ROUTE_FAMILIES))
+# Each family's error shape under its paths (OpenAI's elsewhere): every error handler, the body
+# limit and the loading gate answer through it.
+ERROR_SHAPES = ErrorShapes((path, f.error_shape) for f in ROUTE_FAMILIES if f.error_shape
+                           for path in f.error_paths)
 # Every route is behind the API keys and the rate limit (an app-level dependency, so a route
 # added later is too) and every path behind the body limit (a middleware), except these, which
 # tests/test_route_limits.py lists again with their reasons. Open: probes and the static docs.
@@ -103,16 +111,17 @@ class ObservabilityMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Refuses request bodies over `max_bytes` with an OpenAI-shaped 413, on every path (the
-    API's routes, the UI's, and any added later)."""
+    """Refuses request bodies over `max_bytes` with a 413 in the path's error shape, on every
+    path (the API's routes, the UI's, and any added later)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
 
-    async def _too_large(self, send: Send, close: bool) -> None:
+    async def _too_large(self, scope: Scope, send: Send, close: bool) -> None:
         err = APIError(413, f"The request body is over the limit of {self.max_bytes} bytes. "
                        "Send a shorter conversation.", code="request_too_large")
-        resp = err.response()
+        resp = ERROR_SHAPES.response(err, scope["path"],
+                                     str(scope.get("state", {}).get("request_id", "")))
         if close:
             resp.headers["Connection"] = "close"
         await resp({"type": "http"}, _no_receive, send)
@@ -123,7 +132,7 @@ class BodyLimitMiddleware:
             return
         declared = Headers(scope=scope).get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > 8 * self.max_bytes:
-            await self._too_large(send, close=True)  # not worth reading: answer and close
+            await self._too_large(scope, send, close=True)  # not worth reading: answer and close
             return
         chunks: list[bytes] = []
         size, too_large = 0, False
@@ -142,7 +151,7 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 break
         if too_large:
-            await self._too_large(send, close=size > 8 * self.max_bytes)
+            await self._too_large(scope, send, close=size > 8 * self.max_bytes)
             return
         replayed = False
 
@@ -219,7 +228,7 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.accepting = True
-        log.info("serving %r: OpenAI API at /v1%s", backend.model_name,
+        log.info("serving %r: OpenAI and Anthropic APIs at /v1%s", backend.model_name,
                  " (API keys required)" if keys else "")
         yield
         app.state.accepting = False
@@ -231,7 +240,7 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
     # The chat UI checks its turns with these same objects (one rate-limit bucket per client).
     app.state.key_auth, app.state.rate_limiter = keys, limiter
     app.state.accepting = True  # False once the server shuts down
-    install_error_handlers(app)
+    install_error_handlers(app, ERROR_SHAPES)
 
     def health_body() -> tuple[int, JSONObject]:
         h: JSONObject
@@ -283,7 +292,8 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
 
         app.add_middleware(CORSMiddleware, allow_origins=list(opts.cors_origins),
                            allow_methods=["GET", "POST", "OPTIONS"],
-                           allow_headers=["Authorization", "Content-Type"],
+                           allow_headers=["Authorization", "Content-Type", "x-api-key",
+                                          "anthropic-version", "anthropic-beta"],
                            expose_headers=["X-Request-ID", "Retry-After"])
     app.add_middleware(ObservabilityMiddleware, metrics=metrics)
     if opts.ui:
