@@ -287,6 +287,12 @@ def test_bad_requests_are_400s_in_anthropics_shape(client: anthropic.Anthropic) 
         "invalid_request_error", "messages[0].content[0].type")
     _anthropic_error(refused(tool_choice={"type": "tool", "name": "nope"}, tools=[WEATHER]),
                      "invalid_request_error", "nope")
+    _anthropic_error(refused(messages=[{"role": "user", "content": []}]),
+                     "invalid_request_error", "messages[0].content")
+    # a size limit names the client's message (the system prompt is not one of them)
+    _anthropic_error(refused(system="Be brief.", messages=[{"role": "user",
+                                                            "content": "x" * 9000}]),
+                     "invalid_request_error", "messages[0]", "9000")
 
 
 def test_model_key_size_and_rate_errors_in_anthropics_shape(

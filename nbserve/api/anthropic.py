@@ -15,7 +15,6 @@ assistant turn to continue) is a 400 that says so; unknown fields are a 400 nami
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
 from typing import Literal
 
 from fastapi import APIRouter
@@ -29,7 +28,7 @@ from .anthropic_errors import anthropic_error_shape
 from .anthropic_stream import MessageBuilder
 from .errors import APIError
 from .fields import unsupported as _refuse
-from .handler import CLIENT_GONE, RouteContext, answer, sse_named
+from .handler import CLIENT_GONE, RouteContext, answer, sse_events
 from .limits import Limits
 from .openapi_schemas import body_ref
 from .protocol import (
@@ -221,10 +220,13 @@ class CountTokensRequest(_Body):
             return {}
         return {"enable_thinking": self.thinking.type != "disabled"}
 
-    def chat_messages(self) -> list[Message]:
-        """`system` and `messages` as chat messages, in order (see the module's docstring)."""
+    def chat_messages(self, limits: Limits) -> list[Message]:
+        """`system` and `messages` as chat messages, in order (see the module's docstring).
+        Each message's size is checked here, where its index is the client's."""
         out: list[Message] = []
         if self.system:
+            limits.check_text("system", _chars(self.system), limits.max_message_chars,
+                              "system")
             out.append(SystemMessage(role="system", content=self.system if isinstance(
                 self.system, str) else _texts(self.system, "system")))
         if not self.messages:
@@ -232,6 +234,11 @@ class CountTokensRequest(_Body):
                                       param="messages")
         for i, m in enumerate(self.messages):
             where = f"messages[{i}]"
+            if not m.content and not isinstance(m.content, str):
+                raise InvalidRequestError(f"{where}.content must hold at least one block",
+                                          param=f"{where}.content")
+            limits.check_text(f"{where}.content", _chars(m.content), limits.max_message_chars,
+                              where)
             if isinstance(m.content, str):
                 out.append(UserMessage(role="user", content=m.content) if m.role == "user" else
                            AssistantMessage(role="assistant", content=m.content))
@@ -250,7 +257,7 @@ class CountTokensRequest(_Body):
         self.refuse_unsupported()
         tools = self.chat_tools()
         choice, name, use_tools, parallel = self.choice(tools)
-        return Request(messages=template_messages(self.chat_messages(), limits),
+        return Request(messages=template_messages(self.chat_messages(limits), limits),
                        tools=tools if use_tools else None, tool_choice=choice, tool_name=name,
                        parallel_tool_calls=parallel, template_kwargs=self.template_kwargs())
 
@@ -318,6 +325,14 @@ class MessagesRequest(CountTokensRequest):
 
 
 Block.model_rebuild()
+
+
+def _chars(content: str | list[Block] | None) -> int:
+    """The characters of a message's text, thoughts and tool results."""
+    if content is None or isinstance(content, str):
+        return len(content or "")
+    return sum(_chars(b.content) if b.type == "tool_result" else
+               len(b.text or "") + len(b.thinking or "") for b in content)
 
 
 def _texts(blocks: list[Block], where: str) -> list[ContentPart]:
@@ -394,20 +409,9 @@ def router(ctx: RouteContext) -> APIRouter:
                                  {t["function"]["name"] for t in req.tools or []} or None,
                                  req.parallel_tool_calls, rid)
         events = builder.events(gen, first)
-
-        async def frames() -> AsyncGenerator[bytes, None]:
-            done = False
-            try:
-                async for name, data in events:
-                    yield sse_named(name, data)
-                done = True
-            finally:
-                if not done:
-                    trace.disconnected = True
-                await events.aclose()
-
-        return await answer(request, rid, trace, bool(body.stream), frames,
-                            lambda: builder.fold(events), events.aclose)
+        return await answer(request, rid, trace, bool(body.stream),
+                            lambda: sse_events(events, trace), lambda: builder.fold(events),
+                            events.aclose)
 
     @r.post("/messages/count_tokens", openapi_extra=body_ref(CountTokensRequest))
     async def count_tokens(request: HTTPRequest) -> JSONBody:

@@ -79,6 +79,24 @@ def sse_named(name: str, obj: object) -> bytes:
     return b"event: " + name.encode() + b"\n" + sse_data(obj)
 
 
+async def sse_events(events: AsyncGenerator[tuple[str, JSONBody], None], trace: Trace,
+                     on_end: Callable[[], None] | None = None) -> AsyncGenerator[bytes, None]:
+    """Frame (name, data) events as named SSE events (the Responses and Messages APIs'); a
+    stream the client leaves before its end marks the trace disconnected; `on_end` runs once
+    the last event is sent."""
+    done = False
+    try:
+        async for name, data in events:
+            yield sse_named(name, data)
+        done = True
+        if on_end is not None:
+            on_end()
+    finally:
+        if not done:
+            trace.disconnected = True
+        await events.aclose()
+
+
 async def sse_chunks(chunks: AsyncGenerator[JSONBody, None], include_usage: bool, trace: Trace,
                      rid: str) -> AsyncGenerator[bytes, None]:
     """Frame OpenAI chunks (chat, completions) as SSE, the usage chunk only when asked for; an

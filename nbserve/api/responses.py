@@ -13,7 +13,6 @@ that would need a hosted service get a 400 naming them.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
 from typing import TypeVar
 
 from fastapi import APIRouter
@@ -24,7 +23,7 @@ from ..text.chat_template import plain_json
 from ..types import Constraint, FunctionSpec, InvalidRequestError, Request, ToolSpec
 from .errors import APIError, error_event_to_api
 from .fields import unsupported as _refuse
-from .handler import CLIENT_GONE, RouteContext, answer, sse_named
+from .handler import CLIENT_GONE, RouteContext, answer, sse_events
 from .limits import Limits
 from .openapi_schemas import body_ref
 from .protocol import (
@@ -362,18 +361,6 @@ def router(ctx: RouteContext) -> APIRouter:
             if keep and builder.response["status"] in ("completed", "incomplete"):
                 store.put(builder.response, conversation + builder.output_messages())
 
-        async def frames() -> AsyncGenerator[bytes, None]:
-            done = False
-            try:
-                async for name, data in events:
-                    yield sse_named(name, data)
-                done = True
-                remember()
-            finally:
-                if not done:
-                    trace.disconnected = True
-                await events.aclose()
-
         async def fold() -> JSONBody:
             async for _ in events:
                 pass
@@ -383,7 +370,8 @@ def router(ctx: RouteContext) -> APIRouter:
             remember()
             return builder.response
 
-        return await answer(request, rid, trace, bool(body.stream), frames, fold, events.aclose)
+        return await answer(request, rid, trace, bool(body.stream),
+                            lambda: sse_events(events, trace, remember), fold, events.aclose)
 
     @r.get("/responses/{response_id}")
     async def get_response(response_id: str) -> JSONBody:
