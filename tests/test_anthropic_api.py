@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-from server_util import app_running, engine_running
+from server_util import app_running, engine_running, wait_until
 from test_answer_endings import VOCAB, ScriptedModel
 from tiny_models import IM_END_ID, make_tiny_tokenizer
 
@@ -47,11 +48,13 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city.",
 
 
 @contextlib.contextmanager
-def scripted(template: str, answer: str) -> Iterator[Engine]:
-    """An engine whose model writes `answer` after the prompt's last <|im_start|>."""
+def scripted(template: str, answer: str, endless: bool = False) -> Iterator[Engine]:
+    """An engine whose model writes `answer` after the prompt's last <|im_start|>, then ends
+    (or, `endless`, repeats its last token until max_tokens)."""
     tokenizer = Tokenizer(make_tiny_tokenizer(), eos_token_ids=[IM_END_ID])
-    step = RecomputeAdapter(ScriptedModel(tokenizer.encode(answer)), max_context=1024,
-                            vocab_size=VOCAB, warn=False)
+    ids = tokenizer.encode(answer)
+    step = RecomputeAdapter(ScriptedModel(ids, end=ids[-1] if endless else IM_END_ID),
+                            max_context=1024, vocab_size=VOCAB, warn=False)
     with Engine(adopt(step, tokenizer, chat_template=template, name="scripted",
                       verbose=False), max_batch=4, quiet=True) as engine:
         yield engine
@@ -328,6 +331,29 @@ def test_the_routes_are_counted_by_route(thinker: tuple[str, Engine],
     client.messages.count_tokens(model="", messages=ASK)
     metrics = httpx.get(thinker[0] + "/metrics", headers={"x-api-key": KEY}).text
     assert 'route="/v1/messages"' in metrics and 'route="/v1/messages/count_tokens"' in metrics
+
+
+def test_a_client_that_leaves_cancels_its_request() -> None:
+    """Streamed or not, the request of a client that leaves is cancelled and frees its slot."""
+    with scripted(PLAIN, "la", endless=True) as engine, app_running(engine) as url:
+        def cancelled() -> int:
+            return int(engine.stats()["requests_finished"].get("cancelled", 0))
+
+        long = {"model": "", "max_tokens": 900, "messages": ASK}
+        with httpx.stream("POST", url + "/v1/messages", json={**long, "stream": True},
+                          timeout=30) as resp:
+            deltas = (line for line in resp.iter_lines() if "text_delta" in line)
+            next(deltas), next(deltas)
+            assert engine.stats()["running"] == 1
+        assert wait_until(lambda: cancelled() == 1 and engine.stats()["running"] == 0, 5)
+        body = json.dumps(long).encode()
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\n" +
+                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            assert wait_until(lambda: engine.stats()["running"] == 1, 5)
+        assert wait_until(lambda: cancelled() == 2 and engine.stats()["running"] == 0, 5)
 
 
 async def _events(*events: Event) -> AsyncIterator[Event]:

@@ -24,6 +24,10 @@ from .streams import JSONBody
 from .trace import Trace
 
 NamedEvent = tuple[str, JSONBody]
+# The finish reason the request log and metrics count for each stop_reason (chat's names, so
+# that one counter reads the same whatever API asked).
+TRACE_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length",
+                 "tool_use": "tool_calls"}
 
 
 def signature(thought: str) -> str:
@@ -177,7 +181,7 @@ class MessageBuilder:
         u = ev.usage
         self.trace.prompt_tokens, self.trace.cached_tokens = u.prompt_tokens, u.cached_tokens
         self.trace.completion_tokens = u.completion_tokens
-        self.trace.finish_reasons.append(reason)
+        self.trace.finish_reasons.append(TRACE_REASONS[reason])
         self._emit("message_delta", delta={"stop_reason": reason,
                                            "stop_sequence": stop_sequence},
                    usage=_usage(u, u.completion_tokens))
