@@ -252,6 +252,19 @@ def test_tool_choice_is_enforced_by_the_grammar(random_model: anthropic.Anthropi
     assert all(b.type == "text" for b in m.content) and m.stop_reason == "max_tokens"
 
 
+def test_output_config_format_constrains_the_text(random_model: anthropic.Anthropic) -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}},
+              "required": ["answer"], "additionalProperties": False}
+    m = random_model.messages.create(model="", max_tokens=60, messages=ASK,
+                                     output_config={"format": {"type": "json_schema",
+                                                               "schema": schema}},
+                                     extra_body={"temperature": 0})
+    (text,) = m.content
+    assert text.type == "text" and m.stop_reason == "end_turn", m
+    assert set(json.loads(text.text)) == {"answer"}
+    assert isinstance(json.loads(text.text)["answer"], int)
+
+
 # ----------------------------------------------------------------------------- errors
 
 
