@@ -327,6 +327,8 @@ def test_model_key_size_and_rate_errors_in_anthropics_shape(
         client.messages.create(model="", max_tokens=10, messages=big)
     assert large.value.status_code == 413
     _anthropic_error(large.value, "request_too_large", "65536 bytes")
+    r = httpx.post(url + "/v1/messages/batches", headers={"x-api-key": KEY}, json={})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     # an OpenAI route of the same server keeps the OpenAI shape
     r = httpx.post(url + "/v1/chat/completions", headers={"x-api-key": "sk-wrong"}, json={})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"

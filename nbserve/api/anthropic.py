@@ -23,7 +23,7 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from ..text.chat_template import plain_json
-from ..types import Constraint, InvalidRequestError, Request, ToolSpec
+from ..types import Constraint, FunctionSpec, InvalidRequestError, Request, ToolSpec
 from .anthropic_errors import anthropic_error_shape
 from .anthropic_stream import MessageBuilder
 from .errors import APIError
@@ -177,13 +177,14 @@ class CountTokensRequest(_Body):
             if not isinstance(schema, dict):
                 raise InvalidRequestError(f"{where}.input_schema must be a JSON schema object",
                                           param=f"{where}.input_schema")
-            fn = {"name": name, "parameters": {str(k): plain_json(v) for k, v in schema.items()}}
+            fn: FunctionSpec = {"name": name, "parameters": {
+                str(k): plain_json(v) for k, v in schema.items()}}
             if description is not None:
                 if not isinstance(description, str):
                     raise InvalidRequestError(f"{where}.description must be a string",
                                               param=f"{where}.description")
                 fn["description"] = description
-            out.append({"type": "function", "function": fn})  # type: ignore[typeddict-item]
+            out.append({"type": "function", "function": fn})
         names = [str(t["function"]["name"]) for t in out]
         for i, name in enumerate(names):
             if names.index(name) != i:
@@ -310,6 +311,10 @@ class MessagesRequest(CountTokensRequest):
     def to_request(self, limits: Limits, request_id: str) -> Request:
         """The nbserve Request for this body; InvalidRequestError (400) naming what is wrong."""
         req = self.prompt_request(limits)
+        if self.stop_sequences is not None and len(self.stop_sequences) > limits.max_stop:
+            raise InvalidRequestError(f"stop_sequences may hold at most {limits.max_stop} "
+                                      f"sequences, got {len(self.stop_sequences)}",
+                                      param="stop_sequences")
         sampling = _Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                              stop=self.stop_sequences)
         req.params = sampling._params(limits, self.max_tokens, "max_tokens", False, 0)

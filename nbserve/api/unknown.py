@@ -1,5 +1,5 @@
-"""The OpenAI-shaped 404 and 405 for /v1 paths no route family serves (the UI mounted at /
-would answer them otherwise). Mounted after every family, as the last /v1 route."""
+"""The 404 and 405 for /v1 paths no route family serves, in the path's error shape (the UI
+mounted at / would answer them otherwise). Mounted after every family, as the last /v1 route."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def router(served: Sequence[APIRouter]) -> APIRouter:
                            headers={"Allow": ", ".join(sorted(allowed))})
         raise APIError(404, f"Unknown URL: {request.method} {request.url.path}. The OpenAI "
                        "routes are /v1/chat/completions, /v1/completions, /v1/responses and "
-                       "/v1/models.",
+                       "/v1/models; Anthropic's, /v1/messages and /v1/messages/count_tokens.",
                        code="unknown_url")
 
     return r
