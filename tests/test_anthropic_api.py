@@ -303,6 +303,9 @@ def test_bad_requests_are_400s_in_anthropics_shape(client: anthropic.Anthropic) 
         "invalid_request_error", "messages[0].content[0].type")
     _anthropic_error(refused(tool_choice={"type": "tool", "name": "nope"}, tools=[WEATHER]),
                      "invalid_request_error", "nope")
+    _anthropic_error(refused(tools=[WEATHER, WEATHER]), "invalid_request_error", "tools[1]")
+    _anthropic_error(refused(tools=[{"name": "f"}]), "invalid_request_error",
+                     "tools[0].input_schema")
     _anthropic_error(refused(messages=[{"role": "user", "content": []}]),
                      "invalid_request_error", "messages[0].content")
     # a size limit names the client's message (the system prompt is not one of them)

@@ -23,7 +23,7 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from ..text.chat_template import plain_json
-from ..types import Constraint, FunctionSpec, InvalidRequestError, Request, ToolSpec
+from ..types import Constraint, InvalidRequestError, Request, ToolSpec
 from .anthropic_errors import anthropic_error_shape
 from .anthropic_stream import MessageBuilder
 from .errors import APIError
@@ -43,7 +43,9 @@ from .protocol import (
     _Body,
     _Sampling,
     _Schema,
+    function_tool,
     template_messages,
+    unique_names,
 )
 from .streams import JSONBody
 
@@ -165,32 +167,12 @@ class CountTokensRequest(_Body):
             if kind != "custom":
                 raise _refuse(f"{where}.type", f"{kind!r}: nbserve runs no server tools; "
                               "define a custom tool (name, description, input_schema) instead")
-            extra = set(tool) - {"type", "name", "description", "input_schema", "cache_control"}
-            if extra:
-                raise InvalidRequestError(f"{where} has unknown fields: "
-                                          f"{', '.join(sorted(extra))}", param=where)
-            name, description, schema = (tool.get(k) for k in ("name", "description",
-                                                                "input_schema"))
-            if not isinstance(name, str) or not name:
-                raise InvalidRequestError(f"{where}.name must be a non-empty string",
-                                          param=f"{where}.name")
-            if not isinstance(schema, dict):
-                raise InvalidRequestError(f"{where}.input_schema must be a JSON schema object",
+            spec = function_tool(tool, where, "input_schema", ("description", "cache_control"))
+            if "parameters" not in spec["function"]:
+                raise InvalidRequestError(f"Missing required field: {where}.input_schema",
                                           param=f"{where}.input_schema")
-            fn: FunctionSpec = {"name": name, "parameters": {
-                str(k): plain_json(v) for k, v in schema.items()}}
-            if description is not None:
-                if not isinstance(description, str):
-                    raise InvalidRequestError(f"{where}.description must be a string",
-                                              param=f"{where}.description")
-                fn["description"] = description
-            out.append({"type": "function", "function": fn})
-        names = [str(t["function"]["name"]) for t in out]
-        for i, name in enumerate(names):
-            if names.index(name) != i:
-                raise InvalidRequestError(f"tools[{i}].name {name!r} is the name of another "
-                                          "tool; tool names must be unique",
-                                          param=f"tools[{i}].name")
+            out.append(spec)
+        unique_names(out)
         return out or None
 
     def choice(self, tools: list[ToolSpec] | None) -> tuple[Literal["auto", "required"],
