@@ -228,6 +228,10 @@ def test_blocks_become_the_chat_messages_templates_read() -> None:
     p = req.params
     assert (p.max_tokens, p.stop, p.temperature, p.top_k, p.top_p) == (100, ["END"], 0.5, 5, 0.9)
     assert req.metadata["user"] == "u1" and req.request_id == "r1"
+    strict = {**WEATHER, "strict": True, "eager_input_streaming": True,
+              "cache_control": {"type": "ephemeral"}}
+    req = MessagesRequest.model_validate({**body, "tools": [strict]}).to_request(Limits(), "r")
+    assert (req.tools or [])[0]["function"].get("strict") is True
 
 
 @pytest.fixture(scope="module")

@@ -149,6 +149,9 @@ class CountTokensRequest(_Body):
     tools: list[JSONBody] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None  # format: enforced as chat's response_format
+    cache_control: dict[str, object] | None = None  # no-op: prefixes are cached without hints
+    speed: str | None = None  # no-op
     mcp_servers: object = None
 
     # ------------------------------------------------------------------ conversion
@@ -167,7 +170,10 @@ class CountTokensRequest(_Body):
             if kind != "custom":
                 raise _refuse(f"{where}.type", f"{kind!r}: nbserve runs no server tools; "
                               "define a custom tool (name, description, input_schema) instead")
-            spec = function_tool(tool, where, "input_schema", ("description", "cache_control"))
+            # cache_control and eager_input_streaming change nothing here (the input streams
+            # as it comes): accepted; `strict` is enforced as a strict function's schema
+            spec = function_tool(tool, where, "input_schema", (
+                "description", "strict", "cache_control", "eager_input_streaming"))
             if "parameters" not in spec["function"]:
                 raise InvalidRequestError(f"Missing required field: {where}.input_schema",
                                           param=f"{where}.input_schema")
@@ -255,10 +261,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: int | None = None
     metadata: Metadata | None = None  # user_id is kept in the request's metadata
-    output_config: OutputConfig | None = None  # format: enforced as chat's response_format
-    cache_control: dict[str, object] | None = None  # no-op: prefixes are cached without hints
     service_tier: str | None = None  # no-op: one tier here
-    speed: str | None = None  # no-op
     inference_geo: str | None = None  # no-op: it runs here
     container: object = None
     context_management: object = None
