@@ -196,6 +196,25 @@ def test_a_forced_tool_then_its_result(caller: anthropic.Anthropic) -> None:
     assert after.input_tokens > before.input_tokens
 
 
+def test_every_field_the_sdk_sends_has_a_fate() -> None:
+    """Each body field of the SDK's create() and count_tokens() params is a field of nbserve's
+    schema (served, a no-op, or refused by name: never an unknown field)."""
+    import typing
+
+    from anthropic.types import message_count_tokens_params, message_create_params
+
+    from nbserve.api.anthropic import CountTokensRequest
+
+    headers = {"user_profile_id", "workspace_id"}  # the SDK sends these as headers
+    for params, ours in ((message_create_params.MessageCreateParamsNonStreaming,
+                          MessagesRequest),
+                         (message_create_params.MessageCreateParamsStreaming, MessagesRequest),
+                         (message_count_tokens_params.MessageCountTokensParams,
+                          CountTokensRequest)):
+        missing = set(typing.get_type_hints(params)) - headers - set(ours.model_fields)
+        assert not missing, (params.__name__, missing)
+
+
 def test_blocks_become_the_chat_messages_templates_read() -> None:
     body = {"max_tokens": 100, "system": [{"type": "text", "text": "Be brief."}], "messages": [
         {"role": "user", "content": "Weather in Paris?"},

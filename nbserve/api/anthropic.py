@@ -262,6 +262,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     metadata: Metadata | None = None  # user_id is kept in the request's metadata
     service_tier: str | None = None  # no-op: one tier here
+    diagnostics: dict[str, object] | None = None  # no-op: no cache-miss reports
     inference_geo: str | None = None  # no-op: it runs here
     container: object = None
     context_management: object = None
