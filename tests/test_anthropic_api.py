@@ -327,6 +327,11 @@ def test_bad_requests_are_400s_in_anthropics_shape(client: anthropic.Anthropic) 
     _anthropic_error(refused(tool_choice={"type": "tool", "name": "nope"}, tools=[WEATHER]),
                      "invalid_request_error", "nope")
     _anthropic_error(refused(tools=[WEATHER, WEATHER]), "invalid_request_error", "tools[1]")
+    _anthropic_error(refused(tools=[WEATHER], tool_choice={"type": "tool"}),
+                     "invalid_request_error", "tool_choice.name")
+    _anthropic_error(refused(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "hi", "tool_use_id": "t"}]}]), "invalid_request_error",
+        "messages[0].content[0].tool_use_id", "text block")
     _anthropic_error(refused(tools=[{"name": "f"}]), "invalid_request_error",
                      "tools[0].input_schema")
     _anthropic_error(refused(messages=[{"role": "user", "content": []}]),

@@ -73,7 +73,7 @@ _REFUSED_BLOCKS = {
 
 
 class Block(_Schema):
-    """One content block of any type; `_check` says which fields its type takes."""
+    """One content block of any type; `check` says which fields its type takes."""
 
     type: str
     text: str | None = None
@@ -101,13 +101,15 @@ class Block(_Schema):
                                       f"here; send {', '.join(allowed)} blocks",
                                       param=f"{where}.type")
         required, optional = _BLOCK_FIELDS[self.type]
-        given = self.model_fields_set - {"type"}
-        for name in sorted(required - {k for k in given if getattr(self, k) is not None}):
-            raise InvalidRequestError(f"Missing required field: {where}.{name} (a {self.type} "
-                                      "block needs it)", param=f"{where}.{name}")
-        for name in sorted(given - required - optional):
-            raise InvalidRequestError(f"{where}.{name} is not a field of a {self.type} block",
-                                      param=f"{where}.{name}")
+        given = {k for k in self.model_fields_set - {"type"} if getattr(self, k) is not None}
+        missing, foreign = sorted(required - given), sorted(given - required - optional)
+        if missing:
+            raise InvalidRequestError(f"Missing required field: {where}.{missing[0]} (a "
+                                      f"{self.type} block needs it)",
+                                      param=f"{where}.{missing[0]}")
+        if foreign:
+            raise InvalidRequestError(f"{where}.{foreign[0]} is not a field of a {self.type} "
+                                      "block", param=f"{where}.{foreign[0]}")
 
 
 class AnthropicMessage(_Schema):
@@ -187,6 +189,9 @@ class CountTokensRequest(_Body):
         whether parallel calls are allowed)."""
         c = self.tool_choice
         parallel = c is None or not c.disable_parallel_tool_use
+        if c is not None and c.type != "tool" and c.name is not None:
+            raise InvalidRequestError(f"tool_choice.name goes with a tool_choice of type "
+                                      f"'tool', not {c.type!r}", param="tool_choice.name")
         if c is None or c.type == "auto":
             return "auto", None, bool(tools), parallel
         if c.type == "none":
@@ -197,6 +202,9 @@ class CountTokensRequest(_Body):
         if c.type == "any":
             return "required", None, True, parallel
         names = [t["function"]["name"] for t in tools]
+        if c.name is None:
+            raise InvalidRequestError("Missing required field: tool_choice.name (a tool_choice "
+                                      "of type 'tool' names the tool)", param="tool_choice.name")
         if c.name not in names:
             raise InvalidRequestError(f"tool_choice names the tool {c.name!r}, which is not in "
                                       f"tools ({', '.join(names)})", param="tool_choice.name")
