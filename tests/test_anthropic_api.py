@@ -196,6 +196,23 @@ def test_a_forced_tool_then_its_result(caller: anthropic.Anthropic) -> None:
     assert after.input_tokens > before.input_tokens
 
 
+def test_a_thought_then_a_forced_call() -> None:
+    """A thinking model's thought is a thinking block, its call a tool_use block after it."""
+    with scripted(THINKER, f"<think>\nAsk the tool.\n</think>\n\n{CALL}") as engine, \
+            app_running(engine) as url:
+        client = sdk(url, "-")
+        kw: dict[str, Any] = {"model": "", "max_tokens": 100, "messages": ASK,
+                              "tools": [WEATHER], "tool_choice": {"type": "any"}}
+        m = client.messages.create(**kw)
+        with client.messages.stream(**kw) as stream:
+            final = stream.get_final_message()
+    thinking, call = m.content
+    assert thinking.type == "thinking" and thinking.thinking == "Ask the tool."
+    assert call.type == "tool_use" and call.input == {"city": "Paris"}
+    assert m.stop_reason == "tool_use" and _content(final)[0] == _content(m)[0]
+    assert final.content[1].input == call.input
+
+
 def test_every_field_the_sdk_sends_has_a_fate() -> None:
     """Each body field of the SDK's create() and count_tokens() params is a field of nbserve's
     schema (served, a no-op, or refused by name: never an unknown field)."""
