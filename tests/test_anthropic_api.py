@@ -389,6 +389,12 @@ def test_model_key_size_and_rate_errors_in_anthropics_shape(
         assert rate.value.response.headers["retry-after"]
 
 
+def test_the_model_list_reads_as_anthropics(client: anthropic.Anthropic) -> None:
+    (model,) = client.models.list().data
+    assert model.id == model.display_name == "scripted" and model.type == "model"
+    assert model.created_at.year >= 2024
+
+
 def test_the_routes_are_counted_by_route(thinker: tuple[str, Engine],
                                          client: anthropic.Anthropic) -> None:
     client.messages.count_tokens(model="", messages=ASK)
