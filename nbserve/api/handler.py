@@ -4,7 +4,8 @@ event is an HTTP error, the SSE response, and the one way an answer goes back (s
 folded into one JSON body while the client is still there).
 
 A route family is a module of this package (`chat`, `completions`, `responses`, `models`,
-`tokenize`) with a `router(ctx)`; `serving/app.py` mounts them from one list of `RouteFamily`.
+`tokenize`, `anthropic`) with a `router(ctx)`; `serving/app.py` mounts them from one list of
+`RouteFamily`.
 """
 
 from __future__ import annotations
