@@ -45,7 +45,8 @@ OPERATIONS = [("GET", "/health"), ("GET", "/stats"), ("GET", "/metrics"), ("GET"
               ("POST", "/v1/completions"), ("POST", "/v1/responses"), ("POST", "/v1/embeddings"),
               ("POST", "/v1/rerank"),
               ("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
-              ("POST", "/tokenize"), ("POST", "/detokenize"),
+              ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/messages"),
+              ("POST", "/v1/messages/count_tokens"),
               ("POST", "/api/chat"), ("POST", "/api/generate"), ("POST", "/api/embed"),
               ("GET", "/api/tags"), ("GET", "/api/ps"), ("GET", "/api/version"),
               ("POST", "/api/show"), ("POST", "/api/pull")]
@@ -55,7 +56,9 @@ POSITIVE, NEGATIVE = schemathesis.GenerationMode.POSITIVE, schemathesis.Generati
 # the engine instead of stopping at the first refusal.
 UNSERVED = ("functions", "function_call", "audio", "modalities", "prediction",
             "response_format", "suffix", "web_search_options", "best_of", "moderation",
-            "reasoning_effort", "verbosity")  # random values of these are refused
+            "reasoning_effort", "verbosity",  # random values of these are refused
+            "thinking", "output_config", "container", "context_management", "mcp_servers",
+            "system")  # (Anthropic's: a random system holds non-text blocks)
 # The same for Ollama's bodies (random formats and contexts are mostly refused too), and its
 # options that random values get refused for (sampling nbserve does not implement).
 OLLAMA_UNSERVED = ("images", "template", "logprobs", "top_logprobs", "context", "width",
@@ -83,6 +86,15 @@ def assert_openai_error(resp: Any, path: str = "/v1") -> None:
     assert isinstance(err["type"], str), err
 
 
+def assert_anthropic_error(resp: Any, path: str = "/v1/messages") -> None:
+    """An error answer of the Messages API's paths is JSON of exactly Anthropic's shape."""
+    body = resp.json()
+    assert set(body) <= {"type", "error", "request_id"} and body["type"] == "error", body
+    err = body["error"]
+    assert set(err) == {"type", "message"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+
+
 def test_the_fuzz_covers_every_operation_of_the_schema(api_schema: Any) -> None:
     ops = {(r.ok().method.upper(), r.ok().path) for r in api_schema.get_all_operations()}
     assert ops == set(OPERATIONS)
@@ -101,7 +113,7 @@ def _repair(case: Any) -> None:
     if case.operation.path.endswith("/rerank"):
         body.update(query="Once upon a time", documents=["a small dragon", "a quote"])
         return
-    if body.get("tool_choice") not in (None, "none", "auto"):
+    if body.get("tool_choice") not in (None, "none", "auto", {"type": "auto"}):
         body.pop("tool_choice")
     for tool in body.get("tools") or []:
         if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
@@ -121,7 +133,12 @@ def _repair(case: Any) -> None:
             return
     elif body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = 8  # the default (up to the context) is in the positive cases
-    if path.endswith("/chat/completions") or path == "/api/chat":
+    if case.operation.path.startswith("/v1/messages"):
+        body.pop("tools", None)  # random tools are mostly server tools, refused
+        body["messages"] = [{"role": "user", "content": "Tell me a story."}]
+        if case.operation.path.endswith("/count_tokens"):
+            body.pop("max_tokens")  # not a field of its body
+    elif path.endswith("/chat/completions") or path == "/api/chat":
         body["messages"] = [{"role": "user", "content": "Tell me a story."}]
     else:
         body["prompt"] = "Once upon a time"
@@ -144,10 +161,12 @@ def test_api_fuzz_no_5xx_and_openai_errors(api_schema: Any, fuzz_url: str, metho
             _repair(case)
         resp = case.call(base_url=fuzz_url, timeout=60)
         assert resp.status_code < 500, (case.as_curl_command(), resp.text[:500])
+        anthropic = path.startswith("/v1/messages")
         if resp.status_code >= 400:
-            assert_openai_error(resp, path)
+            (assert_anthropic_error if anthropic else assert_openai_error)(resp, path)
         elif "text/event-stream" in resp.headers.get("content-type", ""):
-            assert resp.text.rstrip().endswith("data: [DONE]"), resp.text[-300:]
+            end = "data: {\"type\":\"message_stop\"}" if anthropic else "data: [DONE]"
+            assert resp.text.rstrip().endswith(end), resp.text[-300:]
         elif "application/x-ndjson" in resp.headers.get("content-type", ""):
             last = json.loads(resp.text.splitlines()[-1])
             assert last.get("done") is True or set(last) in ({"error"}, {"status"}), \

@@ -55,6 +55,11 @@ def test_launch_returns_before_the_model_loads_and_the_api_answers_503_until_rea
             answer = httpx.request(method, srv.url + path, json=body, timeout=30)
             assert answer.status_code == 503, path
             assert answer.json()["error"]["code"] == "model_loading", path
+        answer = httpx.post(srv.url + "/v1/messages", timeout=30, json={
+            "model": "gated-llama", "max_tokens": 4, "messages": PROMPT})  # Anthropic's shape
+        assert answer.status_code == 503 and answer.json()["type"] == "error"
+        assert answer.json()["error"]["type"] == "overloaded_error"
+        assert "still loading" in answer.json()["error"]["message"]
         page = httpx.get(srv.url + "/", timeout=30)  # the chat UI's page says it loads
         assert page.status_code == 503 and "Loading gated-llama" in page.text
         assert httpx.get(srv.url + "/stats", timeout=30).json()["loading"] is True

@@ -44,10 +44,20 @@ def _concrete(path: str) -> str:
     return re.sub(r"\{[^}]*\}", "no-such-id", path)
 
 
+# The error type Anthropic's shape gives each status (the Messages API's paths answer in it).
+ANTHROPIC_TYPES = {401: "authentication_error", 413: "request_too_large",
+                   429: "rate_limit_error", 503: "overloaded_error"}
+
+
 def _error(resp: httpx.Response, status: int, code: str) -> None:
     """The error in its route family's shape: Ollama's `{"error": message}` under /api/ (no
     code there), OpenAI's everywhere else."""
     assert resp.status_code == status, (resp.request.method, resp.request.url, resp.text)
+    if resp.request.url.path.startswith("/v1/messages"):
+        body = resp.json()
+        assert body["type"] == "error" and body["error"]["message"], body
+        assert body["error"]["type"] == ANTHROPIC_TYPES[status], body
+        return
     err = resp.json()["error"]
     if resp.request.url.path.startswith("/api/"):
         assert set(resp.json()) == {"error"} and isinstance(err, str) and err, resp.text
@@ -96,7 +106,8 @@ def test_every_route_that_does_work_is_behind_the_keys_the_body_limit_and_the_ra
                     _error(call(method, path, key), 429, "rate_limit_exceeded")
     # The exempt lists hold only routes that exist: they cannot grow stale and wide.
     assert set(OPEN) | set(UNMETERED) <= seen, (set(OPEN) | set(UNMETERED)) - seen
-    assert {"/tokenize", "/detokenize", "/v1/chat/completions", "/v1/models"} <= seen
+    assert {"/tokenize", "/detokenize", "/v1/chat/completions", "/v1/models", "/v1/messages",
+            "/v1/messages/count_tokens"} <= seen
 
 
 def test_the_generation_routes_of_the_route_list_are_refused_while_shutting_down(
@@ -110,7 +121,8 @@ def test_the_generation_routes_of_the_route_list_are_refused_while_shutting_down
     posts = {r.path for r in _routes(app) if isinstance(r, APIRoute) and "POST" in r.methods}
     assert GENERATION_PATHS == {"/v1/chat/completions", "/v1/completions", "/v1/responses",
                                 "/v1/embeddings", "/api/chat", "/api/generate", "/api/embed",
-                                "/v1/rerank", "/rerank", "/v2/rerank"}
+                                "/v1/rerank", "/rerank", "/v2/rerank",
+                                "/v1/messages"}
     assert GENERATION_PATHS <= posts
     with running_server(app) as url, httpx.Client(base_url=url, timeout=30) as http:
         app.state.accepting = False

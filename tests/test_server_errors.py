@@ -71,7 +71,7 @@ CASES: list[tuple[str, str, str, Any, int, str | None]] = [
     ("unknown model", "POST", "/v1/chat/completions", chat(model="gpt-4o"), 404,
      "model_not_found"),
     ("unknown model id", "GET", "/v1/models/gpt-4o", None, 404, "model_not_found"),
-    ("unknown route", "POST", "/v1/embeddings", {"input": "x"}, 404, "unknown_url"),
+    ("unknown route", "POST", "/v1/audio/speech", {"input": "x"}, 404, "unknown_url"),
     ("unknown route outside /v1", "GET", "/nope", None, 404, "unknown_url"),
     ("wrong method", "GET", "/v1/chat/completions", None, 405, "method_not_allowed"),
     ("response_format json_schema without its object", "POST", "/v1/chat/completions",

@@ -1,7 +1,7 @@
-"""The OpenAI-compatible HTTP layer, a route family a module (`chat`, `completions`,
-`responses`, `models`, `tokenize`, each with its router, schema and stream code; `handler`
-holds what they share), plus schemas, errors and limits (tool calls are read by
-`nbserve.text.tool_calls`, in the model's own format)."""
+"""The HTTP layer, a route family a module (OpenAI's `chat`, `completions`, `responses`,
+`models`, `tokenize`; Anthropic's Messages API, `anthropic`; each with its router, schema and
+stream code; `handler` holds what they share), plus schemas, errors (in each API's shape) and
+limits (tool calls are read by `nbserve.text.tool_calls`, in the model's own format)."""
 
 from .chat import ChatCompletionRequest
 from .completions import CompletionRequest

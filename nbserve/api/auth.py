@@ -1,5 +1,6 @@
-"""API keys (`Authorization: Bearer <key>`, constant-time compare, several keys) and a
-per-key rate limit (token bucket; per client address when no keys are set)."""
+"""API keys (`Authorization: Bearer <key>`, or `x-api-key: <key>` as Anthropic's clients send
+it; constant-time compare, several keys) and a per-key rate limit (token bucket; per client
+address when no keys are set)."""
 
 from __future__ import annotations
 
@@ -30,18 +31,24 @@ class KeyAuth:
         return bool(self._digests)
 
     def check(self, request: Request) -> str:
-        """Return a short id of the key used; raise a 401 APIError otherwise."""
+        """Return a short id of the key used; raise a 401 APIError otherwise. The key is the
+        `x-api-key` header's when there is one, else the bearer token of `Authorization`."""
+        api_key = request.headers.get("x-api-key")
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if not header:
-            raise APIError(401, "Missing API key: send it as 'Authorization: Bearer <key>'.",
-                           "invalid_request_error", None, "missing_api_key",
-                           {"WWW-Authenticate": "Bearer"})
-        key_id = self.match(token.strip())
-        if scheme.lower() != "bearer" or key_id is None:
+        if api_key is None and not header:
+            raise APIError(401, "Missing API key: send it as 'Authorization: Bearer <key>' or "
+                           "'x-api-key: <key>'.", "invalid_request_error", None,
+                           "missing_api_key", {"WWW-Authenticate": "Bearer"})
+        if api_key is not None:
+            key_id = self.match(api_key.strip())
+        else:
+            key_id = self.match(token.strip()) if scheme.lower() == "bearer" else None
+        if key_id is None:
             raise APIError(401, "Incorrect API key provided. Send one of the server's keys as "
-                           "'Authorization: Bearer <key>'.", "invalid_request_error", None,
-                           "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+                           "'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+                           "invalid_request_error", None, "invalid_api_key",
+                           {"WWW-Authenticate": "Bearer"})
         return key_id
 
     def match(self, token: str) -> str | None:

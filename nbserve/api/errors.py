@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeAlias
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -44,17 +44,36 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-# How a route family answers errors on its paths (Ollama's `{"error": message}` under /api/),
-# by path prefix; every other path answers in the OpenAI shape (`APIError.response`).
-ErrorShaper: TypeAlias = Callable[["APIError"], JSONResponse]
+# How a route family writes an error body: (the error, the request id) -> the JSON body. The
+# OpenAI shape is `openai_shape`; a family that speaks another API declares its own (see
+# `RouteFamily.error_shape`), and every error answered under its paths takes it.
+ErrorShape = Callable[[APIError, str], JSONObject]
 
 
-def shaped_response(err: APIError, path: str, shapers: Mapping[str, ErrorShaper]) -> JSONResponse:
-    """`err` as the route family serving `path` shapes its errors (OpenAI's by default)."""
-    for prefix, shape in shapers.items():
-        if path.startswith(prefix):
-            return shape(err)
-    return err.response()
+def openai_shape(err: APIError, request_id: str = "") -> JSONObject:
+    """`{"error": {"message", "type", "param", "code"}}`."""
+    return err.body()
+
+
+class ErrorShapes:
+    """The error shape of each path: a route family's own under its path prefixes (a prefix
+    covers itself and the paths below it), OpenAI's everywhere else. The error handlers, the
+    body limit and the loading gate answer through it, so that a client of another API reads
+    every error of its paths (401, 404, 413, 429, 503, validation) in its own shape."""
+
+    def __init__(self, shapes: Iterable[tuple[str, ErrorShape]] = ()):
+        self._shapes = tuple(sorted(shapes, key=lambda s: -len(s[0])))  # longest prefix first
+
+    def for_path(self, path: str) -> ErrorShape:
+        for prefix, shape in self._shapes:
+            if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
+                return shape
+        return openai_shape
+
+    def response(self, err: APIError, path: str, request_id: str = "") -> JSONResponse:
+        """`err` as the JSON response a client of `path` reads."""
+        return JSONResponse(self.for_path(path)(err, request_id), status_code=err.status,
+                            headers=err.headers)
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -167,17 +186,16 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> InvalidRequestError
 _HTTP_CODES = {404: "unknown_url", 405: "method_not_allowed", 413: "request_too_large"}
 
 
-def install_error_handlers(app: FastAPI, shapers: Mapping[str, ErrorShaper] | None = None
-                           ) -> None:
-    """Answer every error (including 404/405 and crashes) in the OpenAI shape, or in the shape
-    `shapers` gives the paths under one of its prefixes."""
-    shapes = dict(shapers or {})
+def install_error_handlers(app: FastAPI, shapes: ErrorShapes | None = None) -> None:
+    """Answer every error (including 404/405 and crashes) in the shape of its path: OpenAI's
+    unless `shapes` gives the path another."""
+    shapes = shapes or ErrorShapes()
 
     def rid(request: Request) -> str:
         return str(request.scope.get("state", {}).get("request_id", ""))
 
     def respond(request: Request, err: APIError) -> JSONResponse:
-        return shaped_response(err, request.url.path, shapes)
+        return shapes.response(err, request.url.path, rid(request))
 
     async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
         return respond(request, from_exception(exc, rid(request)))

@@ -4,7 +4,8 @@ event is an HTTP error, the SSE response, and the one way an answer goes back (s
 folded into one JSON body while the client is still there).
 
 A route family is a module of this package (`chat`, `completions`, `responses`, `models`,
-`tokenize`) with a `router(ctx)`; `serving/app.py` mounts them from one list of `RouteFamily`.
+`tokenize`, `anthropic`) with a `router(ctx)`; `serving/app.py` mounts them from one list of
+`RouteFamily`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -27,7 +28,7 @@ from starlette.types import Send
 
 from ..types import Backend, ErrorEvent, Event
 from ..types import Request as GenRequest
-from .errors import APIError, ErrorShaper, error_event_to_api, from_exception
+from .errors import APIError, ErrorShape, error_event_to_api, from_exception
 from .fields import UnknownFields
 from .limits import Limits
 from .protocol import _Body, parse_body
@@ -77,6 +78,24 @@ def sse_data(obj: object) -> bytes:
 def sse_named(name: str, obj: object) -> bytes:
     """One named SSE event (the Responses API's framing)."""
     return b"event: " + name.encode() + b"\n" + sse_data(obj)
+
+
+async def sse_events(events: AsyncGenerator[tuple[str, JSONBody], None], trace: Trace,
+                     on_end: Callable[[], None] | None = None) -> AsyncGenerator[bytes, None]:
+    """Frame (name, data) events as named SSE events (the Responses and Messages APIs'); a
+    stream the client leaves before its end marks the trace disconnected; `on_end` runs once
+    the last event is sent."""
+    done = False
+    try:
+        async for name, data in events:
+            yield sse_named(name, data)
+        done = True
+        if on_end is not None:
+            on_end()
+    finally:
+        if not done:
+            trace.disconnected = True
+        await events.aclose()
 
 
 async def guarded_frames(items: AsyncGenerator[JSONBody, None], frame: Callable[[JSONBody], bytes],
@@ -257,11 +276,13 @@ async def answer(request: Request, rid: str, trace: Trace, stream: bool,
 class RouteFamily:
     """One route family as `serving/app.py` mounts it: its router, the request schemas its
     routes document, the paths of its routes that generate (refused while the server shuts
-    down, logged at INFO even when refused before they start), and how it shapes the errors
-    of the paths under a prefix when not as OpenAI does (Ollama's `{"error": ...}`)."""
+    down, logged at INFO even when refused before they start), and, for a family that speaks
+    another API than OpenAI's, the shape of its error bodies and the path prefixes where every
+    error takes it (the app's error handlers, body limit and loading gate read them)."""
 
     router: Callable[[RouteContext], APIRouter]
     schemas: Sequence[type[BaseModel]] = ()
     generation: frozenset[str] = frozenset()
-    errors: Mapping[str, ErrorShaper] = field(default_factory=dict)
+    error_shape: ErrorShape | None = None
+    error_paths: frozenset[str] = frozenset()
 

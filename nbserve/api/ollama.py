@@ -2,7 +2,7 @@
 Backend, request types and limits as the OpenAI routes (keys, rate limit, body limit, cancel
 on disconnect, metrics by route come from the app). The answers stream as NDJSON by default
 (`ollama_stream.py`), or fold into one JSON object with `"stream": false`; errors are
-Ollama's `{"error": message}` (`ollama_models.error_response`, by the /api/ prefix).
+Ollama's `{"error": message}` (`ollama_stream.error_record`, under the /api/ prefix).
 
 A request with nothing to generate (no messages, an empty prompt) is Ollama's load request:
 it answers `done_reason: "load"` at once (the model is always loaded)."""

@@ -15,7 +15,7 @@ from importlib import metadata
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from ..types import Backend
 from .errors import APIError
@@ -29,11 +29,6 @@ from .streams import JSONBody
 PREFIX = "/api/"
 ROUTES = ("The Ollama routes are /api/chat, /api/generate, /api/embed, /api/tags, /api/show, "
           "/api/ps, /api/version and /api/pull.")
-
-
-def error_response(err: APIError) -> JSONResponse:
-    """An error in Ollama's shape: `{"error": message}` with its status (and headers)."""
-    return JSONResponse({"error": err.message}, status_code=err.status, headers=err.headers)
 
 
 def tag_name(served: str) -> str:

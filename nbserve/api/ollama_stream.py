@@ -21,7 +21,7 @@ from typing import Literal
 
 from fastapi.responses import JSONResponse, Response
 
-from ..types import Delta, Event, Finished, Started
+from ..types import Delta, Event, Finished, JSONObject, Started
 from .chat import add_tool_call_piece
 from .errors import APIError
 from .handler import SSEResponse, guarded_frames
@@ -53,8 +53,10 @@ def one_record(rec: JSONBody, stream: bool, rid: str) -> Response:
     return NDJSONResponse(line(), rid=rid)
 
 
-def error_record(err: APIError) -> JSONBody:
-    """Ollama's error body, also the last line of a stream that fails."""
+def error_record(err: APIError, request_id: str = "") -> JSONObject:
+    """Ollama's error body, `{"error": message}`: the route family's error shape under /api/
+    (its status and headers are the error's own), also the last line of a stream that
+    fails."""
     return {"error": err.message}
 
 

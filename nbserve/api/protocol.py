@@ -52,6 +52,7 @@ class _Body(_Schema):
 
 
 B = TypeVar("B", bound=_Schema)
+T = TypeVar("T")
 
 
 def parse_body(model: type[B], body: bytes, unknown: UnknownFields | None = None) -> B:
@@ -171,6 +172,48 @@ class Tool(_Schema):
         if f.strict is not None:
             fn["strict"] = f.strict
         return {"type": self.type, "function": fn}
+
+
+def typed(value: object, kind: type[T], param: str, what: str) -> T:
+    """`value` if it is a `kind`; else a 400 saying `param` must be `what`."""
+    if not isinstance(value, kind):
+        raise InvalidRequestError(f"{param} must be {what}, got {value!r}", param=param)
+    return value
+
+
+def function_tool(tool: Mapping[str, object], where: str, parameters: str = "parameters",
+                  fields: Sequence[str] = ("description", "strict")) -> ToolSpec:
+    """A function tool from a tool object given as loose JSON (the Responses API's flat tools,
+    Anthropic's): its `name`, its JSON schema under `parameters` (the key its API uses), and
+    those of `fields` that are given; a 400 naming a field of the wrong type, or a key it does
+    not know."""
+    extra = set(tool) - {"type", "name", parameters, *fields}
+    if extra:
+        raise InvalidRequestError(f"{where} has unknown fields: {', '.join(sorted(extra))}",
+                                  param=where)
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError(f"{where}.name must be a non-empty string",
+                                  param=f"{where}.name")
+    fn: FunctionSpec = {"name": name}
+    description, schema, strict = (tool.get(k) for k in ("description", parameters, "strict"))
+    if description is not None:
+        fn["description"] = typed(description, str, f"{where}.description", "a string")
+    if schema is not None:
+        schema = typed(schema, dict, f"{where}.{parameters}", "a JSON schema object")
+        fn["parameters"] = {str(k): plain_json(v) for k, v in schema.items()}
+    if strict is not None:
+        fn["strict"] = typed(strict, bool, f"{where}.strict", "true or false")
+    return {"type": "function", "function": fn}
+
+
+def unique_names(tools: Sequence[ToolSpec]) -> None:
+    """A 400 naming the first tool whose name another tool has."""
+    names = [t["function"]["name"] for t in tools]
+    for i, name in enumerate(names):
+        if names.index(name) != i:
+            raise InvalidRequestError(f"tools[{i}] is named {name!r}, as another tool is; tool "
+                                      "names must be unique", param=f"tools[{i}].name")
 
 
 class NamedToolChoiceFunction(_Schema):

@@ -13,18 +13,15 @@ that would need a hosted service get a 400 naming them.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
-from typing import TypeVar
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
-from ..text.chat_template import plain_json
-from ..types import Constraint, FunctionSpec, InvalidRequestError, Request, ToolSpec
+from ..types import Constraint, InvalidRequestError, Request, ToolSpec
 from .errors import APIError, error_event_to_api
 from .fields import unsupported as _refuse
-from .handler import CLIENT_GONE, RouteContext, answer, sse_named
+from .handler import CLIENT_GONE, RouteContext, answer, sse_events
 from .limits import Limits
 from .openapi_schemas import body_ref
 from .protocol import (
@@ -33,14 +30,14 @@ from .protocol import (
     ResponseFormat,
     _Body,
     _Sampling,
+    function_tool,
     template_messages,
     thinking_switch,
+    unique_names,
 )
 from .response_store import ResponseStore
 from .responses_stream import ResponseBuilder
 from .streams import JSONBody
-
-T = TypeVar("T")
 
 BUILT_IN_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview",
                   "computer", "code_interpreter", "image_generation", "mcp", "local_shell",
@@ -122,29 +119,8 @@ class ResponsesRequest(_Body):
                 why = "nbserve runs no built-in tools; define a function tool instead" \
                     if kind in BUILT_IN_TOOLS else "only function tools are served"
                 raise _refuse(f"tools[{i}].type", f"{kind!r}: {why}")
-            name = tool.get("name")
-            if not isinstance(name, str) or not name:
-                raise InvalidRequestError(f"tools[{i}].name must be a non-empty string",
-                                          param=f"tools[{i}].name")
-            extra = set(tool) - {"type", "name", "description", "parameters", "strict"}
-            if extra:
-                raise InvalidRequestError(f"tools[{i}] has unknown fields: "
-                                          f"{', '.join(sorted(extra))}", param=f"tools[{i}]")
-            fn: FunctionSpec = {"name": name}
-            description, parameters, strict = (tool.get(k) for k in ("description",
-                                                                     "parameters", "strict"))
-            if description is not None:
-                fn["description"] = _typed(description, str, f"tools[{i}].description",
-                                           "a string")
-            if parameters is not None:
-                schema = _typed(parameters, dict, f"tools[{i}].parameters", "a JSON schema object")
-                fn["parameters"] = {str(k): plain_json(v) for k, v in schema.items()}
-            if strict is not None:
-                fn["strict"] = _typed(strict, bool, f"tools[{i}].strict", "true or false")
-            out.append({"type": "function", "function": fn})
-        names = [str(t["function"]["name"]) for t in out]
-        if len(set(names)) != len(names):
-            raise InvalidRequestError("tools hold two functions of the same name", "tools")
+            out.append(function_tool(tool, f"tools[{i}]"))
+        unique_names(out)
         return out or None
 
     def choice(self, tools: list[ToolSpec] | None) -> tuple[str, str | None, bool]:
@@ -229,13 +205,6 @@ class ResponsesRequest(_Body):
         if self.user:
             req.metadata["user"] = self.user
         return req
-
-
-def _typed(value: object, kind: type[T], param: str, what: str) -> T:
-    """`value` if it is a `kind`; else a 400 saying `param` must be `what`."""
-    if not isinstance(value, kind):
-        raise InvalidRequestError(f"{param} must be {what}, got {value!r}", param=param)
-    return value
 
 
 def _str(item: JSONBody, key: str, where: str) -> str:
@@ -362,18 +331,6 @@ def router(ctx: RouteContext) -> APIRouter:
             if keep and builder.response["status"] in ("completed", "incomplete"):
                 store.put(builder.response, conversation + builder.output_messages())
 
-        async def frames() -> AsyncGenerator[bytes, None]:
-            done = False
-            try:
-                async for name, data in events:
-                    yield sse_named(name, data)
-                done = True
-                remember()
-            finally:
-                if not done:
-                    trace.disconnected = True
-                await events.aclose()
-
         async def fold() -> JSONBody:
             async for _ in events:
                 pass
@@ -383,7 +340,8 @@ def router(ctx: RouteContext) -> APIRouter:
             remember()
             return builder.response
 
-        return await answer(request, rid, trace, bool(body.stream), frames, fold, events.aclose)
+        return await answer(request, rid, trace, bool(body.stream),
+                            lambda: sse_events(events, trace, remember), fold, events.aclose)
 
     @r.get("/responses/{response_id}")
     async def get_response(response_id: str) -> JSONBody:

@@ -1,6 +1,6 @@
 """The 404 and 405 for /v1 (and /api) paths no route family serves (the UI mounted at /
-would answer them otherwise), in the shape of the family under that prefix. Mounted after
-every family, as the last route of its prefix."""
+would answer them otherwise), in the path's error shape. Mounted after every family, as the
+last route of its prefix."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from .errors import APIError
 UNKNOWN_ROUTE = "v1_unknown"  # its name: the request log and metrics count it as "other"
 
 
-OPENAI_ROUTES = ("The OpenAI routes are /v1/chat/completions, /v1/completions, /v1/responses "
-                 "and /v1/models.")
+OPENAI_ROUTES = ("The OpenAI routes are /v1/chat/completions, /v1/completions, /v1/responses, "
+                 "/v1/embeddings and /v1/models; Anthropic's, /v1/messages and "
+                 "/v1/messages/count_tokens.")
 
 
 def router(served: Sequence[APIRouter], prefix: str = "/v1", routes: str = OPENAI_ROUTES

@@ -1,6 +1,6 @@
-"""create_app(): one FastAPI app with the OpenAI routes under /v1, Ollama's under /api, /health,
-/stats, /metrics, API keys, a rate limit, size limits, errors in each API's shape, request
-logs, then the Gradio UI.
+"""create_app(): one FastAPI app with the OpenAI routes and Anthropic's Messages routes under /v1,
+Ollama's under /api, /health, /stats, /metrics, API keys, a rate limit, size limits, errors in
+each API's shape, request logs, then the Gradio UI.
 
 The app never binds a socket: the launcher does (127.0.0.1 by default).
 """
@@ -22,19 +22,21 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..api import (
+    anthropic,
     chat,
     completions,
     embeddings,
     models,
     ollama,
     ollama_models,
+    ollama_stream,
     rerank,
     responses,
     tokenize,
     unknown,
 )
 from ..api.auth import KeyAuth, RateLimiter
-from ..api.errors import APIError, ErrorShaper, install_error_handlers, shaped_response
+from ..api.errors import APIError, ErrorShapes, install_error_handlers
 from ..api.fields import UnknownFields
 from ..api.handler import RouteContext, RouteFamily
 from ..api.limits import Limits
@@ -57,18 +59,24 @@ ROUTE_FAMILIES: tuple[RouteFamily, ...] = (
                 generation=frozenset({"/v1/completions"})),
     RouteFamily(responses.router, (responses.ResponsesRequest,),
                 generation=frozenset({"/v1/responses"})),
+    RouteFamily(anthropic.router, (anthropic.MessagesRequest, anthropic.CountTokensRequest),
+                generation=frozenset({"/v1/messages"}),
+                error_shape=anthropic.anthropic_error_shape, error_paths=anthropic.PATHS),
     RouteFamily(embeddings.router, (embeddings.EmbeddingRequest,),
                 generation=frozenset({"/v1/embeddings"})),
     RouteFamily(ollama_models.router, (ollama_models.ShowRequest, ollama_models.PullRequest),
-                errors={ollama_models.PREFIX: ollama_models.error_response}),
+                error_shape=ollama_stream.error_record,
+                error_paths=frozenset({ollama_models.PREFIX})),
     RouteFamily(ollama.router, ollama.SCHEMAS, generation=ollama.GENERATION_PATHS,
-                errors={ollama_models.PREFIX: ollama_models.error_response}),
+                error_shape=ollama_stream.error_record,
+                error_paths=frozenset({ollama_models.PREFIX})),
     RouteFamily(rerank.router, (rerank.RerankRequest,), generation=frozenset(rerank.RERANK_PATHS)),
 )
 GENERATION_PATHS = frozenset().union(*(f.generation for f in ROUTE_FAMILIES))
-# How errors are shaped under a family's prefix (OpenAI's shape everywhere else).
-ERROR_SHAPES: dict[str, ErrorShaper] = {p: f for fam in ROUTE_FAMILIES
-                                        for p, f in fam.errors.items()}
+# Each family's error shape under its paths (OpenAI's elsewhere): every error handler, the body
+# limit and the loading gate answer through it.
+ERROR_SHAPES = ErrorShapes((path, f.error_shape) for f in ROUTE_FAMILIES if f.error_shape
+                           for path in f.error_paths)
 # Every route is behind the API keys and the rate limit (an app-level dependency, so a route
 # added later is too) and every path behind the body limit (a middleware), except these, which
 # tests/test_route_limits.py lists again with their reasons. Open: probes and the static docs.
@@ -125,16 +133,17 @@ class ObservabilityMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Refuses request bodies over `max_bytes` with a 413 (in the shape of the path's route
-    family), on every path (the API's routes, the UI's, and any added later)."""
+    """Refuses request bodies over `max_bytes` with a 413 in the path's error shape, on every
+    path (the API's routes, the UI's, and any added later)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
 
-    async def _too_large(self, send: Send, close: bool, path: str) -> None:
+    async def _too_large(self, scope: Scope, send: Send, close: bool) -> None:
         err = APIError(413, f"The request body is over the limit of {self.max_bytes} bytes. "
                        "Send a shorter conversation.", code="request_too_large")
-        resp = shaped_response(err, path, ERROR_SHAPES)
+        resp = ERROR_SHAPES.response(err, scope["path"],
+                                     str(scope.get("state", {}).get("request_id", "")))
         if close:
             resp.headers["Connection"] = "close"
         await resp({"type": "http"}, _no_receive, send)
@@ -145,8 +154,7 @@ class BodyLimitMiddleware:
             return
         declared = Headers(scope=scope).get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > 8 * self.max_bytes:
-            # not worth reading: answer and close
-            await self._too_large(send, close=True, path=scope["path"])
+            await self._too_large(scope, send, close=True)  # not worth reading: answer and close
             return
         chunks: list[bytes] = []
         size, too_large = 0, False
@@ -165,7 +173,7 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 break
         if too_large:
-            await self._too_large(send, close=size > 8 * self.max_bytes, path=scope["path"])
+            await self._too_large(scope, send, close=size > 8 * self.max_bytes)
             return
         replayed = False
 
@@ -242,7 +250,8 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.accepting = True
-        log.info("serving %r: OpenAI API at /v1, Ollama API at /api%s", backend.model_name,
+        log.info("serving %r: OpenAI and Anthropic APIs at /v1, Ollama's at /api%s",
+                 backend.model_name,
                  " (API keys required)" if keys else "")
         yield
         app.state.accepting = False
@@ -309,7 +318,8 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
 
         app.add_middleware(CORSMiddleware, allow_origins=list(opts.cors_origins),
                            allow_methods=["GET", "POST", "OPTIONS"],
-                           allow_headers=["Authorization", "Content-Type"],
+                           allow_headers=["Authorization", "Content-Type", "x-api-key",
+                                          "anthropic-version", "anthropic-beta"],
                            expose_headers=["X-Request-ID", "Retry-After"])
     app.add_middleware(ObservabilityMiddleware, metrics=metrics)
     if opts.ui:

@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..api.auth import KeyAuth
 from ..api.errors import APIError
 from ..types import BackendDefaults, EngineStoppedError, Event, JSONObject, Request
+from .app import ERROR_SHAPES
 
 OPEN_PATHS = frozenset({"/health", "/stats", "/metrics"})  # answered while loading
 RETRY_AFTER_S = 2  # what a 503 "loading" asks clients to wait before retrying
@@ -214,7 +215,7 @@ class LoadingGate:
                            "moment (GET /health answers 200 once it is ready).",
                            "service_unavailable", None, "model_loading",
                            {"Retry-After": str(RETRY_AFTER_S)})
-        await err.response()(scope, _no_receive, send)
+        await ERROR_SHAPES.response(err, scope["path"])(scope, _no_receive, send)
 
     async def _ui_not_there(self, scope: Scope, send: Send) -> None:
         """A chat UI path before the chat is built: its page says why (and reloads itself
