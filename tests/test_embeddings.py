@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import json
 import re
 import shutil
 import sys
@@ -62,7 +63,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_family_dir("qwen3", tmp_path_factory.mktemp("qwen3-embed"))
+    """A tiny random Qwen3 whose config declares Matryoshka training (`dimensions` cuts)."""
+    root = save_family_dir("qwen3", tmp_path_factory.mktemp("qwen3-embed"))
+    config = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**config, "is_matryoshka": True}))
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -409,3 +414,22 @@ def test_default_model_readme_snippet(default_loaded: Any) -> None:
         np.testing.assert_allclose(np.linalg.norm(vecs, axis=1), 1, atol=1e-5)
         similar, unrelated = vecs[0] @ vecs[1], vecs[0] @ vecs[2]
         assert similar > unrelated
+
+
+def test_dimensions_need_a_model_trained_for_them(qwen3_dir: Path, tmp_path: Path) -> None:
+    """Without is_matryoshka / matryoshka_dimensions in config.json, a shorter vector is a 400
+    that says why; the full width is still accepted."""
+    plain = tmp_path / "plain"
+    shutil.copytree(qwen3_dir, plain)
+    config = json.loads((plain / "config.json").read_text())
+    del config["is_matryoshka"]
+    (plain / "config.json").write_text(json.dumps(config))
+    loaded = load_hf_dir(plain)
+    assert not loaded.pooling.truncatable and load_hf_dir(qwen3_dir).pooling.truncatable
+    with Engine(loaded, max_batch=2, max_context=256, quiet=True) as eng, \
+            app_running(eng) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+        body = _bad(client, input="x", dimensions=16)
+        assert body["param"] == "dimensions" and "Matryoshka" in body["message"]
+        full = client.embeddings.create(model="", input="x", dimensions=64)
+        assert len(full.data[0].embedding) == 64

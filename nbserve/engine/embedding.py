@@ -16,11 +16,13 @@ from ..models.pooling import Pooling
 from ..types import EmbedSpec, InvalidRequestError, Request
 
 
-def check_embed(request: Request, spec: EmbedSpec, model: SlotModel, vocab_size: int) -> None:
+def check_embed(request: Request, spec: EmbedSpec, model: SlotModel, vocab_size: int,
+                pooling: Pooling) -> None:
     """Refuse (400) what an embedding request cannot be served with here: several choices,
     tools, a constraint or prompt log-probabilities (nothing is sampled), a model that gives
     no hidden states (a user's StepModel, an adapter), `dimensions` outside [1, hidden
-    size], or token scores without an LM head or with ids outside the vocabulary."""
+    size] or below it for a model not trained for it (`Pooling.truncatable`), or token
+    scores without an LM head or with ids outside the vocabulary."""
     if request.params.n != 1:
         raise InvalidRequestError("an embedding request has one answer: n must be 1", param="n")
     if request.tools or request.params.constraint is not None:
@@ -47,6 +49,12 @@ def check_embed(request: Request, spec: EmbedSpec, model: SlotModel, vocab_size:
     if spec.dimensions is not None and not 1 <= spec.dimensions <= hidden:
         raise InvalidRequestError(f"dimensions must be between 1 and the model's hidden size "
                                   f"{hidden}, got {spec.dimensions}", param="dimensions")
+    if spec.dimensions is not None and spec.dimensions < hidden and not pooling.truncatable:
+        raise InvalidRequestError(
+            f"this model does not declare Matryoshka training (is_matryoshka or "
+            f"matryoshka_dimensions in its config.json), so its first {spec.dimensions} values "
+            f"are not an embedding: leave dimensions out (or set it to {hidden})",
+            param="dimensions")
 
 
 @dataclass(eq=False)

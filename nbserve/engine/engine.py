@@ -405,7 +405,8 @@ class Engine(SyncHelpers):
         params = request.params
         params.validate(self.vocab_size)
         if request.embed is not None:
-            check_embed(request, request.embed, self._step.model, self.vocab_size)
+            check_embed(request, request.embed, self._step.model, self.vocab_size,
+                        self.loaded.pooling)
         if params.n > self.max_batch:
             raise InvalidRequestError(
                 f"n must be at most max_batch={self.max_batch}, got {params.n}", param="n")

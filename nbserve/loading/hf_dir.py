@@ -41,7 +41,7 @@ def load_hf_dir(path: str | os.PathLike, device: str | torch.device | None = Non
     hf_config, bare_arch = causal_config(read_json(root / "config.json"))
     family, config = registry.read_config(hf_config, name)
     weight_files = find_weight_files(root)  # fail on missing weights before the slow parts
-    pooling = read_hf_pooling(root)  # refused before the slow parts too
+    pooling = read_hf_pooling(root, hf_config)  # refused before the slow parts too
     names = tensor_names(weight_files)
     headless = is_headless(names, bool(hf_config.get("tie_word_embeddings")),
                            bare_arch or pooling is not None)

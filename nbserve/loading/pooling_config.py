@@ -33,13 +33,16 @@ GGUF_POOLING: dict[int, PoolingKind] = {1: "mean", 2: "cls", 3: "last"}
 GGUF_NONE, GGUF_RANK = 0, 4
 
 
-def read_hf_pooling(root: Path) -> Pooling | None:
-    """The pooling `root`'s sentence-transformers files declare; None when it has no
-    modules.json (the model declares nothing: `models.pooling.DECODER_DEFAULT` applies).
-    ValueError naming the file for what nbserve cannot pool."""
+def read_hf_pooling(root: Path, hf_config: dict[str, Any] | None = None) -> Pooling | None:
+    """The pooling `root`'s sentence-transformers files declare, and whether its config.json
+    (`hf_config`) declares Matryoshka training; None when it declares neither (then
+    `models.pooling.DECODER_DEFAULT` applies). ValueError naming the file for what nbserve
+    cannot pool."""
+    config = hf_config or {}
+    truncatable = bool(config.get("is_matryoshka") or config.get("matryoshka_dimensions"))
     path = root / MODULES_FILE
     if not path.is_file():
-        return None
+        return Pooling(truncatable=True) if truncatable else None
     modules = _module_list(path)
     kind: PoolingKind | None = None
     normalize = False
@@ -63,7 +66,7 @@ def read_hf_pooling(root: Path) -> Pooling | None:
         raise ValueError(f"{path} lists no sentence_transformers.models.Pooling module; "
                          "nbserve needs one to know how to pool (or delete modules.json to "
                          "pool at the last token, normalised)")
-    return Pooling(kind=kind, normalize=normalize)
+    return Pooling(kind=kind, normalize=normalize, truncatable=truncatable)
 
 
 def _module_list(path: Path) -> list[dict[str, Any]]:

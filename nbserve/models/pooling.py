@@ -15,10 +15,14 @@ PoolingKind = Literal["last", "mean", "cls"]
 @dataclass(frozen=True, slots=True)
 class Pooling:
     """`kind`: the last position's hidden state, the mean over the prompt, or the first
-    position's; `normalize`: L2-normalise the pooled vector."""
+    position's; `normalize`: L2-normalise the pooled vector; `truncatable`: the model was
+    trained so that the first N values are an embedding too (Matryoshka), which a request's
+    `dimensions` needs (config.json's `is_matryoshka` or `matryoshka_dimensions`, as vLLM
+    reads them)."""
 
     kind: PoolingKind = "last"
     normalize: bool = True
+    truncatable: bool = False
 
 
 DECODER_DEFAULT = Pooling()
