@@ -210,3 +210,21 @@ def test_a_headless_embedding_model_cannot_rerank(tmp_path: Path) -> None:
         r = post(base, {"query": QUERY, "documents": DOCS[:2]})
     assert r.status_code == 400, r.text
     assert "LM head" in r.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_the_readme_snippet_on_the_default_model(default_loaded: Any) -> None:
+    """The README's rerank snippet against the default chat model: it answers in the shape
+    the snippet prints (scores are P(yes), between 0 and 1; the model is no reranker, so
+    their order is not checked)."""
+    from nbserve.engine import Engine
+
+    with Engine(default_loaded, max_batch=2, quiet=True) as engine, app_running(engine) as url:
+        r = httpx.post(url + "/v1/rerank", timeout=120, json={
+            "query": "capital of China?", "top_n": 1,
+            "documents": ["Beijing is the capital of China.", "Gravity attracts bodies."]})
+    assert r.status_code == 200, r.text
+    (best,) = r.json()["results"]
+    assert best["index"] in (0, 1) and 0.0 < best["relevance_score"] < 1.0
+    assert best["document"]["text"] in ("Beijing is the capital of China.",
+                                        "Gravity attracts bodies.")

@@ -333,8 +333,15 @@ def router(ctx: RouteContext) -> APIRouter:
 
 
 def _decode(ctx: RouteContext, ids: list[int] | None) -> str:
+    """The text of a token-id prompt to echo; ids outside the vocabulary are the 400 the
+    engine gives them (checked here: decoding them first would fail)."""
     tokenizer = ctx.backend.tokenizer
     if tokenizer is None:
         raise APIError(400, "echo with a token-id prompt needs a backend with a tokenizer",
                        param="echo")
+    vocab = ctx.backend.vocab_size or tokenizer.vocab_size
+    bad = [t for t in ids or [] if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}), got "
+                                  f"{bad[0]}", param="prompt")
     return tokenizer.decode(ids or [])

@@ -3,7 +3,7 @@ same `Request`, sampling and limits as the OpenAI routes: messages become the Op
 models (`protocol.template_messages` applies the limits), `options` become `_Sampling`'s
 fields, `format` the constraint `response_format` would be, `think` the template's switch.
 
-Every field has a fate (docs/api_ollama.md has the list): served; accepted as a no-op
+Every field has a fate (docs/api.md, "Ollama's API", has the list): served; accepted as a no-op
 (`keep_alive`, and the load-time options that mean nothing to a server that already holds its
 model: `num_thread`, `num_gpu`, ...); or refused with a 400 naming it (images, custom
 templates, sampling nbserve does not implement). A field no schema defines is a 400 too.
