@@ -44,7 +44,8 @@ OPERATIONS = [("GET", "/health"), ("GET", "/stats"), ("GET", "/metrics"), ("GET"
               ("GET", "/v1/models/{model_id}"), ("POST", "/v1/chat/completions"),
               ("POST", "/v1/completions"), ("POST", "/v1/responses"),
               ("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
-              ("POST", "/tokenize"), ("POST", "/detokenize")]
+              ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/models/load"),
+              ("POST", "/models/unload")]
 POSITIVE, NEGATIVE = schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE
 # Fields the schema allows but nbserve refuses with a 400 (deprecated or not served); the
 # "repaired" cases drop them and use a valid prompt, so that the other random fields reach
