@@ -580,10 +580,11 @@ class ModelDirectory(Protocol):
         """The model that an empty name means, and the chat UI opens with."""
         ...
 
-    async def backend(self, name: str | None) -> Backend:
+    async def backend(self, name: str | None, keep_alive: float | None = None) -> Backend:
         """The backend serving `name` ("" or None: the default), loaded first if it is not;
         `ModelNotFoundError` for a name the server does not have, `EngineStoppedError` when its
-        load fails."""
+        load fails. `keep_alive`: from now on, unload it after that many seconds idle (a
+        request's own keep-alive, as Ollama takes it)."""
         ...
 
     def entries(self) -> list[ModelEntry]:

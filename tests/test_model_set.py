@@ -208,3 +208,23 @@ def test_a_folder_lists_its_gguf_files_and_checkpoints(tmp_path: Path):
 def test_launch_refuses_one_name_for_several_models(folder: Path):
     with pytest.raises(ValueError, match="name each one"):
         launch([str(folder / "alpha"), str(folder / "beta")], name="x", ui=False)
+
+
+async def test_the_ui_compares_two_models_side_by_side(folder: Path):
+    from nbserve.serving.ui_compare import make_compare_fn
+
+    srv = launch({"alpha": str(folder / "alpha"), "beta": str(folder / "beta")}, ui=False,
+                 wait=True, max_batch=2, max_context=128)
+    try:
+        compare = make_compare_fn(srv._models)  # the directory the UI gets from the app
+        frames = [f async for f in compare("hello world", "alpha", "beta", 0.0, 8)]
+        text_a, text_b, line_a, line_b = frames[-1]
+        assert text_a == alone(folder / "alpha") and text_b == alone(folder / "beta")
+        assert line_a.startswith("**alpha**: ") and "tokens/s" in line_a
+        assert line_b.startswith("**beta**: ") and "answering" not in line_b
+        *_, (_, _, missing, _) = [f async for f in compare("hi", "nope", "beta", 0.0, 8)]
+        assert "failed" in missing and "'nope'" in missing
+        *_, (_, _, empty, _) = [f async for f in compare("  ", "alpha", "beta", 0.0, 8)]
+        assert "type a prompt" in empty
+    finally:
+        srv.stop()

@@ -170,13 +170,15 @@ class RouteContext:
         if name and name != served:
             raise ModelNotFoundError(name, [served])
 
-    async def for_model(self, name: str | None) -> RouteContext:
+    async def for_model(self, name: str | None, keep_alive: float | None = None
+                        ) -> RouteContext:
         """This context with the backend that serves `name` (loaded first where a server has
-        several models and that one is not loaded; a 404 for a name it does not have)."""
+        several models and that one is not loaded; a 404 for a name it does not have);
+        `keep_alive` as `ModelDirectory.backend` takes it."""
         if self.models is None:
             self.check_model(name)
             return self
-        backend = await self.models.backend(name)
+        backend = await self.models.backend(name, keep_alive)
         return self if backend is self.backend else replace(self, backend=backend)
 
     async def parse(self, request: Request, schema: type[B]) -> tuple[B, str, RouteContext]:

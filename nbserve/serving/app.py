@@ -232,6 +232,7 @@ def create_app(backend: Backend | ModelDirectory, *, api_keys: str | Iterable[st
                   lifespan=lifespan, docs_url="/docs", redoc_url=None,
                   dependencies=[Depends(guard)])
     app.state.backend, app.state.metrics, app.state.limits = backend, metrics, limits
+    app.state.models = directory  # the chat UI's model picker (None: one model)
     # The chat UI checks its turns with these same objects (one rate-limit bucket per client).
     app.state.key_auth, app.state.rate_limiter = keys, limiter
     app.state.accepting = True  # False once the server shuts down
