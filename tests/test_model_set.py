@@ -69,6 +69,13 @@ def test_a_folder_of_models_routes_by_name_and_loads_on_first_request(folder: Pa
         assert first.choices[0].message.content == alone(folder / "alpha")
         assert beta.choices[0].message.content == alone(folder / "beta")
         assert answer(client, "").model == "alpha"  # no name: the default
+        metrics = httpx.get(srv.url + "/metrics").text
+        for name in ("alpha", "beta"):  # tokens and latency by model
+            assert f'nbserve_completion_tokens_total{{model="{name}"}} ' in metrics
+            assert f'nbserve_time_to_first_token_seconds_count{{model="{name}"}} ' in metrics
+        beta_tokens = [line for line in metrics.splitlines()
+                       if line.startswith('nbserve_completion_tokens_total{model="beta"}')]
+        assert float(beta_tokens[0].split()[-1]) == beta.usage.completion_tokens
         with pytest.raises(openai.NotFoundError) as err:
             answer(client, "gamma")
         message = str(err.value)

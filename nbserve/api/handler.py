@@ -212,7 +212,7 @@ class RouteContext:
     def begin(self, request: Request, rid: str, inputs: object) -> Trace:
         """The Trace of an accepted request (the middleware logs and counts it at the end)."""
         start = request.scope.get("state", {}).get("start")
-        trace = Trace(rid, start=start or time.perf_counter())
+        trace = Trace(rid, start=start or time.perf_counter(), model=self.backend.model_name)
         if self.log_messages:
             trace.output = {}
             trace.input_text = json.dumps(inputs, ensure_ascii=False)
