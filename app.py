@@ -10,19 +10,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nbserve.serving.cli import add_serve_options, serve_kwargs
+from nbserve.serving.cli import add_serve_options, models_argument, serve_kwargs
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2",
-                        help='"smollm2" (default), a HF checkpoint directory or a .gguf file')
+    parser.add_argument("--model", action="append", default=None,
+                        help='"smollm2" (default), a HF checkpoint directory, a .gguf file or '
+                        'a folder of them; repeat it (each may be name=source) to serve several: '
+                        'the first is the default, the others load on their first request')
     add_serve_options(parser)
     args = parser.parse_args()
     import nbserve
 
     try:
-        nbserve.serve(args.model, **serve_kwargs(args))
+        nbserve.serve(models_argument(args.model or ["smollm2"]), **serve_kwargs(args))
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"nbserve: error: {exc}", file=sys.stderr)
         return 1

@@ -118,6 +118,17 @@ class ContextLengthError(InvalidRequestError):
         self.max_context = max_context
 
 
+class ModelNotFoundError(InvalidRequestError):
+    """A request named a model this server does not have (HTTP 404 `model_not_found`)."""
+
+    def __init__(self, name: str, served: Sequence[str]):
+        listed = ", ".join(repr(n) for n in served)
+        super().__init__(f"The model {name!r} does not exist here; this server serves "
+                         f"{listed} (see GET /v1/models).", param="model",
+                         code="model_not_found")
+        self.name = name
+
+
 class BusyError(NbserveError):
     """The waiting queue is full; the caller should retry later."""
 
@@ -542,3 +553,50 @@ class BackendDefaults:
 
     def cancel_all(self) -> int:
         return 0
+
+
+ModelState = Literal["loaded", "loading", "unloaded", "failed"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    """One model of a server, as `/v1/models` lists it."""
+
+    name: str
+    state: ModelState
+    source: str = ""
+    max_context: int | None = None
+    default: bool = False
+    error: str | None = None  # why its last load failed
+
+
+@runtime_checkable
+class ModelDirectory(Protocol):
+    """The models one server serves, by name (`serving/model_set.py`): the routes resolve each
+    request's `model` here; a model named for the first time is loaded then."""
+
+    @property
+    def default(self) -> Backend:
+        """The model that an empty name means, and the chat UI opens with."""
+        ...
+
+    async def backend(self, name: str | None, keep_alive: float | None = None) -> Backend:
+        """The backend serving `name` ("" or None: the default), loaded first if it is not;
+        `ModelNotFoundError` for a name the server does not have, `EngineStoppedError` when its
+        load fails. `keep_alive`: from now on, unload it after that many seconds idle (a
+        request's own keep-alive, as Ollama takes it)."""
+        ...
+
+    def entries(self) -> list[ModelEntry]:
+        """Every model with its state, the default first."""
+        ...
+
+    def loaded(self, name: str) -> Backend | None:
+        """The backend of `name` if it is loaded now (nothing is loaded, nothing counts as
+        used: for listings), else None."""
+        ...
+
+    def unload(self, name: str) -> bool:
+        """Unload `name` (its running requests finish first); whether it was loaded.
+        `ValueError` for the default model, which stays loaded."""
+        ...

@@ -102,3 +102,51 @@ def test_chat_streams_and_stop_frees_the_slot(tiny_llama_dir):
                 browser.close()
     finally:
         srv.stop()
+
+
+def test_compare_two_models_side_by_side_and_pick_one(tmp_path):
+    """Several models: the picker answers with the chosen one; the Compare accordion sends one
+    prompt to two models and streams both answers, each with its tokens and speed."""
+    from playwright.sync_api import expect, sync_playwright
+    from tiny_models import make_tiny_hf_dir
+
+    from nbserve.serving.launch import launch
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    alpha = make_tiny_hf_dir(tmp_path / "alpha", arch="llama")
+    beta = make_tiny_hf_dir(tmp_path / "beta", arch="qwen2", tie=False, seed=1)
+    srv = launch({"alpha": str(alpha), "beta": str(beta)}, max_batch=4, max_context=256)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1300, "height": 1400})
+                page.goto(srv.url)
+                picker = page.locator("#nbserve-picker")
+                expect(picker).to_be_visible()
+                # 1. the picker: beta answers the chat (it loads on this first request)
+                picker.locator("input").click()
+                page.get_by_role("option", name="beta").click()
+                box = page.locator("#nbserve-input textarea")
+                box.fill("Hello there")
+                box.press("Enter")
+                speed = page.locator("#nbserve-speed")
+                expect(speed).to_contain_text("tokens/s", timeout=30000)
+                assert [m.state for m in srv.models] == ["loaded", "loaded"]
+                # 2. side by side
+                page.get_by_text("Compare two models side by side").click()
+                page.locator("#nbserve-compare-prompt textarea").fill("Tell me a story")
+                page.locator("#nbserve-compare-send").click()
+                line_a = page.locator("#nbserve-compare-a-speed")
+                line_b = page.locator("#nbserve-compare-b-speed")
+                for line, name in ((line_a, "alpha"), (line_b, "beta")):
+                    expect(line).to_contain_text(f"{name}: ", timeout=30000)
+                    expect(line).to_contain_text("tokens/s")
+                    expect(line).not_to_contain_text("answering", timeout=30000)
+                assert page.locator("#nbserve-compare-a").inner_text().strip()
+                assert page.locator("#nbserve-compare-b").inner_text().strip()
+                page.screenshot(path=str(ARTIFACTS / "compare_ui.png"), full_page=True)
+            finally:
+                browser.close()
+    finally:
+        srv.stop()

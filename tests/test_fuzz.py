@@ -49,7 +49,8 @@ OPERATIONS = [("GET", "/health"), ("GET", "/stats"), ("GET", "/metrics"), ("GET"
               ("POST", "/v1/messages/count_tokens"),
               ("POST", "/api/chat"), ("POST", "/api/generate"), ("POST", "/api/embed"),
               ("GET", "/api/tags"), ("GET", "/api/ps"), ("GET", "/api/version"),
-              ("POST", "/api/show"), ("POST", "/api/pull")]
+              ("POST", "/api/show"), ("POST", "/api/pull"),
+              ("POST", "/models/load"), ("POST", "/models/unload")]
 POSITIVE, NEGATIVE = schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE
 # Fields the schema allows but nbserve refuses with a 400 (deprecated or not served); the
 # "repaired" cases drop them and use a valid prompt, so that the other random fields reach

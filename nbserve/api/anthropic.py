@@ -390,14 +390,14 @@ def _assistant_turn(blocks: list[Block], where: str) -> AssistantMessage:
 # ----------------------------------------------------------------------------- the routes
 
 
-def router(ctx: RouteContext) -> APIRouter:
+def router(base: RouteContext) -> APIRouter:
     """POST /v1/messages (streamed as Anthropic's named SSE events, or their fold) and
     POST /v1/messages/count_tokens."""
     r = APIRouter(prefix="/v1")
 
     @r.post("/messages", openapi_extra=body_ref(MessagesRequest))
     async def messages(request: HTTPRequest) -> Response:
-        body, rid = await ctx.parse(request, MessagesRequest)
+        body, rid, ctx = await base.parse(request, MessagesRequest)
         req = body.to_request(ctx.limits, rid)
         started = await ctx.start(request, req)
         if started is None:
@@ -414,7 +414,7 @@ def router(ctx: RouteContext) -> APIRouter:
 
     @r.post("/messages/count_tokens", openapi_extra=body_ref(CountTokensRequest))
     async def count_tokens(request: HTTPRequest) -> JSONBody:
-        body, _ = await ctx.parse(request, CountTokensRequest)
+        body, _, ctx = await base.parse(request, CountTokensRequest)
         n = ctx.backend.count_prompt_tokens(body.prompt_request(ctx.limits))
         if n is None:
             raise APIError(501, "this backend cannot count a prompt's tokens here",

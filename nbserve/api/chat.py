@@ -326,13 +326,13 @@ def add_tool_call_piece(calls: dict[int, JSONBody], piece: JSONBody) -> None:
 # ----------------------------------------------------------------------------- the route
 
 
-def router(ctx: RouteContext) -> APIRouter:
+def router(base: RouteContext) -> APIRouter:
     """POST /v1/chat/completions: streamed as SSE chunks, or folded into one answer."""
     r = APIRouter(prefix="/v1")
 
     @r.post("/chat/completions", openapi_extra=body_ref(ChatCompletionRequest))
     async def chat_completions(request: HTTPRequest) -> Response:
-        body, rid = await ctx.parse(request, ChatCompletionRequest)
+        body, rid, ctx = await base.parse(request, ChatCompletionRequest)
         req = body.to_request(ctx.limits, request_id=rid)
         started = await ctx.start(request, req)
         if started is None:

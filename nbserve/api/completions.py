@@ -299,13 +299,13 @@ async def first_of_merged(merged: Merge, request_id: str) -> bool:
 # ----------------------------------------------------------------------------- the route
 
 
-def router(ctx: RouteContext) -> APIRouter:
+def router(base: RouteContext) -> APIRouter:
     """POST /v1/completions: streamed as SSE chunks, or folded into one answer."""
     r = APIRouter(prefix="/v1")
 
     @r.post("/completions", openapi_extra=body_ref(CompletionRequest))
     async def completions(request: HTTPRequest) -> Response:
-        body, rid = await ctx.parse(request, CompletionRequest)
+        body, rid, ctx = await base.parse(request, CompletionRequest)
         reqs = body.to_requests(ctx.limits, request_id=rid)
         echo = None
         if body.echo:

@@ -147,13 +147,13 @@ def encode_base64(values: list[float]) -> str:
     return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
 
 
-def router(ctx: RouteContext) -> APIRouter:
+def router(base: RouteContext) -> APIRouter:
     """POST /v1/embeddings: one JSON answer (embeddings do not stream)."""
     r = APIRouter(prefix="/v1")
 
     @r.post("/embeddings", openapi_extra=body_ref(EmbeddingRequest))
     async def embeddings(request: HTTPRequest) -> Response:
-        body, rid = await ctx.parse(request, EmbeddingRequest)
+        body, rid, ctx = await base.parse(request, EmbeddingRequest)
         items = body.inputs(ctx.limits)
         trace = ctx.begin(request, rid, items)
         spec = EmbedSpec(dimensions=body.dimensions)

@@ -21,6 +21,7 @@ from ..types import (
     EngineStoppedError,
     InvalidRequestError,
     JSONObject,
+    ModelNotFoundError,
     NbserveError,
 )
 
@@ -94,6 +95,8 @@ def from_exception(exc: BaseException, request_id: str = "") -> APIError:
     if isinstance(exc, ContextLengthError):
         return APIError(400, str(exc), "invalid_request_error", exc.param,
                         "context_length_exceeded")
+    if isinstance(exc, ModelNotFoundError):
+        return APIError(404, str(exc), "invalid_request_error", "model", "model_not_found")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), "invalid_request_error", exc.param, exc.code)
     if isinstance(exc, BusyError):

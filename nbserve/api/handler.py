@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import anyio
@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Send
 
-from ..types import Backend, ErrorEvent, Event
+from ..types import Backend, ErrorEvent, Event, ModelDirectory, ModelNotFoundError
 from ..types import Request as GenRequest
 from .errors import APIError, ErrorShape, error_event_to_api, from_exception
 from .fields import UnknownFields
@@ -199,25 +199,37 @@ class RouteContext:
     limits: Limits
     fields: UnknownFields = field(default_factory=UnknownFields)
     log_messages: bool = False
+    models: ModelDirectory | None = None  # several models: each request's is resolved there
 
     def check_model(self, name: str | None) -> None:
         """An empty or missing name means "the model this server serves" (many clients send
         ""); any other name but the served one is a 404 `model_not_found`."""
         served = self.backend.model_name
         if name and name != served:
-            raise APIError(404, f"The model {name!r} does not exist here; this server serves "
-                           f"{served!r} (see GET /v1/models).", "invalid_request_error",
-                           "model", "model_not_found")
+            raise ModelNotFoundError(name, [served])
+
+    async def for_model(self, name: str | None, keep_alive: float | None = None
+                        ) -> RouteContext:
+        """This context with the backend that serves `name` (loaded first where a server has
+        several models and that one is not loaded; a 404 for a name it does not have);
+        `keep_alive` as `ModelDirectory.backend` takes it."""
+        if self.models is None:
+            self.check_model(name)
+            return self
+        backend = await self.models.backend(name, keep_alive)
+        return self if backend is self.backend else replace(self, backend=backend)
 
     async def parse(self, request: Request, schema: type[B],
-                    check_model: Callable[[str | None], None] | None = None) -> tuple[B, str]:
+                    untag: Callable[[str], str] | None = None) -> tuple[B, str, RouteContext]:
         """The handler prologue: the body as `schema` (a 400 naming a bad or unknown field),
-        its model checked (by `check_model` where the family names models its own way), and
-        the request's id (the middleware's, or a new one)."""
+        the request's id (the middleware's, or a new one), and this context for the body's
+        model (`for_model`; `untag` maps a family's own spelling of a name to the served one,
+        Ollama's `name:latest`)."""
         body = parse_body(schema, await request.body(), self.fields)
-        (check_model or self.check_model)(body.model)
+        name = untag(body.model) if untag is not None and body.model else body.model
+        ctx = await self.for_model(name)
         return body, str(request.scope.get("state", {}).get("request_id") or
-                         uuid.uuid4().hex[:24])
+                         uuid.uuid4().hex[:24]), ctx
 
     async def start(self, request: Request, req: GenRequest
                     ) -> tuple[Event, AsyncGenerator[Event, None]] | None:
@@ -241,7 +253,7 @@ class RouteContext:
     def begin(self, request: Request, rid: str, inputs: object) -> Trace:
         """The Trace of an accepted request (the middleware logs and counts it at the end)."""
         start = request.scope.get("state", {}).get("start")
-        trace = Trace(rid, start=start or time.perf_counter())
+        trace = Trace(rid, start=start or time.perf_counter(), model=self.backend.model_name)
         if self.log_messages:
             trace.output = {}
             trace.input_text = json.dumps(inputs, ensure_ascii=False)

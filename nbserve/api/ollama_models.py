@@ -17,7 +17,7 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
-from ..types import Backend
+from ..types import Backend, ModelNotFoundError
 from .errors import APIError
 from .handler import RouteContext
 from .ollama_schemas import FIM_TOKENS, _is_special
@@ -36,14 +36,24 @@ def tag_name(served: str) -> str:
     return served if ":" in served else f"{served}:latest"
 
 
-def check_model(backend: Backend, name: str | None) -> None:
-    """Ollama's 404 unless `name` is the served model (with or without `:latest`); an empty
-    or missing name means the served model, as on the OpenAI routes."""
-    served = backend.model_name
-    if name and name not in (served, tag_name(served)):
-        raise APIError(404, f"model \"{name}\" not found, try pulling it first (this server "
-                       f"serves {tag_name(served)!r} only)", param="model",
-                       code="model_not_found")
+def untagged(name: str) -> str:
+    """A model name as the server serves it: Ollama's default tag `:latest` dropped."""
+    return name.removesuffix(":latest")
+
+
+def not_found(name: str, why: object = "") -> APIError:
+    """Ollama's 404 for a model the server does not have (nothing is pulled at run time)."""
+    return APIError(404, f"model \"{name}\" not found, try pulling it first ({why})",
+                    param="model", code="model_not_found")
+
+
+def unloaded_entry(name: str) -> JSONBody:
+    """/api/tags' entry of a model that has not loaded yet: its name (nothing else is known
+    before its file is read)."""
+    tag = tag_name(name)
+    return {"name": tag, "model": tag, "modified_at": None, "size": 0,
+            "digest": hashlib.sha256(tag.encode()).hexdigest(),
+            "details": {"parent_model": ""}}
 
 
 class ShowRequest(_Body):
@@ -142,23 +152,43 @@ def router(ctx: RouteContext) -> APIRouter:
     def card() -> ModelCard:
         return ModelCard(ctx.backend, loaded_at)  # per call: the backend may be swapped
 
+    def cards() -> tuple[list[ModelCard], list[str]]:
+        """(the loaded models' cards, the names of the others), the default first."""
+        if ctx.models is None:
+            return [card()], []
+        loaded, others = [], []
+        for entry in ctx.models.entries():
+            backend = ctx.models.loaded(entry.name)
+            if backend is None:
+                others.append(entry.name)
+            else:
+                loaded.append(ModelCard(backend, loaded_at))
+        return loaded, others
+
     @r.get("/version")
     async def version() -> JSONBody:
         return {"version": metadata.version("nbserve")}  # nbserve's own, installed
 
     @r.get("/tags")
     async def tags() -> JSONBody:
-        return {"models": [card().listed()]}
+        """Every model; one not loaded yet is listed with what its name tells (its size is
+        known once it has loaded)."""
+        loaded, others = cards()
+        return {"models": [c.listed() for c in loaded] + [unloaded_entry(n) for n in others]}
 
     @r.get("/ps")
     async def ps() -> JSONBody:
-        return {"models": [card().running()]}
+        return {"models": [c.running() for c in cards()[0]]}
 
     @r.post("/show", openapi_extra=body_ref(ShowRequest))
     async def show(request: HTTPRequest) -> JSONBody:
         body = parse_body(ShowRequest, await request.body(), ctx.fields)
-        check_model(ctx.backend, body.model or body.name)
-        return card().shown()
+        name = body.model or body.name
+        try:
+            served = await ctx.for_model(untagged(name) if name else name)
+        except ModelNotFoundError as exc:
+            raise not_found(exc.name, exc) from None
+        return ModelCard(served.backend, loaded_at).shown()
 
     @r.post("/pull", openapi_extra=body_ref(PullRequest))
     async def pull(request: HTTPRequest) -> Response:
@@ -166,11 +196,13 @@ def router(ctx: RouteContext) -> APIRouter:
         fetched at run time."""
         body = parse_body(PullRequest, await request.body(), ctx.fields)
         name = body.model or body.name
-        served = ctx.backend.model_name
-        if name and name not in (served, tag_name(served)):
+        names = [e.name for e in ctx.models.entries()] if ctx.models is not None else \
+            [ctx.backend.model_name]
+        if name and untagged(name) not in names:
             raise APIError(400, f"nbserve fetches nothing at run time: it serves "
-                           f"{tag_name(served)!r} only, which it loaded when it started. "
-                           f"Start nbserve with {name!r} to serve that model.", param="model")
+                           f"{', '.join(repr(tag_name(n)) for n in names)}. Start nbserve "
+                           f"with {name!r} (or add it: srv.add(name, source)) to serve that "
+                           "model.", param="model")
         rid = str(request.scope.get("state", {}).get("request_id", ""))
         return one_record({"status": "success"}, body.stream, rid)
 

@@ -139,12 +139,12 @@ def ranked(scores: list[float], docs: list[str], top_n: int | None,
     return out
 
 
-def router(ctx: RouteContext) -> APIRouter:
+def router(base: RouteContext) -> APIRouter:
     """POST /v1/rerank, /rerank and /v2/rerank: one JSON answer."""
     r = APIRouter()
 
     async def rerank(request: HTTPRequest) -> Response:
-        body, rid = await ctx.parse(request, RerankRequest)
+        body, rid, ctx = await base.parse(request, RerankRequest)
         docs = body.texts(ctx.limits)
         spec = EmbedSpec(score_token_ids=yes_no_ids(ctx.backend.tokenizer))
         prompts = [judge_prompt(ctx.backend, body.query, d, body.instruction) for d in docs]

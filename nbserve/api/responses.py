@@ -296,7 +296,7 @@ def _echoed(body: ResponsesRequest) -> JSONBody:
 # ----------------------------------------------------------------------------- the routes
 
 
-def router(ctx: RouteContext) -> APIRouter:
+def router(base: RouteContext) -> APIRouter:
     """POST /v1/responses (streamed as named SSE events, or its final state), and GET / DELETE
     of the responses kept in memory (one store per app)."""
     r = APIRouter(prefix="/v1")
@@ -304,7 +304,7 @@ def router(ctx: RouteContext) -> APIRouter:
 
     @r.post("/responses", openapi_extra=body_ref(ResponsesRequest))
     async def responses(request: HTTPRequest) -> Response:
-        body, rid = await ctx.parse(request, ResponsesRequest)
+        body, rid, ctx = await base.parse(request, ResponsesRequest)
         history: list[JSONBody] = []
         if body.previous_response_id:
             stored = store.get(body.previous_response_id)

@@ -41,11 +41,11 @@ def _text_of(body: TokenizeRequest) -> str | None:
     return given[0] if given else None
 
 
-def router(ctx: RouteContext) -> APIRouter:
+def router(base: RouteContext) -> APIRouter:
     """POST /tokenize and /detokenize (no /v1 prefix, as vLLM and llama.cpp serve them)."""
     r = APIRouter()
 
-    def tokenizer() -> TokenCodec:
+    def tokenizer(ctx: RouteContext) -> TokenCodec:
         tok = ctx.backend.tokenizer  # per call: the backend may be swapped
         if tok is None:
             raise APIError(501, "this backend does not expose its tokenizer here",
@@ -54,10 +54,10 @@ def router(ctx: RouteContext) -> APIRouter:
 
     @r.post("/tokenize", openapi_extra=body_ref(TokenizeRequest))
     async def tokenize(request: Request) -> JSONBody:
-        body, _ = await ctx.parse(request, TokenizeRequest)
+        body, _, ctx = await base.parse(request, TokenizeRequest)
         limits = ctx.limits
         text = _text_of(body)
-        tok = tokenizer()
+        tok = tokenizer(ctx)
         specials = body.add_special_tokens if body.add_special_tokens is not None else \
             body.add_special
         if text is not None:
@@ -86,8 +86,8 @@ def router(ctx: RouteContext) -> APIRouter:
 
     @r.post("/detokenize", openapi_extra=body_ref(DetokenizeRequest))
     async def detokenize(request: Request) -> JSONBody:
-        body, _ = await ctx.parse(request, DetokenizeRequest)
-        tok = tokenizer()
+        body, _, ctx = await base.parse(request, DetokenizeRequest)
+        tok = tokenizer(ctx)
         vocab = tok.vocab_size or ctx.backend.vocab_size or 0
         bad = [t for t in body.tokens if t < 0 or (vocab and t >= vocab)]
         if bad:

@@ -13,6 +13,7 @@ class Trace:
 
     request_id: str
     start: float = field(default_factory=time.perf_counter)
+    model: str = ""  # the model that served it (a metrics label)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

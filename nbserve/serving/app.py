@@ -42,7 +42,7 @@ from ..api.handler import RouteContext, RouteFamily
 from ..api.limits import Limits
 from ..api.openapi_schemas import add_request_schemas
 from ..api.trace import Trace
-from ..types import Backend, JSONObject
+from ..types import Backend, JSONObject, ModelDirectory
 from .metrics import Metrics
 from .options import ServerOptions
 
@@ -52,7 +52,7 @@ log = logging.getLogger("nbserve.server")
 # with a 503 while the server shuts down, and logged at INFO even when refused before starting.
 ROUTE_FAMILIES: tuple[RouteFamily, ...] = (
     RouteFamily(tokenize.router, (tokenize.TokenizeRequest, tokenize.DetokenizeRequest)),
-    RouteFamily(models.router),
+    RouteFamily(models.router, (models.ModelAction,)),
     RouteFamily(chat.router, (chat.ChatCompletionRequest,),
                 generation=frozenset({"/v1/chat/completions"})),
     RouteFamily(completions.router, (completions.CompletionRequest,),
@@ -191,13 +191,14 @@ async def _no_receive() -> Message:
     return {"type": "http.disconnect"}
 
 
-def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
+def create_app(backend: Backend | ModelDirectory, *, api_keys: str | Iterable[str] | None = None,
                cors_origins: str | Iterable[str] | None = None,
                limits: Limits | Mapping[str, Any] | None = None,
                rate_limit_per_minute: float | None = None, ui: bool = True,
                log_messages: bool = False, accept_unknown_fields: bool = False,
                options: ServerOptions | None = None) -> FastAPI:
-    """The ASGI app serving `backend` (an Engine or a Pool).
+    """The ASGI app serving `backend` (an Engine or a Pool; or several models, a
+    `ModelDirectory` such as `serving.model_set.ModelSet`, routed by each request's `model`).
 
     api_keys: required bearer keys for every route but /health and the docs (none: open).
     cors_origins: browser origins allowed to call the API (none by default).
@@ -217,6 +218,9 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
     """
     # Every keyword but backend and options is a ServerOptions field (a test checks that).
     given = {k: v for k, v in locals().items() if k not in ("backend", "options")}
+    directory: ModelDirectory | None = None
+    if isinstance(backend, ModelDirectory):  # several models: the default is the app's own
+        directory, backend = backend, backend.default
     if not isinstance(backend, Backend):
         raise TypeError(f"create_app needs a Backend: an Engine, a Pool, or an object with every "
                         f"member of nbserve.types.Backend (BackendDefaults gives the optional "
@@ -224,7 +228,7 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
                         "Example: create_app(Engine(load('smollm2')))")
     opts = ServerOptions.from_app_keywords(given, options)
     if options is not None:  # the record form is its keywords: the body below reads either
-        return create_app(backend, **opts.app_kwargs())
+        return create_app(directory or backend, **opts.app_kwargs())
     limits, log_messages = opts.limits, opts.log_messages
     key_list = list(opts.api_keys)
     keys = KeyAuth(key_list)
@@ -260,6 +264,7 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
                   lifespan=lifespan, docs_url="/docs", redoc_url=None,
                   dependencies=[Depends(guard)])
     app.state.backend, app.state.metrics, app.state.limits = backend, metrics, limits
+    app.state.models = directory  # the chat UI's model picker (None: one model)
     # The chat UI checks its turns with these same objects (one rate-limit bucket per client).
     app.state.key_auth, app.state.rate_limiter = keys, limiter
     app.state.accepting = True  # False once the server shuts down
@@ -297,7 +302,7 @@ def create_app(backend: Backend, *, api_keys: str | Iterable[str] | None = None,
         return Response(body, media_type=content_type)
 
     ctx = RouteContext(backend, limits, UnknownFields(accept=opts.accept_unknown_fields),
-                       log_messages)
+                       log_messages, directory)
     routers = [family.router(ctx) for family in ROUTE_FAMILIES]
     catch_alls = [unknown.router(routers),
                   unknown.router(routers, ollama_models.PREFIX.rstrip("/"),

@@ -7,6 +7,8 @@ while requests already running finish on the old backend, closed when its last o
 
 from __future__ import annotations
 
+import gc
+import sys
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, TypeGuard
@@ -20,6 +22,15 @@ from ..types import (
     Request,
     TokenCodec,
 )
+
+
+def free_memory() -> None:
+    """Collect a closed backend (an engine sits in reference cycles) and return cached CUDA
+    blocks."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class StoppedBackend(BackendDefaults):

@@ -115,6 +115,14 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
                         help="a client over --max-backlog whose oldest unread event has waited "
                         "longer than S seconds is too slow: its request is cancelled, its "
                         "stream ends with client_too_slow (default 10; 0: the count alone)")
+    parser.add_argument("--max-loaded", type=positive_int, default=None, metavar="N",
+                        help="several models: at most N loaded at once, the default included "
+                        "(the least recently used other one is unloaded)")
+    parser.add_argument("--max-memory", type=parse_kv_memory, default=None, metavar="BYTES",
+                        help='several models: unload the least recently used other ones past '
+                        'this many bytes of weights and KV cache ("8GiB")')
+    parser.add_argument("--keep-alive", type=seconds, default=None, metavar="S",
+                        help="several models: unload another model idle for S seconds")
     add_cli_options(parser)  # the server options: one flag per ServerOptions field
 
 
@@ -124,7 +132,8 @@ def serve_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                               "devices": parse_devices(args.devices)}
     for name in ("max_batch", "max_context", "dtype", "weights", "exact", "kv_memory",
                  "kv_block_size", "kv_dtype",
-                 "max_backlog", "slow_client_timeout"):
+                 "max_backlog", "slow_client_timeout", "max_loaded", "max_memory",
+                 "keep_alive"):
         value = vars(args).get(name)  # (the flags of add_serve_options; None: not given)
         if value is not None:
             kwargs[name] = value
@@ -132,13 +141,22 @@ def serve_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def models_argument(given: Sequence[str] | str) -> str | list[str]:
+    """What `launch` takes of the model arguments: one source as it is, several as a list."""
+    if isinstance(given, str):
+        return given
+    return given[0] if len(given) == 1 else list(given)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nbserve", description="Serve a language model: "
                                      "OpenAI-compatible API under /v1 and a chat UI at /.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model until Ctrl-C")
-    serve.add_argument("model", nargs="?", default="smollm2",
-                       help='"smollm2" (default), a HF checkpoint directory or a .gguf file')
+    serve.add_argument("model", nargs="*", default=["smollm2"],
+                       help='"smollm2" (default), a HF checkpoint directory, a .gguf file, or '
+                       'a folder of them; several (each may be name=source): the first is the '
+                       'default, the others load on the first request that names them')
     add_serve_options(serve)
     return parser
 
@@ -148,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .launch import serve
 
     try:
-        serve(args.model, **serve_kwargs(args))
+        serve(models_argument(args.model), **serve_kwargs(args))
     except (OSError, ValueError, RuntimeError) as exc:  # a clear message, not a traceback
         print(f"nbserve: error: {exc}", file=sys.stderr)
         return 1

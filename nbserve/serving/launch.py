@@ -18,8 +18,10 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from ..types import Backend
 from .access import Access, decide_access
-from .backend_ref import SwappableBackend, backend_option_names, is_backend
+from .backend_ref import SwappableBackend, backend_option_names, build_backend, is_backend
+from .model_set import ModelSet, several_models
 from .options import ServerOptions, option_names, suggest
 from .server import SERVERS, Server, bind
 from .share import open_share_link
@@ -29,7 +31,7 @@ from .startup import LoadingBackend, LoadState
 
 
 _LAUNCH_OWN = ("port", "host", "share", "devices", "tokenizer", "startup_timeout",
-               "stop_timeout", "wait", "options")
+               "stop_timeout", "wait", "options", "max_loaded", "max_memory", "keep_alive")
 
 
 def split_launch_options(kwargs: dict[str, Any], options: ServerOptions | None = None,
@@ -69,7 +71,9 @@ def _stop_earlier(port: int | None, model: object) -> None:
 def launch(model: object = "smollm2", *, port: int | None = None, host: str = "127.0.0.1",
            share: bool = False, devices: object = None, tokenizer: object = None,
            startup_timeout: float = 120.0, stop_timeout: float = 5.0, wait: bool | None = None,
-           options: ServerOptions | None = None, **kwargs: Any) -> Server:
+           options: ServerOptions | None = None, max_loaded: int | None = None,
+           max_memory: int | None = None, keep_alive: float | None = None,
+           **kwargs: Any) -> Server:
     """Serve `model` (a source like "smollm2", a HF dir or .gguf; a LoadedModel; or an
     Engine/Pool, served as is) on http://host:port (https:// with a certificate): OpenAI API
     under /v1, chat UI at /.
@@ -93,6 +97,12 @@ def launch(model: object = "smollm2", *, port: int | None = None, host: str = "1
     go to `Engine` and the loader (e.g. max_batch, max_context, dtype, weights, exact,
     queue_timeout,
     max_backlog, restart_on_failure). An unknown keyword is a TypeError naming it.
+    Several models: `model` a dict of name -> source, a list of sources (each named after its
+    file or folder, or "name=source"), or a folder of GGUF files and checkpoint folders; the
+    first is the default (loaded now, the chat UI's), the others load on the first request that
+    names them (`srv.add(name, source)` adds one later, `srv.remove(name)` unloads and forgets
+    it). `max_loaded` (models, the default included), `max_memory` (bytes of weights and KV
+    cache) and `keep_alive` (seconds idle) unload the least recently used of the others.
     `api_keys` protect /v1 and the UI; `share=True` without them generates one (printed once).
     `ui_password`: the UI (and its gradio API) also accepts this password at its login.
     """
@@ -107,11 +117,29 @@ def launch(model: object = "smollm2", *, port: int | None = None, host: str = "1
     opts = dataclasses.replace(opts, api_keys=tuple(access.api_keys))
     if wait is None:
         wait = not in_jupyter_kernel()
+    named = several_models(model)
+    default_name: str | None = None
+    others: dict[str, object] = {}
+    if named is not None:
+        if "name" in engine_options:
+            raise ValueError("name= names the one model served; with several, name each one "
+                             "(a dict of name -> source, or \"name=source\")")
+        default_name, model = next(iter(named.items()))
+        others = dict(list(named.items())[1:])
     _stop_earlier(port, model)
     sock = bind(host, port)
     build = dict(devices=devices, tokenizer=tokenizer, **engine_options)
-    load = LoadState(_source_name(model))
+
+    def build_named(name: str, source: object) -> tuple[Backend, bool]:
+        return build_backend(source, **({**build, "name": name} if not is_backend(source)
+                                        else build))
+
+    load = LoadState(default_name or _source_name(model))
     ref = SwappableBackend(LoadingBackend(load))
+    models = ModelSet(default_name, ref, build_named, others, max_loaded=max_loaded,
+                      max_memory=max_memory, keep_alive=keep_alive)
+    if default_name is not None and not is_backend(model):
+        build["name"] = default_name
     try:
         share_url = None
         if share:
@@ -121,12 +149,14 @@ def launch(model: object = "smollm2", *, port: int | None = None, host: str = "1
                       "only reachable locally", flush=True)
         from .app import create_app
 
-        app = create_app(ref, options=dataclasses.replace(opts, ui=False))  # the UI: later
+        app = create_app(models, options=dataclasses.replace(opts, ui=False))  # the UI: later
         server = Server(app, ref, sock, host, owned=False, options=opts,
                         share_url=share_url, model=model,
                         build_options={k: v for k, v in build.items() if v is not None},
-                        drain_s=float(stop_timeout), load=load, ui_password=access.ui_password)
+                        drain_s=float(stop_timeout), load=load, ui_password=access.ui_password,
+                        models=models)
     except BaseException:
+        models.close()
         sock.close()
         raise
     try:

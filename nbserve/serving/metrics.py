@@ -125,14 +125,18 @@ class Metrics:
                                   buckets=_DURATION_BUCKETS, registry=r)
         self.in_flight = Gauge("nbserve_http_requests_in_flight", "HTTP requests in progress",
                                registry=r)
-        self.prompt_tokens = Counter("nbserve_prompt_tokens", "Prompt tokens served", registry=r)
-        self.completion_tokens = Counter("nbserve_completion_tokens", "Completion tokens sent",
+        # by model: a server may serve several (serving/model_set.py)
+        self.prompt_tokens = Counter("nbserve_prompt_tokens", "Prompt tokens served by model",
+                                     ["model"], registry=r)
+        self.completion_tokens = Counter("nbserve_completion_tokens",
+                                         "Completion tokens sent by model", ["model"],
                                          registry=r)
         self.cached_tokens = Counter("nbserve_cached_prompt_tokens",
-                                     "Prompt tokens served from the prefix cache", registry=r)
+                                     "Prompt tokens served from the prefix cache by model",
+                                     ["model"], registry=r)
         self.ttft = Histogram("nbserve_time_to_first_token_seconds",
-                              "Time from request arrival to the first token",
-                              buckets=_TTFT_BUCKETS, registry=r)
+                              "Time from request arrival to the first token, by model",
+                              ["model"], buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("nbserve_inter_token_latency_seconds",
                              "Time between consecutive tokens of one choice",
                              buckets=_ITL_BUCKETS, registry=r)
@@ -166,11 +170,11 @@ class Metrics:
         self.n_prompt += trace.prompt_tokens
         self.n_completion += trace.completion_tokens
         self.n_cached += trace.cached_tokens
-        self.prompt_tokens.inc(trace.prompt_tokens)
-        self.completion_tokens.inc(trace.completion_tokens)
-        self.cached_tokens.inc(trace.cached_tokens)
+        self.prompt_tokens.labels(trace.model).inc(trace.prompt_tokens)
+        self.completion_tokens.labels(trace.model).inc(trace.completion_tokens)
+        self.cached_tokens.labels(trace.model).inc(trace.cached_tokens)
         if trace.ttft is not None:
-            self.ttft.observe(trace.ttft)
+            self.ttft.labels(trace.model).observe(trace.ttft)
             self._ttft.append(trace.ttft)
         for dt in trace.itl:
             self.itl.observe(dt)

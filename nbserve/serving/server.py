@@ -12,14 +12,12 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import errno
-import gc
 import html
 import http.client
 import json
 import os
 import socket
 import ssl
-import sys
 import threading
 import time
 from collections.abc import Coroutine
@@ -28,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from ..api.auth import KeyAuth
-from ..types import Backend, JSONValue
-from .backend_ref import SwappableBackend, build_backend, is_backend
+from ..types import Backend, JSONValue, ModelEntry
+from .backend_ref import SwappableBackend, build_backend, free_memory, is_backend
+from .model_set import ModelSet
 from .options import ServerOptions
 from .share import close_share_links
 from .startup import LoadingGate, LoadState
@@ -102,13 +101,15 @@ class Server:
     def __init__(self, app: FastAPI, ref: SwappableBackend, sock: socket.socket, host: str,
                  *, owned: bool, options: ServerOptions, share_url: str | None,
                  model: object, build_options: dict[str, Any], drain_s: float = 5.0,
-                 load: LoadState | None = None, ui_password: str | None = None):
+                 load: LoadState | None = None, ui_password: str | None = None,
+                 models: ModelSet | None = None):
         self.app, self._ref, self._sock = app, ref, sock
         self._load = load or LoadState.loaded(ref.model_name)
         # the chat UI, built once the model serves (after the load: with no load, none)
         self._ui_state = LoadState("the chat UI") if options.ui and load is not None else \
             LoadState.loaded("the chat UI")
         self._ui_password = ui_password
+        self._models = models
         self._loader: threading.Thread | None = None
         self._loop_ready = threading.Event()
         self._app_started = False  # the app's lifespan (and its UI's) has run
@@ -365,9 +366,11 @@ class Server:
                 self._uvicorn.force_exit = True
                 self._thread.join(10)
         self._sock.close()
+        if self._models is not None:
+            self._models.close()
         self._ref.close(close_current=self._owned)  # and drop it: the weights can be freed
         self._model, self._build_options = None, {}
-        _free_memory()
+        free_memory()
 
     def _join(self, timeout: float) -> None:
         """Wait for the serving thread to end; with TLS, abort the connections uvicorn has
@@ -437,6 +440,38 @@ class Server:
         self._build_ui_once()
         print(f"nbserve: {self.url} now serves {new.model_name}", flush=True)
         return self
+
+    # ------------------------------------------------------------------ several models
+
+    def _model_set(self) -> ModelSet:
+        if self._models is None or self._stopped:
+            raise RuntimeError("this server is stopped: call nbserve.launch(...) again")
+        return self._models
+
+    @property
+    def models(self) -> list[ModelEntry]:
+        """Every model this server serves, with its state (loaded, loading, unloaded,
+        failed), the default first."""
+        if self._models is None:
+            return [ModelEntry(self._ref.model_name, "loaded", default=True)]
+        return self._models.entries()
+
+    def add(self, name: str, model: object, *, load: bool = False) -> Server:
+        """Serve `model` (any source `launch` takes) as `name` too, loaded on the first
+        request that names it (or now, with `load=True`)."""
+        self._model_set().add(name, model, load=load)
+        return self
+
+    def remove(self, name: str) -> Server:
+        """Stop serving the model `name` (not the default): its running requests finish, then
+        its memory is given back."""
+        self._model_set().remove(name)
+        return self
+
+    def unload(self, name: str) -> bool:
+        """Unload the model `name` (it loads again on its next request); whether it was
+        loaded."""
+        return self._model_set().unload(name)
 
     # ------------------------------------------------------------------ access
 
@@ -513,15 +548,6 @@ def _cancel_leftover_tasks(loop: asyncio.AbstractEventLoop) -> None:
         task.cancel()
     if tasks:
         loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-
-
-def _free_memory() -> None:
-    """Collect the stopped engine (it sits in reference cycles) and return cached CUDA blocks."""
-
-    gc.collect()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def model_key(model: object) -> tuple[str, str | int]:

@@ -41,6 +41,7 @@ from ..types import (
     ErrorEvent,
     Event,
     Finished,
+    ModelDirectory,
     NbserveError,
     Request,
     SamplingParams,
@@ -48,6 +49,7 @@ from ..types import (
     ToolSpec,
 )
 from .ui_answer import Answer, ShownMessage, to_messages
+from .ui_compare import make_compare_fn
 from .ui_context import Message, fit_conversation
 from .ui_settings import JSON_BOX, TOOLS_BOX, answer_constraint, chat_params, chat_tools
 
@@ -182,21 +184,23 @@ def _calls_note(answer: Answer) -> str:
 
 def make_chat_fn(backend: Backend, *, limits: Limits | None = None,
                  rate_limiter: RateLimiter | None = None, login: UILogin | None = None,
-                 tool_choice: Literal["auto", "required"] = "auto"):
+                 tool_choice: Literal["auto", "required"] = "auto",
+                 models: ModelDirectory | None = None):
     """The async generator Gradio calls: yields (cumulative answer, stats line).
 
     Each turn takes one request from `rate_limiter` (the app's, shared with /v1), is checked
     against `limits` (default `Limits()`), and leaves out the oldest turns that do not fit;
     a refusal is shown in the chat. The answer is the text so far, or, once the model calls
     tools (given in the "Tools" box; `tool_choice` "required" makes it call one at least), a
-    list of chat messages: the text, then one per call (see `tool_call_message`).
+    list of chat messages: the text, then one per call (see `tool_call_message`). With
+    `models`, `model` picks which of the server's models answers ("": the default).
     """
     limits = limits or Limits()
 
     async def chat(message: object, history: list[dict[str, object]], system_prompt: str = "",
                    temperature: float = 0.7, top_p: float = 0.95,
                    max_tokens: float = DEFAULT_MAX_TOKENS, json_answer: str = "",
-                   tools_json: str = "", request: gr.Request | None = None
+                   tools_json: str = "", model: str = "", request: gr.Request | None = None
                    ) -> AsyncIterator[tuple[str | list[ShownMessage], str | dict[str, object]]]:
         answer = Answer()
         tokens, first, reason = 0, None, ""
@@ -205,20 +209,21 @@ def make_chat_fn(backend: Backend, *, limits: Limits | None = None,
         try:
             if rate_limiter is not None:
                 rate_limiter.check(rate_limit_client(request, login))
+            serving = await models.backend(model) if models is not None else backend
             params = chat_params(limits, temperature, top_p, max_tokens,
                                  answer_constraint(json_answer, limits))
             tools = chat_tools(tools_json, limits)
             fitted = fit_conversation(to_messages(message, history, system_prompt),
                                       limits=limits, max_tokens=params.max_tokens or 1,
-                                      count_tokens=_token_counter(backend, params, tools),
-                                      max_context=_max_context(backend))
+                                      count_tokens=_token_counter(serving, params, tools),
+                                      max_context=_max_context(serving))
             answer.lead = fitted.note + "\n\n" if fitted.note else ""
             answer.tools = {t["function"]["name"] for t in tools} if tools else None
             generation = Request(messages=_chat_messages(fitted.messages), params=params,
                                  tools=tools,
                                  tool_choice=tool_choice if tools else "auto",
                                  metadata={"source": "ui"})
-            async with _closing(backend.generate(generation)) as stream:
+            async with _closing(serving.generate(generation)) as stream:
                 async for ev in stream:
                     if isinstance(ev, Started):
                         answer.started(ev.tool_format, ev.reasoning, ev.thought_open)
@@ -267,16 +272,28 @@ def _header(backend: Backend, title: str | None) -> str:
     return f"## {title or 'nbserve'}\nModel: `{backend.model_name}`"
 
 
+def _model_choices(models: ModelDirectory | None) -> list[str]:
+    return [e.name for e in models.entries()] if models is not None else []
+
+
 def build_chat_ui(backend: Backend, *, title: str | None = None, limits: Limits | None = None,
                   rate_limiter: RateLimiter | None = None,
-                  login: UILogin | None = None) -> gr.Blocks:
+                  login: UILogin | None = None, models: ModelDirectory | None = None
+                  ) -> gr.Blocks:
     """A chat window for `backend`: streaming, multi-turn, with sampling settings, a JSON answer
-    and tools, and Stop; its turns obey `limits` and `rate_limiter` (see `make_chat_fn`)."""
+    and tools, and Stop; its turns obey `limits` and `rate_limiter` (see `make_chat_fn`).
+    With `models` holding several, a model picker and a Compare tab (one prompt to two
+    models, side by side: `ui_compare.py`)."""
     limits = limits or Limits()
     top, default = _max_tokens_range(backend, limits)
     page_title = title or f"nbserve · {backend.model_name}"
+    choices = _model_choices(models)
+    several = len(choices) > 1
     with gr.Blocks(title=page_title, analytics_enabled=False, fill_height=True) as demo:
         header = gr.Markdown(_header(backend, title), elem_id="nbserve-model")
+        picker = gr.Dropdown(choices, value=choices[0], label="Model", visible=several,
+                             elem_id="nbserve-picker", allow_custom_value=True) \
+            if choices else None
         speed = gr.Markdown("Last answer: none yet", elem_id="nbserve-speed")
         # render=False: ChatInterface puts them in its accordion
         settings: list[str | gr.components.Component] = [
@@ -293,9 +310,11 @@ def build_chat_ui(backend: Backend, *, title: str | None = None, limits: Limits 
             gr.Textbox("", label=TOOLS_BOX, lines=2, max_lines=12, render=False,
                        placeholder='Empty: none. Or a JSON list of functions the model may '
                        'call: [{"name": ..., "description": ..., "parameters": {...}}]'),
+            *([picker] if picker is not None else []),  # rendered above: it stays there
         ]
         chat = gr.ChatInterface(
-            make_chat_fn(backend, limits=limits, rate_limiter=rate_limiter, login=login),
+            make_chat_fn(backend, limits=limits, rate_limiter=rate_limiter, login=login,
+                         models=models),
             chatbot=gr.Chatbot(label="Chat", render=False,
                                placeholder="Ask the model anything. Stop ends an answer early."),
             textbox=gr.Textbox(placeholder="Type a message...", submit_btn=True, stop_btn=True,
@@ -313,7 +332,52 @@ def build_chat_ui(backend: Backend, *, title: str | None = None, limits: Limits 
         # The model can be swapped while serving (Server.update): show the current name.
         demo.load(lambda: _header(backend, title), None, header, queue=False,
                   show_progress="hidden", api_visibility="undocumented")
+        if models is not None and picker is not None:
+            compare = _compare_tab(models, choices, limits, rate_limiter, login, top)
+
+            def on_load() -> tuple[dict[str, object], dict[str, object]]:
+                """Models added or removed since: the picker and Compare follow."""
+                names = _model_choices(models)
+                return (gr.update(choices=names, visible=len(names) > 1),
+                        gr.update(visible=len(names) > 1))
+
+            demo.load(on_load, None, [picker, compare], queue=False, show_progress="hidden",
+                      api_visibility="undocumented")
     return demo
+
+
+def _compare_tab(models: ModelDirectory, choices: list[str], limits: Limits,
+                 rate_limiter: RateLimiter | None, login: UILogin | None, top: int
+                 ) -> gr.Accordion:
+    """The side-by-side mode, in an accordion under the chat (hidden with one model)."""
+    with gr.Accordion("Compare two models side by side", open=False,
+                      visible=len(choices) > 1, elem_id="nbserve-compare") as box:
+        with gr.Row():
+            model_a = gr.Dropdown(choices, value=choices[0] if choices else None,
+                                  label="Model A", allow_custom_value=True)
+            model_b = gr.Dropdown(choices, value=choices[1] if len(choices) > 1 else None,
+                                  label="Model B", allow_custom_value=True)
+        with gr.Row():
+            prompt = gr.Textbox(label="Prompt", lines=2, scale=5,
+                                elem_id="nbserve-compare-prompt")
+            temperature = gr.Slider(limits.min_temperature, limits.max_temperature, value=0.0,
+                                    step=0.05, label="Temperature", scale=1)
+            max_tokens = gr.Slider(1, top, value=min(256, top), step=1,
+                                   label="Max tokens", scale=1)
+        send = gr.Button("Send to both", variant="primary", elem_id="nbserve-compare-send")
+        with gr.Row():
+            with gr.Column():
+                answer_a = gr.Markdown(elem_id="nbserve-compare-a")
+                line_a = gr.Markdown(elem_id="nbserve-compare-a-speed")
+            with gr.Column():
+                answer_b = gr.Markdown(elem_id="nbserve-compare-b")
+                line_b = gr.Markdown(elem_id="nbserve-compare-b-speed")
+        fn = make_compare_fn(models, limits=limits, rate_limiter=rate_limiter,
+                             client_of=lambda request: rate_limit_client(request, login))
+        send.click(fn, [prompt, model_a, model_b, temperature, max_tokens],
+                   [answer_a, answer_b, line_a, line_b], api_name="compare",
+                   concurrency_limit=None)
+    return box
 
 
 def mount_ui(app: FastAPI, backend: Backend, path: str = "/",
@@ -334,7 +398,8 @@ def mount_ui(app: FastAPI, backend: Backend, path: str = "/",
     login = UILogin(key_auth, password)
     demo = build_chat_ui(backend, title=title, limits=getattr(app.state, "limits", None),
                          rate_limiter=getattr(app.state, "rate_limiter", None),
-                         login=login if login else None)
+                         login=login if login else None,
+                         models=getattr(app.state, "models", None))
     gr.mount_gradio_app(
         app, demo, path=path, auth=login if login else None, run_history=False,
         auth_message=login.message if login else None,
