@@ -258,3 +258,49 @@ async def test_the_ui_compares_two_models_side_by_side(folder: Path):
         assert "type a prompt" in empty
     finally:
         srv.stop()
+
+
+def test_other_clients_name_the_models_their_way(folder: Path):
+    """The Ollama client lists every model (`name:latest`) and answers with the one it names,
+    loading it; the Anthropic SDK and embeddings route by `model` too."""
+    import anthropic
+    import ollama
+
+    srv = launch({"alpha": str(folder / "alpha"), "beta": str(folder / "beta")}, ui=False,
+                 wait=True, max_batch=2, max_context=128)
+    try:
+        client = ollama.Client(host=srv.url)
+        assert [m.model for m in client.list().models] == ["alpha:latest", "beta:latest"]
+        assert [m.model for m in client.ps().models] == ["alpha:latest"]
+        r = client.chat(model="beta:latest", messages=PROMPT, options={"temperature": 0,
+                                                                       "num_predict": 8})
+        assert r.message.content == alone(folder / "beta")
+        assert [m.model for m in client.ps().models] == ["alpha:latest", "beta:latest"]
+        with pytest.raises(ollama.ResponseError) as err:
+            client.chat(model="gamma", messages=PROMPT)
+        assert err.value.status_code == 404 and "not found" in err.value.error
+        m = anthropic.Anthropic(base_url=srv.url, api_key="-", max_retries=0).messages.create(
+            model="beta", max_tokens=8, messages=PROMPT, extra_body={"temperature": 0})
+        assert m.model == "beta" and m.content[0].text == alone(folder / "beta")
+        vectors = srv.openai_client().embeddings.create(model="beta", input="hi").data
+        assert len(vectors[0].embedding) == 64
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_the_default_model_beside_another(folder: Path):
+    """The README's several-models example with the default model as the default: both answer
+    by name, the default a real answer."""
+    srv = launch({"chat": "smollm2", "tuned": str(folder / "alpha")}, ui=False, wait=True,
+                 max_batch=2, max_loaded=2, keep_alive=600)
+    try:
+        client = srv.openai_client()
+        r = client.chat.completions.create(
+            model="chat", temperature=0, max_tokens=20,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in (r.choices[0].message.content or "") and r.model == "chat"
+        assert answer(client, "tuned").choices[0].message.content == alone(folder / "alpha")
+        assert [m.state for m in srv.models] == ["loaded", "loaded"]
+    finally:
+        srv.stop()
