@@ -319,9 +319,11 @@ def test_a_strict_tool_with_a_keyword_that_cannot_be_enforced_is_refused_and_no_
 # ----------------------------------------------------------------------------- the docs
 
 def _docs_table() -> dict[str, tuple[str, str]]:
-    """docs/api.md's field table: `field` -> (fate on chat, fate on completions)."""
+    """docs/api.md's field table (its first section: the other APIs' sections have tables of
+    their own): `field` -> (fate on chat, fate on completions)."""
     rows: dict[str, tuple[str, str]] = {}
-    for line in (ROOT / "docs" / "api.md").read_text().splitlines():
+    first_section = (ROOT / "docs" / "api.md").read_text().split("\n## ", 1)[0]
+    for line in first_section.splitlines():
         m = re.match(r"\|\s*`([^`]+)`\s*\|\s*([^|]*?)\s*\|\s*([^|]*?)\s*\|", line)
         if m:
             rows[m.group(1)] = (m.group(2), m.group(3))
