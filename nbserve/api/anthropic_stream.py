@@ -15,8 +15,7 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from ..text.reasoning import ReasoningSplitter
-from ..text.tool_calls import FORMATS, HERMES, ToolCallParser
+from ..text.answer_split import AnswerSplit
 from ..types import Delta, ErrorEvent, Event, Finished, Started, Usage
 from .anthropic_errors import anthropic_error_shape
 from .errors import APIError, error_event_to_api
@@ -55,8 +54,7 @@ class MessageBuilder:
             "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": _usage(Usage(), 0)}
         self.error: APIError | None = None  # what ended the request, if it failed
-        self._thought: ReasoningSplitter | None = None
-        self._calls: ToolCallParser | None = None
+        self._split = AnswerSplit(False, False, None, None)  # Started gives the model's own
         self._open: JSONBody | None = None  # the open content block
         self._blocks = 0  # content blocks started
         self._call_blocks: dict[int, int] = {}  # the parser's call index -> its block index
@@ -104,16 +102,9 @@ class MessageBuilder:
 
     def _text(self, text: str, final: bool = False) -> None:
         """New model text: thought, then answer (read for tool calls when there are tools)."""
-        if self._thought is not None:
-            thought, text = self._thought.finish() if final else self._thought.feed(text)
-            if thought:
-                self._delta("thinking", thought)
-        if self._calls is None:
-            self._say(text)
-            return
-        pieces = self._calls.feed(text) if text else []
-        if final:
-            pieces += self._calls.finish()
+        thought, pieces = self._split.feed(text, final)
+        if thought:
+            self._delta("thinking", thought)
         for p in pieces:
             if p.kind == "content":
                 self._say(p.text)
@@ -136,11 +127,8 @@ class MessageBuilder:
                 if isinstance(ev, Started):
                     self.trace.prompt_tokens = ev.prompt_tokens
                     self.trace.cached_tokens = ev.cached_tokens
-                    if ev.reasoning:
-                        self._thought = ReasoningSplitter(ev.thought_open)
-                    if self.tool_names:
-                        fmt = FORMATS.get(ev.tool_format or "", HERMES)
-                        self._calls = fmt.parser(self.tool_names, self.parallel)
+                    self._split = AnswerSplit(ev.reasoning, ev.thought_open, ev.tool_format,
+                                              self.tool_names, self.parallel)
                     self.message["usage"] = _usage(Usage(ev.prompt_tokens, 0, ev.cached_tokens),
                                                    0)
                     self._emit("message_start", message=copy.deepcopy(self.message))

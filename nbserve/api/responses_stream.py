@@ -11,8 +11,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from ..text.reasoning import ReasoningSplitter
-from ..text.tool_calls import FORMATS, HERMES, ToolCallParser
+from ..text.answer_split import AnswerSplit
 from ..types import Delta, ErrorEvent, Event, Finished, Started
 from .streams import JSONBody
 from .trace import Trace
@@ -36,8 +35,7 @@ class ResponseBuilder:
             "status": "in_progress", "model": model, "output": self.output,
             "error": None, "incomplete_details": None, **body,
             "usage": None}
-        self._thought: ReasoningSplitter | None = None
-        self._calls: ToolCallParser | None = None
+        self._split = AnswerSplit(False, False, None, None)  # Started gives the model's own
         self._reasoning: JSONBody | None = None  # the open reasoning item
         self._message: JSONBody | None = None  # the open message item
         self._call_items: dict[int, JSONBody] = {}  # open function_call items
@@ -121,15 +119,8 @@ class ResponseBuilder:
 
     def _text(self, text: str, final: bool = False) -> None:
         """New model text: thought, then answer (read for calls when there are tools)."""
-        if self._thought is not None:
-            thought, text = self._thought.finish() if final else self._thought.feed(text)
-            self._reason(thought)
-        if self._calls is None:
-            self._say(text)
-            return
-        pieces = self._calls.feed(text) if text else []
-        if final:
-            pieces += self._calls.finish()
+        thought, pieces = self._split.feed(text, final)
+        self._reason(thought)
         for p in pieces:
             if p.kind == "content":
                 self._say(p.text)
@@ -166,16 +157,13 @@ class ResponseBuilder:
             while ev is not None:
                 if isinstance(ev, Started):
                     self.trace.prompt_tokens = ev.prompt_tokens
-                    if ev.reasoning:
-                        self._thought = ReasoningSplitter(ev.thought_open)
-                    if self.tool_names:
-                        fmt = FORMATS.get(ev.tool_format or "", HERMES)
-                        self._calls = fmt.parser(self.tool_names, self.parallel)
+                    self._split = AnswerSplit(ev.reasoning, ev.thought_open, ev.tool_format,
+                                              self.tool_names, self.parallel)
                 elif isinstance(ev, Delta):
                     self.trace.token(0, len(ev.token_ids))
-                    thinking = self._thought is not None and self._thought.in_thought
+                    thinking = self._split.in_thought
                     self._text(ev.text)
-                    if thinking or (self._thought is not None and self._thought.in_thought):
+                    if thinking or self._split.in_thought:
                         self.reasoning_tokens += len(ev.token_ids)
                 elif isinstance(ev, Finished):
                     self._finish(ev)
