@@ -322,3 +322,26 @@ def test_the_default_model_beside_another(folder: Path):
         assert [m.state for m in srv.models] == ["loaded", "loaded"]
     finally:
         srv.stop()
+
+
+def test_update_one_model_of_several(folder: Path):
+    """srv.update(source, name=...) swaps one model's weights; without a source it reloads
+    the model's own; the default is updated without a name; an unknown name is refused."""
+    from nbserve.types import ModelNotFoundError
+
+    srv = launch({"alpha": str(folder / "alpha"), "beta": str(folder / "beta")}, ui=False,
+                 wait=True, max_batch=2, max_context=128)
+    try:
+        client = srv.openai_client()
+        assert answer(client, "beta").choices[0].message.content == alone(folder / "beta")
+        srv.update(str(folder / "alpha"), name="beta")  # beta now serves alpha's weights
+        assert answer(client, "beta").choices[0].message.content == alone(folder / "alpha")
+        assert answer(client, "beta").model == "beta"
+        srv.update(name="beta")  # its (new) source again
+        assert answer(client, "beta").choices[0].message.content == alone(folder / "alpha")
+        with pytest.raises(ModelNotFoundError):
+            srv.update(str(folder / "beta"), name="gamma")
+        srv.update(str(folder / "beta"))  # the default
+        assert answer(client, "").choices[0].message.content == alone(folder / "beta")
+    finally:
+        srv.stop()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
@@ -238,6 +239,28 @@ class ModelSet:
         future = self._start_load(model)
         if future is not None:
             future.result(timeout)
+        return model.ref
+
+    def update(self, name: str, source: object = None) -> Backend:
+        """Serve `source` (default: the model's own source again, re-read) as `name` from now
+        on: requests already running finish on the old weights, which are then freed. The
+        default model is the server's to update (`Server.update`)."""
+        model = self._find(name)
+        if model is self._default:
+            raise ValueError(f"{self.default_name!r} is the default model: update it with "
+                             "srv.update(model), without a name")
+        if model.loading is not None:
+            with contextlib.suppress(Exception):  # (a failed load is replaced here)
+                model.loading.result()
+        src = model.source if source is None else source
+        backend, owned = self._build(model.name, src)
+        with self._lock:
+            old_owned = model.owned
+            model.source, model.owned, model.error = src, owned, None
+            model.state, model.last_used = "loaded", time.monotonic()
+        model.ref.swap(backend, close_old=old_owned)
+        log.info("model %r now serves %s", model.name, _source_text(src))
+        self._evict(keep=model)
         return model.ref
 
     def unload(self, name: str) -> bool:

@@ -417,15 +417,21 @@ class Server:
         while self._ref.in_flight() and time.monotonic() < deadline:
             time.sleep(0.02)
 
-    def update(self, model: object = None) -> Server:
+    def update(self, model: object = None, *, name: str | None = None) -> Server:
         """Serve `model` (same kinds as `launch`) from now on, at the same URL.
 
         Requests already running finish on the old weights, which are then freed; new requests
         use the new ones. With no argument, rebuild from the model last given (a source is
-        loaded again; a module in memory is taken again with its current weights).
+        loaded again; a module in memory is taken again with its current weights). `name`:
+        update that one of the server's several models instead of the default.
         """
         if self._stopped:
             raise RuntimeError("this server is stopped: call nbserve.launch(...) again")
+        if name is not None and self._models is not None and \
+                self._models.loaded(name) is not self._ref:
+            self._models.update(name, model)
+            print(f"nbserve: {self.url} now serves {name!r} from new weights", flush=True)
+            return self
         self._load.wait()  # the first load first (a failed one is replaced here)
         source = self._model if model is None else model
         if model is None and is_backend(source):
