@@ -7,7 +7,6 @@ while requests already running finish on the old backend, closed when its last o
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import sys
 import threading
@@ -30,20 +29,14 @@ def free_memory() -> None:
     to the system (glibc keeps freed pages in its arenas until trimmed: a GGUF model's blocks
     are many heap allocations), and return cached CUDA blocks."""
     gc.collect()
-    _trim_heap()
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
+    if torch is None:
+        return  # nothing was ever loaded
+    from ..cpu.memory import return_freed_memory
+
+    return_freed_memory()
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def _trim_heap() -> None:
-    """glibc's malloc_trim(0) where the C library is glibc (nothing elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (musl): its free returns pages itself
-        pass
 
 
 class StoppedBackend(BackendDefaults):
