@@ -345,3 +345,21 @@ def test_update_one_model_of_several(folder: Path):
         assert answer(client, "").choices[0].message.content == alone(folder / "beta")
     finally:
         srv.stop()
+
+
+def test_several_models_over_a_pool_of_devices(folder: Path):
+    """With `devices`, every model of the set is a Pool of its own replicas (each replica
+    holds the models it serves), and answers as it does alone."""
+    from nbserve.pool.pool import Pool
+
+    srv = launch({"alpha": str(folder / "alpha"), "beta": str(folder / "beta")}, ui=False,
+                 wait=True, devices=["cpu", "cpu"], max_batch=2, max_context=128)
+    try:
+        client = srv.openai_client()
+        assert answer(client, "beta").choices[0].message.content == alone(folder / "beta")
+        for name in ("alpha", "beta"):
+            served = srv._models.loaded(name)
+            assert served is not None and isinstance(served.current, Pool)
+            assert len(served.stats()["replicas"]) == 2
+    finally:
+        srv.stop()
