@@ -352,6 +352,7 @@ class Request:
     template_kwargs: JSONObject = field(default_factory=dict)  # e.g. enable_thinking
     add_generation_prompt: bool = True
     embed: EmbedSpec | None = None  # a prefill-only request: Started, Embedded, Finished
+    adapter: str | None = None  # the LoRA adapter its rows apply (added to the engine by name)
     request_id: str = field(default_factory=new_request_id)
     # Set by whoever routes the request (pool affinity, logging); the engine ignores it.
     metadata: dict[str, Any] = field(default_factory=dict)
