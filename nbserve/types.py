@@ -537,6 +537,20 @@ class Backend(Protocol):
         ...
 
 
+@runtime_checkable
+class AdapterHost(Protocol):
+    """A backend that serves LoRA adapters by name (an Engine over a native decoder): a request
+    names one in `Request.adapter`; over HTTP, `model` is "base:adapter"."""
+
+    def adapter_names(self) -> list[str]:
+        """The adapters served, in the order they were added."""
+        ...
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """Serve the adapter at `path` as `name`; ValueError naming what does not fit."""
+        ...
+
+
 class BackendDefaults:
     """`Backend`'s answers for a backend that knows no tokenizer, context or prompt (one that
     stands in while a model loads or after it stopped, a test double): a base class that

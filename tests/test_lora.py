@@ -16,7 +16,15 @@ import torch
 
 from nbserve.engine import Engine
 from nbserve.loading.hf_dir import load_hf_dir
-from nbserve.types import Delta, ErrorEvent, Request, SamplingParams
+from nbserve.types import (
+    Delta,
+    ErrorEvent,
+    Finished,
+    ModelNotFoundError,
+    Request,
+    SamplingParams,
+    Usage,
+)
 from tests.tiny_models import make_tiny_hf_dir
 
 peft = pytest.importorskip("peft")
@@ -81,13 +89,17 @@ def peft_reference(dirs: dict[str, Path], adapter: str | None, prompt: list[int]
     return ids[len(prompt):], torch.stack(rows)
 
 
-def run(engine: Engine, prompt: list[int], adapter: str | None, steps: int) -> list[int]:
+def run(engine: Engine, prompt: list[int], adapter: str | None, steps: int,
+        usage: list[Usage] | None = None) -> list[int]:
+    """The greedy tokens of `prompt` (the request's usage appended to `usage`)."""
     out: list[int] = []
     for ev in engine.stream(Request(prompt_ids=prompt, adapter=adapter, params=SamplingParams(
             temperature=0, max_tokens=steps, ignore_eos=True))):
         assert not isinstance(ev, ErrorEvent), ev.message
         if isinstance(ev, Delta):
             out += ev.token_ids
+        if isinstance(ev, Finished) and usage is not None:
+            usage.append(ev.usage)
     return out
 
 
@@ -145,3 +157,56 @@ def test_mixed_batch_equals_each_alone(engine: Engine) -> None:
         t.join(60)
     assert results == alone
     assert len({tuple(r) for r in alone}) > len(PROMPTS)  # the adapters change the answers
+
+
+def test_prefix_cache_is_never_shared_across_adapters(dirs: dict[str, Path],
+                                                      engine: Engine) -> None:
+    """A long prompt served first without an adapter: the same prompt with adapter a takes
+    nothing from the cache (the base's keys and values are not a's) and still answers as PEFT
+    does; a second time with a, it takes a's own cached blocks."""
+    prompt = [(7 * i + 3) % 500 + 10 for i in range(80)]  # over two 32-token blocks
+    usage: list[Usage] = []
+    run(engine, prompt, None, 2, usage)
+    want, _ = peft_reference(dirs, "a", prompt, 6)
+    assert run(engine, prompt, "a", 6, usage) == want
+    assert usage[-1].cached_tokens == 0
+    assert run(engine, prompt, "a", 6, usage) == want
+    assert usage[-1].cached_tokens >= 64
+    assert run(engine, prompt, "b", 2, usage) and usage[-1].cached_tokens == 0
+
+
+def test_an_unknown_adapter_is_a_404_naming_those_there_are(engine: Engine) -> None:
+    with pytest.raises(ModelNotFoundError, match="base:nope.*'base:a', 'base:b'"):
+        run(engine, PROMPTS[0], "nope", 2)
+
+
+def rename_module(adapter: Path, out: Path, old: str, new: str) -> Path:
+    """A copy of `adapter` whose tensors of module `old` are named `new`."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    save_file({k.replace(old, new): v for k, v in tensors.items()},
+              str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    return out
+
+
+def test_adapters_that_do_not_fit_are_refused_naming_the_mismatch(
+        dirs: dict[str, Path], engine: Engine, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"q_proj has lora_A \(4, 96\).*maps 64 to 64 features"):
+        engine.add_adapter("wide", str(dirs["wide"]))
+    odd = rename_module(dirs["a"], tmp_path / "odd", "self_attn.q_proj", "self_attn.c_attn")
+    with pytest.raises(ValueError, match=r"targets 'model.layers.0.self_attn.c_attn', which "
+                       r"this LlamaForCausalLM model has not \(its LoRA targets are down_proj,"):
+        engine.add_adapter("odd", str(odd))
+    for field, value, why in (("fan_in_fan_out", True, "fan_in_fan_out is true"),
+                              ("bias", "all", "bias is 'all'"),
+                              ("modules_to_save", ["lm_head"], "modules_to_save"),
+                              ("use_dora", True, "DoRA")):
+        bad = make_adapter(dirs["base"], tmp_path / field, 5, {"q_proj"}, **{field: value})
+        with pytest.raises(ValueError, match=why):
+            engine.add_adapter(field, str(bad))
+    with pytest.raises(ValueError, match="not a PEFT adapter directory"):
+        engine.add_adapter("empty", str(tmp_path))
+    assert engine.adapter_names() == ["a", "b"]  # nothing of the refused ones stayed
