@@ -210,3 +210,34 @@ def test_adapters_that_do_not_fit_are_refused_naming_the_mismatch(
     with pytest.raises(ValueError, match="not a PEFT adapter directory"):
         engine.add_adapter("empty", str(tmp_path))
     assert engine.adapter_names() == ["a", "b"]  # nothing of the refused ones stayed
+
+
+@pytest.mark.usefixtures("no_server_left")
+def test_served_by_name_through_the_openai_sdk(dirs: dict[str, Path]) -> None:
+    """launch(adapters=...) and srv.add_adapter: /v1/models lists base:a and base:b; each
+    answers (greedy, through the OpenAI SDK) as transformers + PEFT; an unknown adapter is a
+    404 naming the models there are; an adapter that does not fit is refused at add."""
+    import openai
+
+    from nbserve import launch
+
+    srv = launch(str(dirs["base"]), adapters={"a": str(dirs["a"])}, ui=False, wait=True,
+                 max_batch=4, max_context=128)
+    try:
+        srv.add_adapter(None, "b", str(dirs["b"]))
+        with pytest.raises(ValueError, match="maps 64 to 64 features"):
+            srv.add_adapter("base", "wide", str(dirs["wide"]))
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none")
+        assert [m.id for m in client.models.list().data] == ["base", "base:a", "base:b"]
+        tokenizer = load_hf_dir(dirs["base"]).tokenizer
+        for model, adapter in (("base:a", "a"), ("base:b", "b"), ("base", None)):
+            want, _ = peft_reference(dirs, adapter, PROMPTS[1], 8)
+            got = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=8,
+                                            temperature=0)
+            assert got.model == model
+            assert got.choices[0].text == tokenizer.decode(want), model
+        with pytest.raises(openai.NotFoundError, match="base:zzz.*'base:a'"):
+            client.chat.completions.create(model="base:zzz", max_tokens=2,
+                                           messages=[{"role": "user", "content": "hi"}])
+    finally:
+        srv.stop()
