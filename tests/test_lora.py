@@ -134,6 +134,78 @@ def test_logits_equal_peft(dirs: dict[str, Path]) -> None:
     assert (base_ref - a_ref).abs().max() > 0.1
 
 
+def forward_rows(model: Any, prompts: list[list[int]], adapters: list[int]) -> torch.Tensor:
+    """The last prompt position's logits and the next (decode) step's, of `prompts` (one
+    length) in one batch whose row b applies adapter adapters[b]: (B, 2, V)."""
+    b, t = len(prompts), len(prompts[0])
+    cache = model.make_paged_cache(4 * b, 32)
+    tables = torch.arange(b)[:, None]
+    with model.lora_rows(adapters):
+        first = model.forward(torch.tensor(prompts), torch.arange(t).repeat(b, 1), tables,
+                              cache, max_pos=t - 1)[:, -1]
+        second = model.forward(first.argmax(-1)[:, None], torch.full((b, 1), t), tables,
+                               cache, max_pos=t)[:, -1]
+    return torch.stack([first, second], dim=1)
+
+
+def test_one_batch_of_mixed_rows_equals_each_row_alone(dirs: dict[str, Path]) -> None:
+    """A prefill and a decode step of rows with adapter a, adapter b and none, in one forward
+    each: every row's logits equal that row's alone (and the adapters change them)."""
+    model: Any = load_hf_dir(dirs["base"]).model
+    model.add_lora(0, str(dirs["a"]))
+    model.add_lora(1, str(dirs["b"]))
+    prompt = PROMPTS[0]
+    rows = [0, 1, -1, 0]
+    together = forward_rows(model, [prompt, prompt, prompt, prompt[::-1]], rows)
+    for i, index in enumerate(rows):
+        alone = forward_rows(model, [prompt if i < 3 else prompt[::-1]], [index])[0]
+        assert torch.allclose(together[i], alone, atol=1e-5, rtol=0), i
+    assert (together[0] - together[2]).abs().max() > 0.1
+    assert (together[1] - together[2]).abs().max() > 0.1
+
+
+QUANT_TOL = 0.2  # Q8_0 blocks against float weights: the base alone is off by about 0.07
+
+
+def test_quantized_base_keeps_its_blocks_and_applies_the_adapter(dirs: dict[str, Path],
+                                                                  tmp_path: Path) -> None:
+    """The base as a Q8_0 GGUF, served from its blocks: logits with an adapter stay within
+    quantization error of PEFT's on the float weights (the adapter moves them much more),
+    and a decode batch mixing adapters gives each row what it gets alone."""
+    from nbserve import load
+    from tests.gguf_util import hf_dir_to_gguf
+
+    gguf_file = str(hf_dir_to_gguf(dirs["base"], tmp_path / "base.gguf", "Q8_0"))
+    model: Any = load(gguf_file).model
+    assert model.weight_format == "quantized"
+    model.add_lora(0, str(dirs["a"]))
+    prompt = PROMPTS[0]
+    (_, ref_a), (_, ref_base) = (peft_reference(dirs, n, prompt, 1) for n in ("a", None))
+    for index, ref in ((0, ref_a), (-1, ref_base)):
+        cache = model.make_paged_cache(8, 32)
+        with model.lora_rows([index]):
+            ours = model.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None],
+                                 torch.tensor([[0]]), cache)[0, -1]
+        assert (ours - ref[0]).abs().max() < QUANT_TOL, index
+    assert (ref_a - ref_base).abs().max() > 10 * QUANT_TOL
+    engine = Engine(load(gguf_file), quiet=True, max_batch=8, max_context=128)
+    try:
+        engine.add_adapter("a", str(dirs["a"]))
+        engine.add_adapter("b", str(dirs["b"]))
+        cases = [(p, name) for p in PROMPTS for name in ("a", "b", None)]
+        alone = [run(engine, p, name, 8) for p, name in cases]
+        results: list[list[int] | None] = [None] * len(cases)
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+            i, run(engine, *cases[i], 8))) for i in range(len(cases))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results == alone
+    finally:
+        engine.close()
+
+
 def test_greedy_tokens_equal_peft(dirs: dict[str, Path], engine: Engine) -> None:
     for name in ("a", "b", None):
         want, _ = peft_reference(dirs, name, PROMPTS[1], 10)

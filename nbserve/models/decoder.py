@@ -160,7 +160,9 @@ class DecoderModel(PagedSteps, WeightFormats, PagedModel):
         """Load the PEFT adapter at `path` as adapter `index` (models/lora.py): its low-rank
         factors sit beside the base weights, which stay as they are. Projections fused later
         (`fuse_projections(rebuild=True)`) drop the adapters: add them again."""
-        install_adapter(self._lora_holders(), self.adapter_rows, index, read_peft_adapter(path),
+        adapter = read_peft_adapter(path)
+        self.remove_lora(index)  # (a new adapter at an index replaces the old one whole)
+        install_adapter(self._lora_holders(), self.adapter_rows, index, adapter,
                         self.device, self.dtype, self.config.architecture)
 
     def remove_lora(self, index: int) -> None:
