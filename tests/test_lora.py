@@ -313,3 +313,58 @@ def test_served_by_name_through_the_openai_sdk(dirs: dict[str, Path]) -> None:
                                            messages=[{"role": "user", "content": "hi"}])
     finally:
         srv.stop()
+
+
+def peft_to_gguf(adapter: Path, base: Path, out: Path, alpha: float) -> Path:
+    """`adapter` written as llama.cpp's convert_lora_to_gguf.py writes a LoRA: general.type
+    "adapter", adapter.lora.alpha, `blk.N.<tensor>.weight.lora_a` / `.lora_b` (F16), B of
+    attn_q / attn_k in llama.cpp's Q/K row order."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from tests.gguf_util import llama_permute
+
+    cfg = json.loads((base / "config.json").read_text())
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg["num_hidden_layers"])
+    writer = gguf.GGUFWriter(out, "llama")
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", alpha)
+    for name, w in sorted(load_file(str(adapter / "adapter_model.safetensors")).items()):
+        module, _, kind = name.removeprefix("base_model.model.").rpartition(".lora_")
+        gguf_name = names.get_name(module)
+        assert gguf_name is not None, module
+        values = w.numpy()
+        if kind == "B.weight" and gguf_name.endswith(("attn_q", "attn_k")):
+            heads = cfg["num_attention_heads" if gguf_name.endswith("attn_q")
+                        else "num_key_value_heads"]
+            values = llama_permute(values, heads)
+        suffix = "lora_a" if kind == "A.weight" else "lora_b"
+        writer.add_tensor(f"{gguf_name}.weight.{suffix}", values.astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_gguf_lora_file_equals_peft(dirs: dict[str, Path], tmp_path: Path) -> None:
+    """llama.cpp's GGUF LoRA of adapter a (F16 tensors) on a GGUF base: logits equal PEFT's
+    with a to float16 rounding of the factors; a GGUF file of another kind is refused."""
+    from nbserve import load
+    from tests.gguf_util import hf_dir_to_gguf
+
+    lora_file = peft_to_gguf(dirs["a"], dirs["base"], tmp_path / "a.gguf", alpha=8.0)
+    base_file = hf_dir_to_gguf(dirs["base"], tmp_path / "base.gguf", "F32")
+    model: Any = load(str(base_file)).model
+    model.add_lora(0, str(lora_file))
+    prompt = PROMPTS[0]
+    cache = model.make_paged_cache(8, 32)
+    with model.lora_rows([0]):
+        ours = model.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None],
+                             torch.tensor([[0]]), cache)[0, -1]
+    _, ref = peft_reference(dirs, "a", prompt, 1)
+    assert (ours - ref[0]).abs().max() < 0.02  # the factors went through float16
+    with pytest.raises(ValueError, match="is not a GGUF LoRA adapter"):
+        model.add_lora(1, str(base_file))
