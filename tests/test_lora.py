@@ -368,3 +368,19 @@ def test_gguf_lora_file_equals_peft(dirs: dict[str, Path], tmp_path: Path) -> No
     assert (ours - ref[0]).abs().max() < 0.02  # the factors went through float16
     with pytest.raises(ValueError, match="is not a GGUF LoRA adapter"):
         model.add_lora(1, str(base_file))
+
+
+def test_a_second_family_with_attention_biases(tmp_path: Path) -> None:
+    """Qwen2 (q/k/v biases, which the adapter leaves as they are): an adapter on every
+    projection gives PEFT's logits, alone and beside a row without it."""
+    base = make_tiny_hf_dir(tmp_path / "qwen", arch="qwen2", tie=False)
+    adapter = make_adapter(base, tmp_path / "qa", 7, TARGETS, rank=2, alpha=16.0)
+    model: Any = load_hf_dir(base).model
+    model.add_lora(0, str(adapter))
+    dirs = {"base": base, "qa": adapter}
+    prompt = PROMPTS[0]
+    got = forward_rows(model, [prompt, prompt], [0, -1])
+    for row, name in ((0, "qa"), (1, None)):
+        _, ref = peft_reference(dirs, name, prompt, 1)
+        assert torch.allclose(got[row, 0], ref[0], atol=LOGIT_TOL, rtol=0), name
+    assert (got[0, 0] - got[1, 0]).abs().max() > 0.1

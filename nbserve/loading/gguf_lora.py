@@ -25,6 +25,8 @@ def read_gguf_lora(path: str | Path, cfg: dict[str, Any]) -> LoraAdapter:
     num_attention_heads, num_key_value_heads); AdapterError for a file that is not a LoRA
     adapter nbserve serves."""
     path = Path(path)
+    if not path.is_file():
+        raise AdapterError(f"no GGUF LoRA file at {path}")
     reader = _open(path)
     meta = Meta(reader)
     if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
