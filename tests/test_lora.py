@@ -293,14 +293,17 @@ def test_served_by_name_through_the_openai_sdk(dirs: dict[str, Path]) -> None:
 
     from nbserve import launch
 
-    srv = launch(str(dirs["base"]), adapters={"a": str(dirs["a"])}, ui=False, wait=True,
+    srv = launch({"base": str(dirs["base"]), "two": str(dirs["base"])}, ui=False, wait=True,
+                 adapters={"a": str(dirs["a"]), "two:a": str(dirs["a"]),
+                           "two:wide": str(dirs["wide"])},  # two loads on its first request
                  max_batch=4, max_context=128)
     try:
         srv.add_adapter(None, "b", str(dirs["b"]))
         with pytest.raises(ValueError, match="maps 64 to 64 features"):
             srv.add_adapter("base", "wide", str(dirs["wide"]))
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none")
-        assert [m.id for m in client.models.list().data] == ["base", "base:a", "base:b"]
+        assert [m.id for m in client.models.list().data] == \
+            ["base", "two", "base:a", "base:b", "two:a", "two:wide"]
         tokenizer = load_hf_dir(dirs["base"]).tokenizer
         for model, adapter in (("base:a", "a"), ("base:b", "b"), ("base", None)):
             want, _ = peft_reference(dirs, adapter, PROMPTS[1], 8)
@@ -308,6 +311,13 @@ def test_served_by_name_through_the_openai_sdk(dirs: dict[str, Path]) -> None:
                                             temperature=0)
             assert got.model == model
             assert got.choices[0].text == tokenizer.decode(want), model
+        want, _ = peft_reference(dirs, "a", PROMPTS[0], 6)
+        got = client.completions.create(model="two:a", prompt=PROMPTS[0], max_tokens=6,
+                                        temperature=0)  # loads two, then installs a there
+        assert got.choices[0].text == tokenizer.decode(want)
+        with pytest.raises(openai.BadRequestError, match="'wide' of two cannot be served.*"
+                           "maps 64 to 64 features"):
+            client.completions.create(model="two:wide", prompt="hi", max_tokens=2)
         with pytest.raises(openai.NotFoundError, match="base:zzz.*'base:a'"):
             client.chat.completions.create(model="base:zzz", max_tokens=2,
                                            messages=[{"role": "user", "content": "hi"}])
