@@ -394,3 +394,26 @@ def test_a_second_family_with_attention_biases(tmp_path: Path) -> None:
         _, ref = peft_reference(dirs, name, prompt, 1)
         assert torch.allclose(got[row, 0], ref[0], atol=LOGIT_TOL, rtol=0), name
     assert (got[0, 0] - got[1, 0]).abs().max() > 0.1
+
+
+def test_static_decode_steps_are_skipped_for_adapter_rows(dirs: dict[str, Path]) -> None:
+    """With static decode steps (eager on CPU, CUDA graphs on a GPU), which know no adapters:
+    a step with adapter rows runs the plain path, so a's answer stays PEFT's, and a step of
+    base rows alone still takes the static steps."""
+    engine = Engine(load_hf_dir(dirs["base"]), quiet=True, max_batch=4, max_context=128,
+                    static_decode=True)
+    try:
+        engine.add_adapter("a", str(dirs["a"]))
+
+        def static_steps() -> int:
+            described = engine.static_decode
+            assert described is not None
+            return int(described["steps"] or 0)
+
+        for name, static in (("a", False), (None, True)):
+            before = static_steps()
+            want, _ = peft_reference(dirs, name, PROMPTS[2], 8)
+            assert run(engine, PROMPTS[2], name, 8) == want, name
+            assert (static_steps() > before) == static, name
+    finally:
+        engine.close()
