@@ -16,6 +16,7 @@ import torch
 
 from nbserve.engine import Engine
 from nbserve.loading.hf_dir import load_hf_dir
+from nbserve.loading.lora_files import read_adapter
 from nbserve.types import (
     Delta,
     ErrorEvent,
@@ -117,8 +118,8 @@ def test_logits_equal_peft(dirs: dict[str, Path]) -> None:
     differ from the base's: the adapter does something)."""
     loaded = load_hf_dir(dirs["base"])
     model: Any = loaded.model
-    model.add_lora(0, str(dirs["a"]))
-    model.add_lora(1, str(dirs["b"]))
+    model.add_lora(0, read_adapter(dirs["a"]))
+    model.add_lora(1, read_adapter(dirs["b"]))
     prompt = PROMPTS[0]
     for index, name in ((0, "a"), (1, "b"), (-1, None)):
         cache = model.make_cache(1, 64)
@@ -152,8 +153,8 @@ def test_one_batch_of_mixed_rows_equals_each_row_alone(dirs: dict[str, Path]) ->
     """A prefill and a decode step of rows with adapter a, adapter b and none, in one forward
     each: every row's logits equal that row's alone (and the adapters change them)."""
     model: Any = load_hf_dir(dirs["base"]).model
-    model.add_lora(0, str(dirs["a"]))
-    model.add_lora(1, str(dirs["b"]))
+    model.add_lora(0, read_adapter(dirs["a"]))
+    model.add_lora(1, read_adapter(dirs["b"]))
     prompt = PROMPTS[0]
     rows = [0, 1, -1, 0]
     together = forward_rows(model, [prompt, prompt, prompt, prompt[::-1]], rows)
@@ -178,7 +179,7 @@ def test_quantized_base_keeps_its_blocks_and_applies_the_adapter(dirs: dict[str,
     gguf_file = str(hf_dir_to_gguf(dirs["base"], tmp_path / "base.gguf", "Q8_0"))
     model: Any = load(gguf_file).model
     assert model.weight_format == "quantized"
-    model.add_lora(0, str(dirs["a"]))
+    model.add_lora(0, read_adapter(dirs["a"]))
     prompt = PROMPTS[0]
     (_, ref_a), (_, ref_base) = (peft_reference(dirs, n, prompt, 1) for n in ("a", None))
     for index, ref in ((0, ref_a), (-1, ref_base)):
@@ -368,7 +369,7 @@ def test_gguf_lora_file_equals_peft(dirs: dict[str, Path], tmp_path: Path) -> No
     lora_file = peft_to_gguf(dirs["a"], dirs["base"], tmp_path / "a.gguf", alpha=8.0)
     base_file = hf_dir_to_gguf(dirs["base"], tmp_path / "base.gguf", "F32")
     model: Any = load(str(base_file)).model
-    model.add_lora(0, str(lora_file))
+    model.add_lora(0, read_adapter(lora_file))
     prompt = PROMPTS[0]
     cache = model.make_paged_cache(8, 32)
     with model.lora_rows([0]):
@@ -377,7 +378,7 @@ def test_gguf_lora_file_equals_peft(dirs: dict[str, Path], tmp_path: Path) -> No
     _, ref = peft_reference(dirs, "a", prompt, 1)
     assert (ours - ref[0]).abs().max() < 0.02  # the factors went through float16
     with pytest.raises(ValueError, match="is not a GGUF LoRA adapter"):
-        model.add_lora(1, str(base_file))
+        model.add_lora(1, read_adapter(base_file))
 
 
 def test_a_second_family_with_attention_biases(tmp_path: Path) -> None:
@@ -386,7 +387,7 @@ def test_a_second_family_with_attention_biases(tmp_path: Path) -> None:
     base = make_tiny_hf_dir(tmp_path / "qwen", arch="qwen2", tie=False)
     adapter = make_adapter(base, tmp_path / "qa", 7, TARGETS, rank=2, alpha=16.0)
     model: Any = load_hf_dir(base).model
-    model.add_lora(0, str(adapter))
+    model.add_lora(0, read_adapter(adapter))
     dirs = {"base": base, "qa": adapter}
     prompt = PROMPTS[0]
     got = forward_rows(model, [prompt, prompt], [0, -1])

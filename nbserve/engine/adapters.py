@@ -8,6 +8,7 @@ import secrets
 import threading
 from dataclasses import dataclass
 
+from ..loading.lora_files import read_adapter
 from ..models.base import SlotModel
 from ..types import ModelNotFoundError
 from .prefix_keys import ROOT_KEY
@@ -37,7 +38,7 @@ class EngineAdapters:
             if name in self._by_name:
                 raise ValueError(f"an adapter named {name!r} is already served")
             index, self._next = self._next, self._next + 1
-        self._model.add_lora(index, str(path))
+        self._model.add_lora(index, read_adapter(path))
         adapter = ServedAdapter(name, str(path), index, secrets.token_bytes(16))
         with self._lock:
             self._by_name[name] = adapter

@@ -28,6 +28,7 @@ from gguf import GGUFReader, ReaderTensor, TokenType
 from gguf.quants import dequantize
 
 from ..models.family import GGUFLayout
+from ..models.rope import unpermute_qk
 
 # Tensors that only carry configuration (folded into rope_scaling), never served as weights.
 CONFIG_ONLY = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
@@ -104,13 +105,6 @@ class Rule:
             yield self.hf_names[0], w
         else:
             yield from zip(self.hf_names, w.unbind(0))
-
-
-def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row order: per head it stores rows (0, D/2, 1, D/2+1, ...)."""
-    rows = w.shape[0]  # (H*D, ...) -> (H, D/2, 2, ...) -> (H, 2, D/2, ...)
-    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2)
-            .reshape(w.shape))
 
 
 def tensor_rule(t: ReaderTensor, layout: GGUFLayout, cfg: dict[str, Any]) -> Rule | None:

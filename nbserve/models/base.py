@@ -28,6 +28,7 @@ from .pooling import DECODER_DEFAULT, Pooling
 
 if TYPE_CHECKING:
     from ..text import ChatTemplate, Tokenizer
+    from .lora import LoraAdapter
 
 
 class SlotCache(Protocol):
@@ -175,9 +176,9 @@ class SlotModel(ABC):
         """The bytes `cache` (made by this model) holds."""
         return int(cache.nbytes)
 
-    def add_lora(self, index: int, path: str) -> None:
-        """Load the LoRA adapter at `path` as adapter `index` (models/lora.py); ValueError
-        where it does not fit. Served by nbserve's decoder; other models take none."""
+    def add_lora(self, index: int, adapter: LoraAdapter) -> None:
+        """Install `adapter` as adapter `index` (models/lora.py); ValueError where it does not
+        fit. Served by nbserve's decoder; other models take none."""
         raise ValueError(f"{type(self).__name__} serves no LoRA adapters (nbserve serves them "
                          "on its native decoder families)")
 

@@ -38,7 +38,7 @@ from .base import PagedModel
 from .config import DecoderConfig
 from .dtypes import QUANTIZED_FORMATS
 from .layers import MLP, KernelNorm, make_mlp, make_norm
-from .lora import LoraAdapter, install_adapter, read_peft_adapter, remove_adapter
+from .lora import LoraAdapter, install_adapter, remove_adapter
 from .moe import SparseMoE, take_expert_blocks
 from .rope import RopeRegime, RopeSpec
 
@@ -156,27 +156,16 @@ class DecoderModel(PagedSteps, WeightFormats, PagedModel):
     def _lora_holders(self) -> list[tuple[Linear | FusedProjection, list[str]]]:
         return [(h, names) for h, names in self._named_holders() if h is not self.lm_head]
 
-    def add_lora(self, index: int, path: str) -> None:
-        """Load the PEFT adapter directory (or llama.cpp GGUF LoRA file) at `path` as adapter
-        `index` (models/lora.py, loading/gguf_lora.py): its low-rank
+    def add_lora(self, index: int, adapter: LoraAdapter) -> None:
+        """Install `adapter` (as read by loading/lora_files.py) as adapter `index`
+        (models/lora.py): its low-rank
         factors sit beside the base weights, which stay as they are. Projections fused later
         (`fuse_projections(rebuild=True)`) drop the adapters: add them again."""
-        adapter = self._read_lora(path)
         self.remove_lora(index)  # (a new adapter at an index replaces the old one whole)
-        install_adapter(self._lora_holders(), self.adapter_rows, index, adapter,
-                        self.device, self.dtype, self.config.architecture)
-
-    def _read_lora(self, path: str) -> LoraAdapter:
-        """A PEFT directory, or llama.cpp's GGUF LoRA file (.gguf), as a `LoraAdapter`."""
-        if not str(path).endswith(".gguf"):
-            return read_peft_adapter(path)
-        from ..loading.gguf_lora import read_gguf_lora  # (loading imports the models)
-
         c = self.config
-        return read_gguf_lora(path, {"num_hidden_layers": c.num_hidden_layers,
-                                     "num_attention_heads": c.num_attention_heads,
-                                     "num_key_value_heads": c.num_key_value_heads,
-                                     "architectures": [c.architecture]})
+        install_adapter(self._lora_holders(), self.adapter_rows, index, adapter, self.device,
+                        self.dtype, c.architecture, (c.num_attention_heads,
+                                                     c.num_key_value_heads))
 
     def remove_lora(self, index: int) -> None:
         remove_adapter(self._lora_holders(), index)

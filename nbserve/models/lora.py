@@ -21,6 +21,7 @@ import torch
 
 from ..execution.holders import FusedProjection, Linear
 from ..execution.lora import AdapterRows, LoraSlot
+from .rope import unpermute_qk
 
 PEFT_PREFIX = "base_model.model."
 
@@ -36,6 +37,7 @@ class LoraAdapter:
     path: str
     scale: float
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "model.layers.0.self_attn.q_proj"
+    llama_qk_rows: bool = False  # B of q_proj / k_proj in llama.cpp's row order (a GGUF's)
 
 
 def read_peft_adapter(path: str | Path) -> LoraAdapter:
@@ -110,9 +112,10 @@ def _holder_parts(named: list[tuple[Linear | FusedProjection, list[str]]]
 
 def install_adapter(named: list[tuple[Linear | FusedProjection, list[str]]], rows: AdapterRows,
                     index: int, adapter: LoraAdapter, device: torch.device, dtype: torch.dtype,
-                    family: str) -> None:
+                    family: str, heads: tuple[int, int]) -> None:
     """Fit `adapter` onto the holders of `named` (a decoder's `_named_holders`, the LM head
-    left out) as adapter `index`; AdapterError naming the first mismatch (nothing installed)."""
+    left out) as adapter `index`; AdapterError naming the first mismatch (nothing installed).
+    `heads`: the base's query and key/value heads (to undo llama.cpp's Q/K row order)."""
     parts = _holder_parts(named)
     per_holder: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
     holders: dict[int, Linear | FusedProjection] = {}
@@ -124,6 +127,9 @@ def install_adapter(named: list[tuple[Linear | FusedProjection, list[str]]], row
                                f"{family} model has not (its LoRA targets are "
                                f"{', '.join(kinds)}): an adapter for another model?")
         holder, start, width = found
+        kind = module.rpartition(".")[2]
+        if adapter.llama_qk_rows and kind in ("q_proj", "k_proj") and b.shape[0] == width:
+            b = unpermute_qk(b, heads[0] if kind == "q_proj" else heads[1])
         in_features = holder.weight.shape[1]
         if a.shape[1] != in_features or b.shape[0] != width:
             raise AdapterError(f"{adapter.path}: {module} has lora_A {tuple(a.shape)} and "

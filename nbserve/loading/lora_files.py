@@ -1,8 +1,10 @@
-"""llama.cpp's GGUF LoRA files (convert_lora_to_gguf.py: `general.type` "adapter",
-`adapter.type` "lora", `adapter.lora.alpha`, tensors `<base tensor>.lora_a` (r, in) and
-`.lora_b` (out, r)) read as the `LoraAdapter` a PEFT directory gives (models/lora.py): GGUF
-names mapped back to Hugging Face modules through the base architecture's layout, llama.cpp's
-Q/K row order undone on the B of attn_q / attn_k, each tensor's alpha / rank folded into B."""
+"""LoRA adapter files as `LoraAdapter`s (models/lora.py): PEFT directories, and llama.cpp's
+GGUF LoRA files (convert_lora_to_gguf.py: `general.type` "adapter", `adapter.type` "lora",
+`adapter.lora.alpha`, tensors `<base tensor>.lora_a` (r, in) and `.lora_b` (out, r)), whose
+GGUF names are mapped back to Hugging Face modules through the base architecture's layout and
+each tensor's alpha / rank folded into B. Their B of attn_q / attn_k keep llama.cpp's Q/K row
+order, undone when installed on a base (which knows its heads). Layer counts and shapes are
+the base's to check, at install."""
 
 from __future__ import annotations
 
@@ -12,18 +14,27 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..models.lora import AdapterError, LoraAdapter
+from ..models.lora import AdapterError, LoraAdapter, read_peft_adapter
 from ..models.registry import gguf_layout
 from .gguf import _open
-from .gguf_archs import Meta, name_rule, unpermute_qk
+from .gguf_archs import Meta, name_rule
 
 FLOAT_TYPES = ("F32", "F16")
+# name_rule reads these of a base config: any layer index maps (the base checks its own
+# count at install) and no row order is undone here (`LoraAdapter.llama_qk_rows`)
+ANY_BASE: dict[str, Any] = {"num_hidden_layers": 1 << 30, "num_attention_heads": 0,
+                            "num_key_value_heads": 0}
 
 
-def read_gguf_lora(path: str | Path, cfg: dict[str, Any]) -> LoraAdapter:
-    """The adapter in GGUF file `path` for a base of config `cfg` (num_hidden_layers,
-    num_attention_heads, num_key_value_heads); AdapterError for a file that is not a LoRA
-    adapter nbserve serves."""
+def read_adapter(path: str | Path) -> LoraAdapter:
+    """The adapter at `path`: a .gguf file (llama.cpp's), else a PEFT directory;
+    AdapterError (a ValueError) for what nbserve does not serve."""
+    return read_gguf_lora(path) if str(path).endswith(".gguf") else read_peft_adapter(path)
+
+
+def read_gguf_lora(path: str | Path) -> LoraAdapter:
+    """The adapter in llama.cpp's GGUF LoRA file `path`; AdapterError for a file that is not
+    a LoRA adapter nbserve serves."""
     path = Path(path)
     if not path.is_file():
         raise AdapterError(f"no GGUF LoRA file at {path}")
@@ -40,7 +51,7 @@ def read_gguf_lora(path: str | Path, cfg: dict[str, Any]) -> LoraAdapter:
         raise AdapterError(f"{path}: an adapter for architecture {arch!r}, which nbserve does "
                            "not serve natively")
     alpha = float(meta.get("adapter.lora.alpha") or 0.0)
-    parts: dict[str, dict[str, tuple[torch.Tensor, int]]] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
     for t in reader.tensors:
         base, _, kind = t.name.rpartition(".")
         if kind not in ("lora_a", "lora_b"):
@@ -49,24 +60,20 @@ def read_gguf_lora(path: str | Path, cfg: dict[str, Any]) -> LoraAdapter:
             raise AdapterError(f"{path}: tensor {t.name!r} is {t.tensor_type.name}; nbserve "
                                f"reads LoRA tensors in {' or '.join(FLOAT_TYPES)} (convert "
                                "with --outtype f16 or f32)")
-        rule = name_rule(base, tuple(int(n) for n in t.shape), layout, cfg)
+        rule = name_rule(base, tuple(int(n) for n in t.shape), layout, ANY_BASE)
         if rule is None or len(rule.hf_names) != 1:
-            raise AdapterError(f"{path}: the adapter updates {base!r}, which this "
-                               f"{cfg.get('architectures', [arch])[0]} model has not: "
-                               "an adapter for another model?")
+            raise AdapterError(f"{path}: the adapter updates {base!r}, which a {arch} model "
+                               "has not (or not as one matrix)")
         values = torch.from_numpy(np.array(t.data, dtype=np.float32)).reshape(
             tuple(reversed([int(n) for n in t.shape])))
-        parts.setdefault(rule.hf_names[0].removesuffix(".weight"), {})[kind] = \
-            (values, rule.heads)
+        parts.setdefault(rule.hf_names[0].removesuffix(".weight"), {})[kind] = values
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for module, ab in parts.items():
         if set(ab) != {"lora_a", "lora_b"}:
             raise AdapterError(f"{path}: module {module!r} has lora_a or lora_b but not both")
-        (a, _), (b, heads) = ab["lora_a"], ab["lora_b"]
-        if heads:
-            b = unpermute_qk(b, heads)
+        a, b = ab["lora_a"], ab["lora_b"]
         rank = a.shape[0]
         modules[module] = (a, b * (alpha / rank if alpha else 1.0))  # llama.cpp's scale
     if not modules:
         raise AdapterError(f"{path}: the adapter has no LoRA tensors")
-    return LoraAdapter(str(path), 1.0, modules)
+    return LoraAdapter(str(path), 1.0, modules, llama_qk_rows=layout.permuted_qk)
