@@ -418,3 +418,16 @@ def test_static_decode_steps_are_skipped_for_adapter_rows(dirs: dict[str, Path])
             assert (static_steps() > before) == static, name
     finally:
         engine.close()
+
+
+def test_the_command_line_takes_adapters() -> None:
+    """`nbserve serve base --lora a=PATH --lora two:b=PATH` gives launch its adapters; a value
+    without a path is refused by the parser."""
+    from nbserve.serving.cli import build_parser, serve_kwargs
+
+    args = build_parser().parse_args(["serve", "base", "two=other", "--lora", "a=/x/a",
+                                      "--lora", "two:b=/x/b.gguf"])
+    assert serve_kwargs(args)["adapters"] == {"a": "/x/a", "two:b": "/x/b.gguf"}
+    assert "adapters" not in serve_kwargs(build_parser().parse_args(["serve", "base"]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "base", "--lora", "a"])
