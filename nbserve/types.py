@@ -352,6 +352,7 @@ class Request:
     template_kwargs: JSONObject = field(default_factory=dict)  # e.g. enable_thinking
     add_generation_prompt: bool = True
     embed: EmbedSpec | None = None  # a prefill-only request: Started, Embedded, Finished
+    adapter: str | None = None  # the LoRA adapter its rows apply (added to the engine by name)
     request_id: str = field(default_factory=new_request_id)
     # Set by whoever routes the request (pool affinity, logging); the engine ignores it.
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -533,6 +534,20 @@ class Backend(Protocol):
     def cancel_all(self) -> int:
         """Cancel every request (a shutdown): running ones finish with reason "cancelled",
         waiting ones end with a "service_unavailable" error. Returns how many."""
+        ...
+
+
+@runtime_checkable
+class AdapterHost(Protocol):
+    """A backend that serves LoRA adapters by name (an Engine over a native decoder): a request
+    names one in `Request.adapter`; over HTTP, `model` is "base:adapter"."""
+
+    def adapter_names(self) -> list[str]:
+        """The adapters served, in the order they were added."""
+        ...
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """Serve the adapter at `path` as `name`; ValueError naming what does not fit."""
         ...
 
 

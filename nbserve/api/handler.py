@@ -28,6 +28,7 @@ from starlette.types import Send
 
 from ..types import Backend, ErrorEvent, Event, ModelDirectory, ModelNotFoundError
 from ..types import Request as GenRequest
+from .adapter_backend import adapter_names, split_adapter, with_adapter
 from .errors import APIError, ErrorShape, error_event_to_api, from_exception
 from .fields import UnknownFields
 from .limits import Limits
@@ -211,9 +212,15 @@ class RouteContext:
     async def for_model(self, name: str | None, keep_alive: float | None = None
                         ) -> RouteContext:
         """This context with the backend that serves `name` (loaded first where a server has
-        several models and that one is not loaded; a 404 for a name it does not have);
+        several models and that one is not loaded; "base:adapter" its LoRA adapter applied to
+        every request; a 404 for a name it does not have);
         `keep_alive` as `ModelDirectory.backend` takes it."""
         if self.models is None:
+            parts = split_adapter(name or "") if name != self.backend.model_name else None
+            if parts is not None and parts[0] == self.backend.model_name:
+                served = [self.backend.model_name] + \
+                    [f"{parts[0]}:{a}" for a in adapter_names(self.backend)]
+                return replace(self, backend=with_adapter(self.backend, parts[1], served))
             self.check_model(name)
             return self
         backend = await self.models.backend(name, keep_alive)

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field
 
 from ..types import ModelEntry, ModelNotFoundError
+from .adapter_backend import adapter_names
 from .errors import APIError
 from .handler import RouteContext
 from .openapi_schemas import body_ref
@@ -39,7 +40,9 @@ def router(ctx: RouteContext) -> APIRouter:
             return ctx.models.entries()
         backend = ctx.backend  # read per call: the backend may be swapped
         return [ModelEntry(backend.model_name, "loaded", max_context=backend.max_context,
-                           default=True)]
+                           default=True)] + \
+            [ModelEntry(f"{backend.model_name}:{a}", "loaded", max_context=backend.max_context)
+             for a in adapter_names(backend)]
 
     def card(entry: ModelEntry) -> JSONBody:
         out: JSONBody = {"id": entry.name, "object": "model", "created": created_at,

@@ -46,6 +46,7 @@ class BlockHolder(Protocol):
     table: list[int]
     keyed: int
     last_key: bytes
+    root: bytes  # the key its chain starts from: ROOT_KEY, or its LoRA adapter's own
     copy: tuple[int, int, int] | None
 
 
@@ -80,22 +81,25 @@ class KVSpace(Protocol):
         never-used neighbours on either side (so that pages shared with them count too). The
         caller returns their memory; a later `grow` or `admit` may hand them out again."""
 
-    def admit(self, seq: BlockHolder, tokens: list[int], limit: int, partial: bool = True) -> int:
+    def admit(self, seq: BlockHolder, tokens: list[int], limit: int, partial: bool = True,
+              root: bytes = ROOT_KEY) -> int:
         """Give `seq` the cached blocks of the longest prefix of `tokens[:limit]` that the
         space holds; return how many tokens that covers (their keys/values are ready once
         the copy it may leave in `seq.copy` is made: see `take_copy`). `partial`: whether a
         block that agrees with only part of what follows may be copied (its source is held
-        until then, which can cost a block: see `admission_cost`)."""
+        until then, which can cost a block: see `admission_cost`). `root`: the key chains
+        start from (a LoRA adapter's own: its keys and values are never shared with others)."""
 
     def take_copy(self, seq: BlockHolder) -> tuple[int, int, int] | None:
         """The copy `admit` left for `seq` (src block, dst block, positions), now to be made
         before anything else writes to the cache; its source is no longer held for it."""
 
-    def cached_prefix(self, tokens: list[int], limit: int) -> tuple[int, int]:
+    def cached_prefix(self, tokens: list[int], limit: int, root: bytes = ROOT_KEY
+                      ) -> tuple[int, int]:
         """(tokens of `tokens[:limit]` cached, how many of those blocks are unused): no change."""
 
     def admission_cost(self, tokens: list[int], limit: int, length: int, n: int,
-                       partial: bool = True) -> int:
+                       partial: bool = True, root: bytes = ROOT_KEY) -> int:
         """Free blocks that admitting `n` choices of `tokens` would use, prefilled to `length`
         positions, with the prefix of `tokens[:limit]` that is cached taken from the cache
         (`partial` as for `admit`: without it, a request that fits the pool never waits for
@@ -174,11 +178,11 @@ class BlockSpace:
 
     # ---------------------------------------------------------------- lookups
 
-    def _walk(self, tokens: list[int], limit: int) -> list[int]:
-        """The cached blocks of the longest keyed prefix of tokens[:limit]."""
+    def _walk(self, tokens: list[int], limit: int, root: bytes) -> list[int]:
+        """The cached blocks of the longest keyed prefix of tokens[:limit], from `root`."""
         if not self.share:
             return []
-        bs, parent, found = self.block_size, ROOT_KEY, []
+        bs, parent, found = self.block_size, root, []
         for start in range(0, limit - bs + 1, bs):
             chunk = tuple(tokens[start:start + bs])
             key = block_key(parent, chunk)
@@ -189,7 +193,8 @@ class BlockSpace:
             parent = key
         return found
 
-    def _partial(self, tokens: list[int], limit: int, blocks: list[int]) -> tuple[int, int]:
+    def _partial(self, tokens: list[int], limit: int, blocks: list[int], root: bytes
+                 ) -> tuple[int, int]:
         """After the shared `blocks`: the cached block that agrees longest with the tokens
         that follow them (up to `limit`), and for how many positions; (-1, 0) if none."""
         bs = self.block_size
@@ -197,7 +202,7 @@ class BlockSpace:
         want = tokens[start:min(limit, start + bs - 1)]  # a whole block would be shared
         if not self.share or not want:
             return -1, 0
-        parent = self._key_of[blocks[-1]] if blocks else ROOT_KEY
+        parent = self._key_of[blocks[-1]] if blocks else root
         under = self._under.get((parent, want[0]))
         best, best_n = -1, 0
         for looked, block in enumerate(reversed(under or {})):  # the newest first
@@ -210,18 +215,19 @@ class BlockSpace:
                     break
         return best, best_n
 
-    def cached_prefix(self, tokens: list[int], limit: int) -> tuple[int, int]:
+    def cached_prefix(self, tokens: list[int], limit: int, root: bytes = ROOT_KEY
+                      ) -> tuple[int, int]:
         limit = min(limit, len(tokens))
-        blocks = self._walk(tokens, limit)
-        src, n = self._partial(tokens, limit, blocks)
+        blocks = self._walk(tokens, limit, root)
+        src, n = self._partial(tokens, limit, blocks, root)
         return (len(blocks) * self.block_size + n,
                 sum(self.refs[b] == 0 for b in blocks) + (n > 0 and self.refs[src] == 0))
 
     def admission_cost(self, tokens: list[int], limit: int, length: int, n: int,
-                       partial: bool = True) -> int:
+                       partial: bool = True, root: bytes = ROOT_KEY) -> int:
         limit = min(limit, len(tokens))
-        blocks = self._walk(tokens, limit)
-        src, copied = self._partial(tokens, limit, blocks) if partial else (-1, 0)
+        blocks = self._walk(tokens, limit, root)
+        src, copied = self._partial(tokens, limit, blocks, root) if partial else (-1, 0)
         # a partly matching block is held until its positions are copied (then let go)
         unused = sum(self.refs[b] == 0 for b in blocks) + (copied > 0 and self.refs[src] == 0)
         # each other choice shares the prompt's full blocks and needs one of its own: the
@@ -231,15 +237,16 @@ class BlockSpace:
 
     # ---------------------------------------------------------------- changes
 
-    def admit(self, seq: BlockHolder, tokens: list[int], limit: int, partial: bool = True) -> int:
+    def admit(self, seq: BlockHolder, tokens: list[int], limit: int, partial: bool = True,
+              root: bytes = ROOT_KEY) -> int:
         limit = min(limit, len(tokens))
-        blocks = self._walk(tokens, limit)
+        blocks = self._walk(tokens, limit, root)
         for b in blocks:
             self._ref(b)
         seq.table = list(blocks)
         seq.keyed = len(blocks)
-        seq.last_key = self._key_of[blocks[-1]] if blocks else ROOT_KEY
-        src, n = self._partial(tokens, limit, blocks) if partial else (-1, 0)
+        seq.last_key = self._key_of[blocks[-1]] if blocks else root
+        src, n = self._partial(tokens, limit, blocks, root) if partial else (-1, 0)
         if n and self.n_free > (self.refs[src] == 0):  # room for the copy besides its source
             self._ref(src)  # held until the copy is made: not evicted before it
             seq.table.append(self._take())
@@ -401,6 +408,7 @@ class SlotSpace:
         self.reserve = 0  # a running sequence never needs a second row
         self._free: set[int] = set(range(n_slots))
         self._cached: list[list[int]] = [[] for _ in range(n_slots)]
+        self._roots: list[bytes] = [ROOT_KEY] * n_slots  # whose keys and values each row holds
         self._last_used = [0] * n_slots
         self._clock = 0
         self.evictions = 0
@@ -427,26 +435,29 @@ class SlotSpace:
 
     n_keyed = n_cached
 
-    def _best(self, tokens: list[int], limit: int) -> tuple[int, int]:
+    def _best(self, tokens: list[int], limit: int, root: bytes = ROOT_KEY) -> tuple[int, int]:
         best, best_len = -1, -1
         for s in sorted(self._free):
-            n = min(common_prefix_len(self._cached[s], tokens), limit)
+            n = min(common_prefix_len(self._cached[s], tokens), limit) \
+                if self._roots[s] == root else 0
             if n > best_len or (n == best_len and self._last_used[s] < self._last_used[best]):
                 best, best_len = s, n
         return best, max(best_len, 0)
 
-    def cached_prefix(self, tokens: list[int], limit: int) -> tuple[int, int]:
+    def cached_prefix(self, tokens: list[int], limit: int, root: bytes = ROOT_KEY
+                      ) -> tuple[int, int]:
         if not self._free:
             return 0, 0
-        _, n = self._best(tokens, limit)
+        _, n = self._best(tokens, limit, root)
         return n, 1 if n else 0
 
     def admission_cost(self, tokens: list[int], limit: int, length: int, n: int,
-                       partial: bool = True) -> int:
+                       partial: bool = True, root: bytes = ROOT_KEY) -> int:
         return n
 
-    def admit(self, seq: BlockHolder, tokens: list[int], limit: int, partial: bool = True) -> int:
-        slot, n = self._best(tokens, limit)
+    def admit(self, seq: BlockHolder, tokens: list[int], limit: int, partial: bool = True,
+              root: bytes = ROOT_KEY) -> int:
+        slot, n = self._best(tokens, limit, root)
         self._take(slot)
         seq.table = [slot]
         return n
@@ -487,6 +498,7 @@ class SlotSpace:
         slot = seq.table[0]
         self._clock += 1
         self._cached[slot] = tokens if keep else []
+        self._roots[slot] = seq.root
         self._last_used[slot] = self._clock
         self._free.add(slot)
         seq.table = []

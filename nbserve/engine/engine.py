@@ -43,6 +43,7 @@ from ..types import (
     JSONObject,
     Request,
 )
+from .adapters import EngineAdapters
 from .config import EngineConfig
 from .constraints import Grammars, grammars_for, has_grammars
 from .embedding import Pooler, check_embed
@@ -107,6 +108,7 @@ class Engine(SyncHelpers):
         self._counters = EngineStats()
         self._weights = weight_summary(model_)  # (bytes, format) as served: for stats()
         self._step = EngineStep(model, config, self._counters, self)
+        self._adapters = EngineAdapters(self._step.model, self.model_name)
         self.max_batch, self.max_context = self._step.max_batch, self._step.max_context
         self._lock = threading.Condition()
         self._inbox: deque[tuple[RequestGroup, list[Sequence]]] = deque()
@@ -328,6 +330,17 @@ class Engine(SyncHelpers):
 
     # ------------------------------------------------------------------ submission
 
+    def add_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT LoRA adapter at `path` as `name` (requests name it in
+        `Request.adapter`; over HTTP, `model` "base:name"). ValueError naming the mismatch
+        where it does not fit this model."""
+        self._adapters.add(name, path)
+        log.info("LoRA adapter %r added to %s (%s)", name, self.model_name, path)
+
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters this engine serves, in the order they were added."""
+        return self._adapters.names()
+
     def prepare_prompt(self, request: Request) -> list[int]:
         """Token ids of the request's prompt (chat template applied for messages)."""
         ids = self._prompt_ids(request)
@@ -422,12 +435,13 @@ class Engine(SyncHelpers):
                     f"{params.n} choices of this {len(ids)}-token prompt need {need} KV blocks "
                     f"of {budget.block_size} tokens at once, but the cache has {budget.n_blocks}"
                     ": lower n, shorten the prompt, or serve with a larger kv_memory", param="n")
+        adapter, root = self._adapters.find(request.adapter)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.stop_token_ids)
         group = RequestGroup(request.request_id, params, ids, frozenset(stop_ids), sink,
                              remaining=params.n, submitted=time.perf_counter(),
-                             embed=request.embed)
+                             embed=request.embed, adapter=adapter)
         if request.embed is not None and request.embed.score_token_ids is None:
             group.pooler = Pooler(self.loaded.pooling, len(ids))
         thought: ThoughtRule = "none"
@@ -448,7 +462,7 @@ class Engine(SyncHelpers):
         for i in range(params.n):
             whole = params.prompt_logprobs is not None or \
                 (group.pooler is not None and group.pooler.whole_prompt)
-            group.seqs.append(Sequence(group, i, ids, whole_prompt=whole))
+            group.seqs.append(Sequence(group, i, ids, whole_prompt=whole, root=root))
             sampler = SeqSampler.create(params, ids, device, seed_offset=i, stop_ids=stop_ids)
             sampler.matcher = None if matcher is None else matcher.deep_copy()
             if matcher is not None and params.ignore_eos:

@@ -67,6 +67,7 @@ class RequestGroup:
     thought_open: bool = False  # the prompt opened the thought
     embed: EmbedSpec | None = None  # a prefill-only request: answered by one Embedded event
     pooler: Pooler | None = None  # its pooled state, unless it scores tokens
+    adapter: int = -1  # the index of its LoRA adapter in the model, -1 for none
 
     def usage(self) -> Usage:
         s = self.seqs[0]

@@ -42,6 +42,7 @@ class Sequence:
     table: list[int] = field(default_factory=list)  # cache blocks, in position order
     keyed: int = 0  # leading blocks of `table` whose keys are known (see BlockSpace.commit)
     last_key: bytes = ROOT_KEY  # the key of block keyed - 1
+    root: bytes = ROOT_KEY  # where its key chain starts: its LoRA adapter's key, if it has one
     # (src block, dst block, positions): cached positions admission found in part of a block,
     # to be copied into this sequence's own block before the next forward
     copy: tuple[int, int, int] | None = None
@@ -130,7 +131,7 @@ class Scheduler:
     def _cost(self, group: list[Sequence], partial: bool) -> int:
         first = group[0]
         return self.space.admission_cost(first.tokens, self._limit(first), first.target + 1,
-                                         len(group), partial)
+                                         len(group), partial, first.root)
 
     @staticmethod
     def _limit(seq: Sequence) -> int:
@@ -191,12 +192,12 @@ class Scheduler:
         have: int | None = None
         head = seq.tokens[:limit]
         for other in self.running:
-            if other.parent is not None or not other.prefilling:
+            if other.parent is not None or not other.prefilling or other.root != seq.root:
                 continue
             shared = min(common_prefix_len(head, other.tokens), other.target) // bs * bs
             if shared > other.computed:  # its coming chunks write blocks `seq` can share
                 if have is None:
-                    have = self.space.cached_prefix(seq.tokens, limit)[0]
+                    have = self.space.cached_prefix(seq.tokens, limit, seq.root)[0]
                 if shared > have:
                     return True
         return False
@@ -215,7 +216,8 @@ class Scheduler:
 
     def _start(self, group: list[Sequence], partial: bool) -> None:
         first = group[0]
-        first.computed = self.space.admit(first, first.tokens, self._limit(first), partial)
+        first.computed = self.space.admit(first, first.tokens, self._limit(first), partial,
+                                          first.root)
         if not first.resumed:
             first.cached_prompt = first.computed
         for seq in group[1:]:  # siblings copy the first choice's prefill later
@@ -333,7 +335,7 @@ class Scheduler:
             for s in self.running:
                 if s.parent is seq:  # it never forked: it prefills on its own
                     s.parent, s.computed = None, 0
-                    s.computed = self.space.admit(s, s.tokens, self._limit(s))
+                    s.computed = self.space.admit(s, s.tokens, self._limit(s), root=s.root)
             self.space.release(seq, seq.tokens[:seq.computed], keep=keep_cache)
         else:
             for group in self.waiting:

@@ -272,12 +272,14 @@ class EngineStep:
         positions = torch.tensor(pos_l, device=dev).unsqueeze(1)
         max_pos = max(pos_l)
         where, contiguous = self._where(seqs)
-        static = self.static if self.static is not None and \
+        adapters = [s.group.adapter for s in seqs]
+        # static decode steps know no adapters: skipped for steps with adapter rows
+        static = self.static if self.static is not None and max(adapters) < 0 and \
             self.static.serves(len(seqs), max_pos, where.shape[-1]) else None
         masks = self._mask_job(seqs)  # computed while the model runs
         t0 = time.perf_counter()
         try:
-            with self._threads_for(len(seqs)):
+            with self._threads_for(len(seqs)), self.model.lora_rows(adapters):
                 if static is not None:
                     logits = static(ids, positions, where, max_pos)
                 else:
@@ -334,7 +336,8 @@ class EngineStep:
         where, contiguous = self._where([w.seq for w in works])
         t0 = time.perf_counter()
         try:
-            with self._threads_for(real):
+            with self._threads_for(real), \
+                    self.model.lora_rows([w.seq.group.adapter for w in works]):
                 if hidden:
                     out = self.model.forward_hidden(ids, positions, where, self.cache,
                                                     max_pos=max_pos, contiguous_from=contiguous)
@@ -368,7 +371,7 @@ class EngineStep:
         where, contiguous = self._where([seq])
         t0 = time.perf_counter()
         try:
-            with self._threads_for(len(work.ids)):
+            with self._threads_for(len(work.ids)), self.model.lora_rows([group.adapter]):
                 logits = self.model.forward(ids, positions, where, self.cache, max_pos=max_pos,
                                             contiguous_from=contiguous)[0]
         except Exception as exc:

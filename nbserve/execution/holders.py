@@ -16,6 +16,7 @@ from torch import nn
 
 from .formats import PartsForm, WeightForm
 from .linear import split_linear
+from .lora import LoraSlot
 
 
 class Linear(nn.Linear):
@@ -23,11 +24,13 @@ class Linear(nn.Linear):
     `WeightFormats` sets; the same parameters and state dict as nn.Linear."""
 
     form: WeightForm | None
+    lora: LoraSlot | None  # the adapters that update this matmul (execution/lora.py)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__(in_features, out_features, bias, device, dtype)
         self.form = None
+        self.lora = None
 
 
 class KernelNorm(nn.Module):
@@ -44,11 +47,18 @@ class KernelNorm(nn.Module):
 
 def linear(x: torch.Tensor, layer: Linear | FusedProjection) -> torch.Tensor:
     """`layer(x)`: through its form (formats.py) where it has one, else with the output rows
-    split across threads where that is faster (`split_linear`)."""
+    split across threads where that is faster (`split_linear`); plus each row's LoRA update
+    where the step has adapter rows (execution/lora.py)."""
     form = layer.form
-    if form is not None:
-        return form.matmul(x)
-    return split_linear(x, layer.weight, layer.bias)
+    y = form.matmul(x) if form is not None else split_linear(x, layer.weight, layer.bias)
+    lora = layer.lora
+    return y if lora is None or not lora.live else lora.add(x, y)
+
+
+def _lora_live(layer: Linear | FusedProjection) -> bool:
+    """Whether this step adds a LoRA update to `layer` (then its input must be formed in torch:
+    the kernels' fused norm and gating would hide it)."""
+    return layer.lora is not None and layer.lora.live
 
 
 def normed_linear(x: torch.Tensor, norm: nn.Module, layer: Linear | FusedProjection
@@ -58,7 +68,7 @@ def normed_linear(x: torch.Tensor, norm: nn.Module, layer: Linear | FusedProject
     eight)."""
     form = layer.form
     if form is not None and isinstance(norm, KernelNorm) and norm.kernel_fusable \
-            and norm.weight.dtype == torch.float32:
+            and norm.weight.dtype == torch.float32 and not _lora_live(layer):
         return form.matmul(x, norm=norm)
     return linear(norm(x), layer)
 
@@ -67,7 +77,7 @@ def gated_linear(gate_up: torch.Tensor, layer: Linear | FusedProjection) -> torc
     """`linear(silu(gate) * up, layer)` for gate_up (..., 2I) = [gate | up] (a SwiGLU MLP's
     down projection); inside the form's kernel call where it serves."""
     form = layer.form
-    if form is not None:
+    if form is not None and not _lora_live(layer):
         return form.matmul(gate_up, gated=True)
     half = gate_up.shape[-1] // 2
     return linear(F.silu(gate_up[..., :half]) * gate_up[..., half:], layer)
@@ -129,6 +139,7 @@ class FusedProjection:
             start += size
         self.source: str | None = None  # see `over`
         self.form: WeightForm | None = None  # chosen by WeightFormats (weights.py)
+        self.lora: LoraSlot | None = None  # see Linear.lora
 
     @property
     def weight(self) -> torch.Tensor:

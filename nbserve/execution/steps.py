@@ -76,6 +76,11 @@ class PagedSteps:
         """The layers as one C call (decode_stack.py), or None where they do not fit it."""
         raise NotImplementedError
 
+    def _adapters_active(self) -> bool:
+        """Whether the running step has rows with a LoRA adapter: then the one-C-call paths
+        (the decode stack, the lone step), which know no adapters, are skipped."""
+        return False
+
     @property
     def _paged_kernel(self) -> bool:
         """Whether decode attention runs in nbserve's C kernel (where the matmuls do)."""
@@ -104,7 +109,7 @@ class PagedSteps:
         lone = max_pos is not None
         if max_pos is None:
             max_pos = int(positions.max())
-        if ids.shape == (1, 1) and lone and self._lone_ready:
+        if ids.shape == (1, 1) and lone and self._lone_ready and not self._adapters_active():
             return self._lone_step(ids, max_pos, tables[0], cache, logit_index is None)
         kernel = self._paged_kernel and cache.dtype in CACHE_DTYPES
         return self.batched_step(ids, positions, tables, cache, max_pos + 1, logit_index, kernel)
@@ -137,7 +142,8 @@ class PagedSteps:
         ropes = self._batch_ropes(positions, kv_len)
         x = self._embed(ids, positions)  # (B, T, H)
         stacked = self._stacked_batch_step(x, positions, tables, cache, kv_len, ropes,
-                                           identity) if kernel and ids.shape[1] == 1 else None
+                                           identity) \
+            if kernel and ids.shape[1] == 1 and not self._adapters_active() else None
         if stacked is not None:
             x = stacked
         else:

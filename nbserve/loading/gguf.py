@@ -30,7 +30,8 @@ from ..models import registry
 from ..models.base import LoadedModel
 from ..models.family import GGUFLayout
 from ..models.pooling import DECODER_DEFAULT, Pooling
-from .gguf_archs import CONFIG_ONLY, Meta, Rule, hf_config, tensor_rule, unpermute_qk
+from ..models.rope import unpermute_qk
+from .gguf_archs import CONFIG_ONLY, Meta, Rule, hf_config, tensor_rule
 from .gguf_reader import BulkArrayReader
 from .pooling_config import gguf_pooling
 

@@ -28,6 +28,7 @@ from gguf import GGUFReader, ReaderTensor, TokenType
 from gguf.quants import dequantize
 
 from ..models.family import GGUFLayout
+from ..models.rope import unpermute_qk
 
 # Tensors that only carry configuration (folded into rope_scaling), never served as weights.
 CONFIG_ONLY = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
@@ -106,18 +107,18 @@ class Rule:
             yield from zip(self.hf_names, w.unbind(0))
 
 
-def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row order: per head it stores rows (0, D/2, 1, D/2+1, ...)."""
-    rows = w.shape[0]  # (H*D, ...) -> (H, D/2, 2, ...) -> (H, 2, D/2, ...)
-    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2)
-            .reshape(w.shape))
-
-
 def tensor_rule(t: ReaderTensor, layout: GGUFLayout, cfg: dict[str, Any]) -> Rule | None:
     """The rule for GGUF tensor `t` of a file read as `cfg` through `layout`; None if the
     layout has no such tensor."""
+    return name_rule(t.name, tuple(int(n) for n in t.shape), layout, cfg)
+
+
+def name_rule(name: str, shape: tuple[int, ...], layout: GGUFLayout, cfg: dict[str, Any]
+              ) -> Rule | None:
+    """`tensor_rule` of a tensor named `name` of GGUF shape `shape` (a LoRA file's tensors
+    are named after the base tensor they update)."""
     top, block = _gguf_to_hf(layout)
-    base, _, suffix = t.name.rpartition(".")
+    base, _, suffix = name.rpartition(".")
     parts = base.split(".")
     if base in top:
         module = top[base]
@@ -128,9 +129,9 @@ def tensor_rule(t: ReaderTensor, layout: GGUFLayout, cfg: dict[str, Any]) -> Rul
         return None
     names: tuple[str, ...] = (f"{module}.{suffix}",)
     if "{xid}" in module:
-        if len(t.shape) != 3:
+        if len(shape) != 3:
             return None
-        names = tuple(f"{module.format(xid=e)}.{suffix}" for e in range(int(t.shape[2])))
+        names = tuple(f"{module.format(xid=e)}.{suffix}" for e in range(shape[2]))
     heads = 0
     if layout.permuted_qk and parts[-1] in ("attn_q", "attn_k"):
         heads = cfg["num_attention_heads"] if parts[-1] == "attn_q" else cfg["num_key_value_heads"]

@@ -18,6 +18,7 @@ Two kinds of declaration live here:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -27,6 +28,7 @@ from .pooling import DECODER_DEFAULT, Pooling
 
 if TYPE_CHECKING:
     from ..text import ChatTemplate, Tokenizer
+    from .lora import LoraAdapter
 
 
 class SlotCache(Protocol):
@@ -173,6 +175,16 @@ class SlotModel(ABC):
     def cache_nbytes(self, cache: SlotCache) -> int:
         """The bytes `cache` (made by this model) holds."""
         return int(cache.nbytes)
+
+    def add_lora(self, index: int, adapter: LoraAdapter) -> None:
+        """Install `adapter` as adapter `index` (models/lora.py); ValueError where it does not
+        fit. Served by nbserve's decoder; other models take none."""
+        raise ValueError(f"{type(self).__name__} serves no LoRA adapters (nbserve serves them "
+                         "on its native decoder families)")
+
+    def lora_rows(self, indices: list[int]) -> AbstractContextManager[None]:
+        """For the steps inside the block, row b applies adapter indices[b] (-1: none)."""
+        return nullcontext()
 
 
 class PagedModel(SlotModel):

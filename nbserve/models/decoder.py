@@ -16,6 +16,7 @@ lone-stream step) serve every layer whose options they implement; a layer with w
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import TypedDict, cast
 
 import torch
@@ -26,6 +27,7 @@ from ..cpu.kernels.build import kernels_available
 from ..execution.decode_stack import DecodeStack
 from ..execution.holders import FusedProjection, Linear, normed_linear, runs_on_kernel
 from ..execution.kv_cache import PagedKVCache
+from ..execution.lora import AdapterRows
 from ..execution.quant import QuantBlocks
 from ..execution.static_decode import StaticDecode
 from ..execution.step_inputs import LoneInputs, Rope, StepInputs
@@ -36,6 +38,7 @@ from .base import PagedModel
 from .config import DecoderConfig
 from .dtypes import QUANTIZED_FORMATS
 from .layers import MLP, KernelNorm, make_mlp, make_norm
+from .lora import LoraAdapter, install_adapter, remove_adapter
 from .moe import SparseMoE, take_expert_blocks
 from .rope import RopeRegime, RopeSpec
 
@@ -146,6 +149,32 @@ class DecoderModel(PagedSteps, WeightFormats, PagedModel):
         self._rope_cache: dict[tuple[int, RopeRegime, torch.device, torch.dtype],
                               tuple[torch.Tensor, torch.Tensor]] = {}
         self._init_weight_formats()
+        self.adapter_rows = AdapterRows()  # which LoRA each row of a step applies
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def _lora_holders(self) -> list[tuple[Linear | FusedProjection, list[str]]]:
+        return [(h, names) for h, names in self._named_holders() if h is not self.lm_head]
+
+    def add_lora(self, index: int, adapter: LoraAdapter) -> None:
+        """Install `adapter` (as read by loading/lora_files.py) as adapter `index`
+        (models/lora.py): its low-rank
+        factors sit beside the base weights, which stay as they are. Projections fused later
+        (`fuse_projections(rebuild=True)`) drop the adapters: add them again."""
+        self.remove_lora(index)  # (a new adapter at an index replaces the old one whole)
+        c = self.config
+        install_adapter(self._lora_holders(), self.adapter_rows, index, adapter, self.device,
+                        self.dtype, c.architecture, (c.num_attention_heads,
+                                                     c.num_key_value_heads))
+
+    def remove_lora(self, index: int) -> None:
+        remove_adapter(self._lora_holders(), index)
+
+    def lora_rows(self, indices: list[int]) -> AbstractContextManager[None]:
+        return self.adapter_rows.selected(indices, self.device)
+
+    def _adapters_active(self) -> bool:
+        return self.adapter_rows.active
 
     def fuse_projections(self, rebuild: bool = False) -> None:
         """Run q/k/v and gate/up as one matmul each (`FusedProjection`): same parameters (as

@@ -181,3 +181,11 @@ def read_rope(cfg: dict[str, Any], head_dim: int, name: str,
                           for k, v in params.items()))
     return RopeSpec(theta=float(theta or default_theta), rotary_dim=rotary, kind=kind,
                     params=frozen, max_positions=int(cfg.get("max_position_embeddings", 2048)))
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order (its RoPE pairs rows differently): per head it stores
+    rows (0, D/2, 1, D/2+1, ...)."""
+    rows = w.shape[0]  # (H*D, ...) -> (H, D/2, 2, ...) -> (H, 2, D/2, ...)
+    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2)
+            .reshape(w.shape))

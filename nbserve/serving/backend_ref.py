@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, TypeGuard
 
 from ..types import (
+    AdapterHost,
     Backend,
     BackendDefaults,
     EngineStoppedError,
@@ -96,6 +97,17 @@ class SwappableBackend:
     @property
     def vocab_size(self) -> int | None:
         return self._current.vocab_size
+
+    def adapter_names(self) -> list[str]:
+        current = self._current
+        return current.adapter_names() if isinstance(current, AdapterHost) else []
+
+    def add_adapter(self, name: str, path: str) -> None:
+        current = self._current
+        if not isinstance(current, AdapterHost):
+            raise ValueError(f"{current.model_name} takes no LoRA adapters (an Engine over one "
+                             "of nbserve's native families does)")
+        current.add_adapter(name, path)
 
     def prompt_token_ids(self, request: Request) -> list[int] | None:
         return self._current.prompt_token_ids(request)

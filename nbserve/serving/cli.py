@@ -123,7 +123,20 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
                         'this many bytes of weights and KV cache ("8GiB")')
     parser.add_argument("--keep-alive", type=seconds, default=None, metavar="S",
                         help="several models: unload another model idle for S seconds")
+    parser.add_argument("--lora", action="append", type=lora_argument, default=None,
+                        metavar="NAME=PATH",
+                        help="serve the LoRA adapter at PATH (a PEFT directory or a GGUF LoRA "
+                        "file) as model:NAME of the default model, or of model BASE with "
+                        "BASE:NAME=PATH; repeat for several")
     add_cli_options(parser)  # the server options: one flag per ServerOptions field
+
+
+def lora_argument(text: str) -> tuple[str, str]:
+    """("name" or "base:name", path) of a --lora value."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: write NAME=PATH (or BASE:NAME=PATH)")
+    return name.strip(), path.strip()
 
 
 def serve_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -137,6 +150,8 @@ def serve_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         value = vars(args).get(name)  # (the flags of add_serve_options; None: not given)
         if value is not None:
             kwargs[name] = value
+    if vars(args).get("lora"):
+        kwargs["adapters"] = dict(args.lora)
     kwargs.update(cli_kwargs(args))
     return kwargs
 

@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
 
@@ -73,6 +73,7 @@ def launch(model: object = "smollm2", *, port: int | None = None, host: str = "1
            startup_timeout: float = 120.0, stop_timeout: float = 5.0, wait: bool | None = None,
            options: ServerOptions | None = None, max_loaded: int | None = None,
            max_memory: int | None = None, keep_alive: float | None = None,
+           adapters: Mapping[str, str | os.PathLike[str]] | None = None,
            **kwargs: Any) -> Server:
     """Serve `model` (a source like "smollm2", a HF dir or .gguf; a LoadedModel; or an
     Engine/Pool, served as is) on http://host:port (https:// with a certificate): OpenAI API
@@ -103,6 +104,8 @@ def launch(model: object = "smollm2", *, port: int | None = None, host: str = "1
     names them (`srv.add(name, source)` adds one later, `srv.remove(name)` unloads and forgets
     it). `max_loaded` (models, the default included), `max_memory` (bytes of weights and KV
     cache) and `keep_alive` (seconds idle) unload the least recently used of the others.
+    `adapters`: PEFT LoRA adapter directories by name ("name": the default model's,
+    "base:name": model base's), served as "base:name" (`srv.add_adapter` adds one later).
     `api_keys` protect /v1 and the UI; `share=True` without them generates one (printed once).
     `ui_password`: the UI (and its gradio API) also accepts this password at its login.
     """
@@ -164,6 +167,9 @@ def launch(model: object = "smollm2", *, port: int | None = None, host: str = "1
         server._load_in_background(model, build)
         if wait:
             server.wait()
+        for key, path in (adapters or {}).items():  # checked now where the base is loaded
+            base, _, name = key.rpartition(":")
+            models.add_adapter(base or None, name, str(path))
         _announce(server, share_url, access)
     except BaseException:  # Ctrl-C while starting, loading or announcing, a failed start or
         server.stop()      # load: leave nothing running

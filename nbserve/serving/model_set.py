@@ -23,11 +23,14 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..api.adapter_backend import adapter_names, split_adapter, with_adapter
 from ..types import (
+    AdapterHost,
     Backend,
     BackendDefaults,
     EngineStoppedError,
     Event,
+    InvalidRequestError,
     JSONObject,
     ModelEntry,
     ModelNotFoundError,
@@ -74,6 +77,7 @@ class _Model:
     last_used: float = field(default_factory=time.monotonic)
     error: str | None = None
     loading: concurrent.futures.Future[Backend] | None = None
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters: name -> path
 
 
 def model_names(models: Mapping[str, object] | list[object] | tuple[object, ...]
@@ -178,7 +182,26 @@ class ModelSet:
         return model
 
     async def backend(self, name: str | None, keep_alive: float | None = None) -> Backend:
-        model = self._find(name)
+        """The backend of `name`; "base:adapter" names base's backend with that LoRA adapter
+        (installed in base's engine on its first request after each load)."""
+        try:
+            model = self._find(name)
+        except ModelNotFoundError as missing:
+            parts = split_adapter(name or "")
+            if parts is None:
+                raise
+            try:
+                model = self._find(parts[0])
+            except ModelNotFoundError:
+                raise missing from None
+            if parts[1] not in model.adapters:
+                raise
+            base = await self._backend_of(model, keep_alive)
+            await asyncio.to_thread(self._install, model, parts[1])
+            return with_adapter(base, parts[1], [e.name for e in self.entries()])
+        return await self._backend_of(model, keep_alive)
+
+    async def _backend_of(self, model: _Model, keep_alive: float | None) -> Backend:
         model.last_used = time.monotonic()
         if keep_alive is not None:
             model.keep_alive = keep_alive
@@ -213,7 +236,47 @@ class ModelSet:
         out += [ModelEntry(m.name, m.state, _source_text(m.source),
                            m.ref.max_context if m.state == "loaded" else None, error=m.error)
                 for m in models]
-        return out
+        return out + [ModelEntry(f"{e.name}:{a}", e.state, path, e.max_context)
+                      for e, m in zip(out, [self._default, *models])
+                      for a, path in list(m.adapters.items())]
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def add_adapter(self, base: str | None, name: str, path: str) -> None:
+        """Serve the LoRA adapter at `path` on model `base` (None: the default) as
+        "base:name". Installed now where `base` is loaded (ValueError naming what does not
+        fit), else on the first request that names it."""
+        model = self._find(base)
+        if not name or ":" in name:
+            raise ValueError(f"an adapter needs a name without ':', got {name!r}")
+        with self._lock:
+            if name in model.adapters:
+                raise ValueError(f"{self._name_of(model)} already has an adapter named {name!r}")
+            model.adapters[name] = str(path)
+        if isinstance(model.ref.current, AdapterHost):  # loaded: refuse a misfit now
+            try:
+                self._install(model, name)
+            except BaseException:
+                with self._lock:
+                    model.adapters.pop(name, None)
+                raise
+        log.info("LoRA adapter %r added to %r (%s)", name, self._name_of(model), path)
+
+    def _install(self, model: _Model, name: str) -> None:
+        """Install adapter `name` in the model's current backend unless it has it."""
+        with self._lock:
+            path = model.adapters[name]
+            if name in adapter_names(model.ref):
+                return
+            try:
+                model.ref.add_adapter(name, path)
+            except ValueError as exc:
+                raise InvalidRequestError(f"the LoRA adapter {name!r} of "
+                                          f"{self._name_of(model)} cannot be served: {exc}",
+                                          param="model") from exc
+
+    def _name_of(self, model: _Model) -> str:
+        return self.default_name if model is self._default else model.name
 
     # ------------------------------------------------------------------ adding and removing
 

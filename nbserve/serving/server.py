@@ -468,6 +468,14 @@ class Server:
         self._model_set().add(name, model, load=load)
         return self
 
+    def add_adapter(self, base: str | None, name: str, path: str) -> Server:
+        """Serve the PEFT LoRA adapter at `path` on the model `base` (None: the default) as
+        "base:name" (requests name it in `model`; listed in /v1/models). Refused with a
+        ValueError naming the mismatch where it does not fit a loaded base; for a base not
+        loaded yet, checked when it is first used."""
+        self._model_set().add_adapter(base, name, path)
+        return self
+
     def remove(self, name: str) -> Server:
         """Stop serving the model `name` (not the default): its running requests finish, then
         its memory is given back."""
