@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_models import make_tiny_hf_dir
 
 from nbserve.engine import Engine
 from nbserve.loading.hf_dir import load_hf_dir
@@ -26,7 +27,6 @@ from nbserve.types import (
     SamplingParams,
     Usage,
 )
-from tests.tiny_models import make_tiny_hf_dir
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -173,8 +173,9 @@ def test_quantized_base_keeps_its_blocks_and_applies_the_adapter(dirs: dict[str,
     """The base as a Q8_0 GGUF, served from its blocks: logits with an adapter stay within
     quantization error of PEFT's on the float weights (the adapter moves them much more),
     and a decode batch mixing adapters gives each row what it gets alone."""
+    from gguf_util import hf_dir_to_gguf
+
     from nbserve import load
-    from tests.gguf_util import hf_dir_to_gguf
 
     gguf_file = str(hf_dir_to_gguf(dirs["base"], tmp_path / "base.gguf", "Q8_0"))
     model: Any = load(gguf_file).model
@@ -332,9 +333,8 @@ def peft_to_gguf(adapter: Path, base: Path, out: Path, alpha: float) -> Path:
     attn_q / attn_k in llama.cpp's Q/K row order."""
     import gguf
     import numpy as np
+    from gguf_util import llama_permute
     from safetensors.torch import load_file
-
-    from tests.gguf_util import llama_permute
 
     cfg = json.loads((base / "config.json").read_text())
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg["num_hidden_layers"])
@@ -363,8 +363,9 @@ def peft_to_gguf(adapter: Path, base: Path, out: Path, alpha: float) -> Path:
 def test_gguf_lora_file_equals_peft(dirs: dict[str, Path], tmp_path: Path) -> None:
     """llama.cpp's GGUF LoRA of adapter a (F16 tensors) on a GGUF base: logits equal PEFT's
     with a to float16 rounding of the factors; a GGUF file of another kind is refused."""
+    from gguf_util import hf_dir_to_gguf
+
     from nbserve import load
-    from tests.gguf_util import hf_dir_to_gguf
 
     lora_file = peft_to_gguf(dirs["a"], dirs["base"], tmp_path / "a.gguf", alpha=8.0)
     base_file = hf_dir_to_gguf(dirs["base"], tmp_path / "base.gguf", "F32")
@@ -431,3 +432,45 @@ def test_the_command_line_takes_adapters() -> None:
     assert "adapters" not in serve_kwargs(build_parser().parse_args(["serve", "base"]))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "base", "--lora", "a"])
+
+
+@pytest.mark.slow
+def test_the_readme_snippet_on_the_default_model(tmp_path: Path) -> None:
+    """An adapter on the default model (its GGUF served from its blocks), named
+    `base:adapter` through the OpenAI SDK: listed, it changes the answer, and the base's own
+    answer in the same server is unchanged. The adapter is random (PEFT's file layout, written
+    directly: SmolLM2-135M's q/v shapes, 30 layers)."""
+    from safetensors.torch import save_file
+
+    from nbserve.serving.launch import launch
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for i in range(30):
+        for proj, out in (("q_proj", 576), ("v_proj", 192)):
+            key = f"base_model.model.model.layers.{i}.self_attn.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(4, 576, generator=gen) * 0.3
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out, 4, generator=gen) * 0.3
+    adapter = tmp_path / "support"
+    adapter.mkdir()
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+        "bias": "none", "fan_in_fan_out": False, "task_type": "CAUSAL_LM"}))
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    srv = launch("smollm2", adapters={"support": str(adapter)}, ui=False, wait=True,
+                 max_batch=4)
+    try:
+        client = srv.openai_client()
+        name = srv.backend.model_name
+        assert f"{name}:support" in [m.id for m in client.models.list().data]
+        base = client.chat.completions.create(model="", messages=ask, temperature=0,
+                                              max_tokens=12).choices[0].message.content
+        tuned = client.chat.completions.create(model=f"{name}:support", messages=ask,
+                                               temperature=0, max_tokens=12)
+        assert "Paris" in (base or "") and tuned.choices[0].message.content != base
+        again = client.chat.completions.create(model="", messages=ask, temperature=0,
+                                               max_tokens=12).choices[0].message.content
+        assert again == base
+    finally:
+        srv.stop()
