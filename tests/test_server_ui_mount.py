@@ -27,7 +27,7 @@ def test_ui_is_mounted_after_the_api(tiny_engine: Any) -> None:
         assert httpx.get(url + "/health").json()["ready"] is True
         models = httpx.get(url + "/v1/models").json()
         assert models["data"][0]["id"] == tiny_engine.model_name
-        unknown = httpx.post(url + "/v1/embeddings", json={"input": "x"})
+        unknown = httpx.post(url + "/v1/audio/speech", json={"input": "x"})
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_url"
         r = httpx.post(url + "/v1/chat/completions",
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
