@@ -474,3 +474,29 @@ def test_the_readme_snippet_on_the_default_model(tmp_path: Path) -> None:
         assert again == base
     finally:
         srv.stop()
+
+
+async def test_the_ui_compares_a_model_with_and_without_its_adapter(dirs: dict[str, Path]
+                                                                    ) -> None:
+    """The chat UI's side-by-side mode over `base` and `base:a`: each side answers as it does
+    through the API (the adapter's side as transformers + PEFT)."""
+    from nbserve import launch
+    from nbserve.serving.ui_compare import make_compare_fn
+
+    srv = launch(str(dirs["base"]), ui=False, wait=True, adapters={"a": str(dirs["a"])},
+                 max_batch=4, max_context=128)
+    try:
+        name = srv.backend.model_name
+        assert [m.name for m in srv.models] == [name, f"{name}:a"]
+        compare = make_compare_fn(srv._models)  # the directory the UI gets from the app
+        frames = [f async for f in compare("hello world", name, f"{name}:a", 0.0, 6)]
+        text_base, text_a, line_base, line_a = frames[-1]
+        client = srv.openai_client()
+        for model, text in ((name, text_base), (f"{name}:a", text_a)):
+            got = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hello world"}],
+                temperature=0, max_tokens=6)
+            assert got.choices[0].message.content == text, model
+        assert text_base != text_a and f"**{name}:a**" in line_a and "tokens/s" in line_base
+    finally:
+        srv.stop()
