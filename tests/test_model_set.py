@@ -363,3 +363,21 @@ def test_several_models_over_a_pool_of_devices(folder: Path):
             assert len(served.stats()["replicas"]) == 2
     finally:
         srv.stop()
+
+
+async def test_the_chat_ui_says_a_picked_model_is_loading(folder: Path):
+    """Picking a model that is not loaded: the chat's speed line says it loads, then the
+    answer comes from that model."""
+    from nbserve.serving.ui import loading_line, make_chat_fn
+
+    srv = launch({"alpha": str(folder / "alpha"), "beta": str(folder / "beta")}, ui=False,
+                 wait=True, max_batch=2, max_context=128)
+    try:
+        chat = make_chat_fn(srv.backend, models=srv._models)
+        frames = [f async for f in chat("hello world", [], "", 0.0, 0.95, 8, "", "", "beta")]
+        assert frames[0][1] == loading_line("beta")
+        assert frames[-1][0] == alone(folder / "beta") and "tokens/s" in str(frames[-1][1])
+        again = [f async for f in chat("hello world", [], "", 0.0, 0.95, 8, "", "", "beta")]
+        assert all(f[1] != loading_line("beta") for f in again)  # loaded now
+    finally:
+        srv.stop()

@@ -85,6 +85,11 @@ def _progress_line(tokens: int, start: float, now: float) -> str:
     return f"{ANSWERING}{tokens} tokens in {elapsed:.1f} s, **{tokens / elapsed:.1f} tokens/s**"
 
 
+def loading_line(model: str) -> str:
+    """The speed line while a model that is not loaded loads for this turn."""
+    return f"Loading {model} (its first request loads it)..."
+
+
 def mark_stopped(line: str) -> str:
     """The speed line after Stop (the answer's generator is cancelled and yields no more)."""
     if line and line.startswith(ANSWERING):
@@ -209,6 +214,8 @@ def make_chat_fn(backend: Backend, *, limits: Limits | None = None,
         try:
             if rate_limiter is not None:
                 rate_limiter.check(rate_limit_client(request, login))
+            if models is not None and model and models.loaded(model) is None:
+                yield answer.shown(), loading_line(model)  # its first request loads it
             serving = await models.backend(model) if models is not None else backend
             params = chat_params(limits, temperature, top_p, max_tokens,
                                  answer_constraint(json_answer, limits))
