@@ -13,7 +13,9 @@ cpu, where the memory checks are skipped and the rest still runs):
    retired: its KV cache freed), chat, stop: back to the caller's weights (with the rope tables
    each model derived at first use and keeps for the next engine); once the caller drops them,
    back to where the first part left it;
-3. launch, stop, launch again on the same port: the second server answers.
+3. launch two models, load the second on its first request, unload it: the memory is back
+   to where the default alone left it;
+4. launch, stop, launch again on the same port: the second server answers.
 
     python benchmarks/gpu_lifecycle.py [--json out.json]
 
@@ -152,7 +154,25 @@ def main(argv: list[str] | None = None) -> int:
     del first, second, srv
     checks.memory("after the caller drops its models, everything is back", allocated(), warm)
 
-    port = None  # 3. launch, stop, launch again on the same port
+    with tempfile.TemporaryDirectory() as tmp:  # 3. several models: one unloaded, back
+        one = make_tiny_hf_dir(Path(tmp) / "one", arch="llama")
+        two = make_tiny_hf_dir(Path(tmp) / "two", arch="qwen2", tie=False, seed=1)
+        srv = nbserve.launch({"one": str(one), "two": str(two)}, device=device, **SERVE)
+        checks.true("several models: the default answers", chat(srv) is not None)
+        with_one = allocated()
+        r = httpx.post(f"{srv.api_base}/completions", timeout=120, json={
+            "model": "two", "max_tokens": 8, "temperature": 0, "prompt": "hello"})
+        checks.true("several models: the second loads on its first request",
+                    r.status_code == 200, f"HTTP {r.status_code}")
+        loaded_two = allocated()
+        if loaded_two is not None and with_one is not None:
+            checks.true("the second model's memory", True,
+                        f"{(loaded_two - with_one) / 2**20:.1f} MiB")
+        checks.true("several models: unload", srv.unload("two"))
+        checks.memory("after unload, the second model's memory is back", allocated(), with_one)
+        srv.stop()
+
+    port = None  # 4. launch, stop, launch again on the same port
     again = build_random_model("tiny", device, dtype)
     srv = nbserve.launch(again, **SERVE)
     port = srv.port

@@ -47,3 +47,4 @@ def test_the_device_check_passes_in_an_environment_built_like_the_device_image()
     assert "packages the image lacks: none" in out.stdout, log
     assert "device_dry_run: passed" in out.stdout, log
     assert "launch, stop, launch again on the same port answers: ok" in out.stdout, log
+    assert "several models: the second loads on its first request: ok" in out.stdout, log
