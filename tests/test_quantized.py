@@ -349,6 +349,15 @@ def test_without_a_compiler_the_error_says_what_to_do(tiny_llama_dir, monkeypatc
     monkeypatch.setenv("CC", str(failing))
     with pytest.raises(build.KernelBuildError, match="no such target"):
         build.quant_kernels()
+    # gcc removes its output when it fails: the compiler's own message still reaches the user
+    removing = tmp_path / "removing-cc"
+    removing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && exit 0\n"
+                        "while [ $# -gt 0 ]; do [ \"$1\" = -o ] && rm -f \"$2\"; shift; done\n"
+                        "echo 'error: unknown type name' >&2; exit 1\n")
+    removing.chmod(0o755)
+    monkeypatch.setenv("CC", str(removing))
+    with pytest.raises(build.KernelBuildError, match="unknown type name"):
+        build.quant_kernels()
 
 
 def test_quantized_needs_a_cpu_float32_model(tiny_llama_dir):

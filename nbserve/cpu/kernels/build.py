@@ -37,7 +37,7 @@ SOURCES = [Path(__file__).with_name(name)
 HEADERS = [Path(__file__).with_name(name)  # in the cache key, not built
            for name in ("nbserve_kernels.h", "matmul_common.h", "paged_attention_body.h",
                         "gguf_blocks_decode.h", "gguf_blocks_round16.h",
-                        "gguf_blocks_round8.h")]
+                        "gguf_blocks_round8.h", "gguf_blocks_gemm8.h")]
 # -ffp-contract=off: a * b + c stays two roundings, as in torch's separate ops (no silent FMA)
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11", "-ffp-contract=off"]
 BUILD_TIMEOUT_S = 120
@@ -158,7 +158,7 @@ def _build(sources: list[Path], arch_options: list[list[str]]) -> Path:
             if run.returncode == 0:
                 os.replace(tmp, target)  # atomic: a concurrent build of the same key is fine
                 return target
-            os.unlink(tmp)
+            Path(tmp).unlink(missing_ok=True)  # a failing compiler may have removed it
             errors = run.stderr.strip()[-2000:]
     except OSError as exc:
         raise KernelBuildError(f"nbserve's C kernels could not be built in {target.parent} "
