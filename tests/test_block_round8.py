@@ -21,12 +21,14 @@ from tiny_models import make_tiny_hf_dir
 
 import nbserve
 from nbserve.cpu.kernels.abi import KernelFlag
+from nbserve.cpu.kernels.build import _cpu_flags
 from nbserve.cpu.kernels.blocks import (
     BlockType,
     block_layout,
     blocks_matmul,
     blocks_rounded,
     blocks_rounded8,
+    blocks_rounded8_many,
 )
 from nbserve.execution.decode_stack import unfit_reason
 
@@ -88,22 +90,35 @@ def test_round8_multiplies_the_input_rounded_to_8_bits(arch, block_type):
 @pytest.mark.parametrize("block_type", ROUNDED8, ids=[t.name for t in ROUNDED8])
 def test_round8_gives_a_row_the_same_bits_in_any_batch(arch, block_type):
     """With 8-bit inputs a row's product does not depend on the rows beside it: each of 1, 3,
-    16 and 130 rows (two row chunks and a part) is bit for bit that row's product alone, so a
-    stream's greedy answer is the same at any concurrency and in a prefill chunk of any size.
+    16 and 130 rows (two row chunks and a part) is bit for bit that row's product in any batch
+    of the same regime -- up to 8 rows (the row kernels: that row alone) or more (gemm8 where
+    the build has it, else the row kernels again) -- so a stream's greedy answer does not move
+    with the concurrency inside either. Across the two regimes gemm8 sums the same integers in
+    another float order: equal to float32 rounding, and still the 8-bit input's product.
     (Past 8 rows the products took the exact float32 panels before: not bit for bit.)"""
     lib = _kernels(arch)
     if not blocks_rounded8(block_type, lib):
         pytest.skip("this build has no 8-bit row kernels")
-    k, n = 1024, 9
+    k, n = 1024, 19  # 16 weight rows built at a time: a group and a part
     raw = _random_blocks(block_type, n, k, seed=3)
     blocks = torch.from_numpy(raw.reshape(-1).copy())
+    w = _reference(raw, block_type, n, k).double()
     g = torch.Generator().manual_seed(5)
-    for rows in (1, 3, 16, 130):
-        x = torch.randn(rows, k, generator=g)
-        batch = _product(x, block_type, blocks, n, k, lib, round8=True)
-        for i in range(rows):
-            alone = _product(x[i:i + 1], block_type, blocks, n, k, lib, round8=True)
-            assert torch.equal(batch[i:i + 1], alone), (rows, i)
+    x = torch.randn(130, k, generator=g)
+    many = _product(x, block_type, blocks, n, k, lib, round8=True)
+    alone = torch.cat([_product(x[i:i + 1], block_type, blocks, n, k, lib, round8=True)
+                       for i in range(len(x))])
+    for start, stop in ((0, 3), (5, 13), (120, 128)):  # up to 8 rows: the row path
+        assert torch.equal(_product(x[start:stop], block_type, blocks, n, k, lib, round8=True),
+                           alone[start:stop]), (start, stop)
+    for start, stop in ((0, 9), (7, 23), (1, 130), (64, 130)):  # more: gemm8 (or the rows)
+        assert torch.equal(_product(x[start:stop], block_type, blocks, n, k, lib, round8=True),
+                           many[start:stop]), (start, stop)
+    if not blocks_rounded8_many(block_type, lib):
+        assert torch.equal(many, alone)
+    size = x.double().abs() @ w.abs().t()
+    assert bool(((many - alone).abs() <= 1e-6 * size).all())
+    assert bool(((many - _round8(x) @ w.t()).abs() <= 1e-6 * size).all())
 
 
 @pytest.mark.parametrize("arch", PATHS)
@@ -113,6 +128,9 @@ def test_round8_is_served_for_q4_k_and_q6_k_where_the_build_rounds(arch):
     lib = _kernels(arch)
     served = {t for t in BlockType if blocks_rounded8(t, lib)}
     assert served == (set() if lib.nbq_simd_width() == 1 else set(ROUNDED8))
+    many = {t for t in BlockType if blocks_rounded8_many(t, lib)}  # gemm8: AVX-512 VNNI only
+    vnni = lib.nbq_simd_width() == 16 and "avx512_vnni" in _cpu_flags()
+    assert many == (set(ROUNDED8) if vnni else set())
 
 
 @pytest.mark.parametrize("arch", PATHS)
@@ -200,8 +218,8 @@ def test_the_environment_sets_round8_where_rounding_is_allowed(monkeypatch):
 
 def test_decode_rows_round_to_8_bits_and_prompt_chunks_do_not(monkeypatch):
     """A KernelLinear over Q4_K blocks: an input of one position a sequence (batch, 1, k), 12
-    rows, gives each row what it gives alone with 8-bit inputs (what decode steps use at any
-    batch size); an input of several positions (a prompt chunk, (1, 12, k)) the product of the
+    rows, gives the 8-bit product of the 12 rows (what decode steps use at any batch size;
+    within float32 rounding of each row's alone); an input of several positions (a prompt chunk, (1, 12, k)) the product of the
     same rows without ROUND8 (16-bit or float32 inputs), so a prompt's rows are not rounded to 8
     bits; NBSERVE_ROUND8=all rounds them too. (Before, a 12-row decode batch took the float32
     panels and a 5-position prompt chunk 8-bit inputs.)"""
@@ -221,7 +239,9 @@ def test_decode_rows_round_to_8_bits_and_prompt_chunks_do_not(monkeypatch):
     x[:, ::64] *= 20
     alone8 = torch.cat([_product(x[i:i + 1], BlockType.Q4_K, blocks, n, k, lib, round8=True)
                         for i in range(12)])
-    assert torch.equal(linear(x.unsqueeze(1)).reshape(12, n).double(), alone8)
+    batch8 = _product(x, BlockType.Q4_K, blocks, n, k, lib, round8=True)  # gemm8 if built
+    assert torch.equal(linear(x.unsqueeze(1)).reshape(12, n).double(), batch8)
+    torch.testing.assert_close(batch8, alone8, rtol=1e-6, atol=1e-4)
     for positions in (12, 5):
         chunk = x[:positions].unsqueeze(0)
         without8 = _product(x[:positions], BlockType.Q4_K, blocks, n, k, lib,
@@ -230,7 +250,7 @@ def test_decode_rows_round_to_8_bits_and_prompt_chunks_do_not(monkeypatch):
         assert not torch.equal(without8, alone8[:positions])
     monkeypatch.setenv("NBSERVE_ROUND8", "all")  # llama.cpp's arithmetic: prompts too
     everywhere = KernelLinear(linear.weight, kernels=lib, round16=True)
-    assert torch.equal(everywhere(x.unsqueeze(0)).reshape(12, n).double(), alone8)
+    assert torch.equal(everywhere(x.unsqueeze(0)).reshape(12, n).double(), batch8)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from .abi import BlockType, KernelFlag
 from .build import quant_kernels
 
 __all__ = ["BlockType", "block_layout", "blocks_dequantize", "blocks_matmul", "blocks_rounded",
-           "blocks_rounded8", "blocks_rounded_many", "row_bytes"]
+           "blocks_rounded8", "blocks_rounded8_many", "blocks_rounded_many", "row_bytes"]
 
 
 def _lib(lib: ctypes.CDLL | None) -> ctypes.CDLL:
@@ -48,6 +48,13 @@ def blocks_rounded8(block_type: int, lib: ctypes.CDLL | None = None) -> bool:
     """Whether `round8` products of `block_type` take 8-bit row kernels in this build (Q4_K and
     Q6_K on the AVX2 and AVX-512 builds; elsewhere `round8` changes nothing)."""
     return bool(_lib(lib).nbq_blocks_rounded8(int(block_type)))
+
+
+def blocks_rounded8_many(block_type: int, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether `round8` products of `block_type` past 8 rows (batches, prompt chunks) take gemm8,
+    16 weight rows built once for a chunk of input rows (Q4_K and Q6_K where the CPU has
+    AVX-512 VNNI); elsewhere they take the 8-bit row kernels."""
+    return bool(_lib(lib).nbq_blocks_rounded8_many(int(block_type)))
 
 
 def blocks_rounded_many(block_type: int, lib: ctypes.CDLL | None = None) -> bool:

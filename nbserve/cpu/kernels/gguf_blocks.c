@@ -54,6 +54,7 @@ typedef void (*dot8_fn)(const int8_t *xq, const float *xs, const int16_t *bsum, 
                         const uint8_t *w, float *out, int n_out);
 
 struct built16;  /* gguf_blocks_round16.h's weight blocks built for many input rows */
+struct built8;   /* gguf_blocks_gemm8.h's, 16 weight rows a block */
 
 /* One GGUF block type: `elems` weights in `bytes` bytes a block; to_float: `nblocks`
  * consecutive blocks as float32; dot: out[i * n_out] = x[i] . (the weight row w) for 1 to
@@ -68,6 +69,10 @@ typedef struct {
                         256-weight type's block built for gemm16, the products of more than
                         ROW_PATH_MAX rows (the same bits as dot16's); NULL: the panels */
     int adds16;      /* whether build16's blocks have adds (Q2_K's, Q4_K's, Q5_K's mins) */
+    void (*build8)(const uint8_t *w, size_t row_bytes, int nw, struct built8 *o);  /* with
+                        NBQ_ROUND8, 16 weight rows' block built for gemm8, the 8-bit products
+                        of more than ROW_PATH_MAX rows; NULL: the row kernels take them */
+    int sums8;       /* the input's sums gemm8 takes: per 32 (Q4_K's mins) or 16 (Q6_K) */
 } block_type;
 
 #include "gguf_blocks_decode.h"  /* the block decoders */
@@ -400,6 +405,7 @@ INLINE void q3_k_dot_n(const float *x, int rows, int k, const uint8_t *w, float 
 
 #include "gguf_blocks_round16.h"  /* the rounded-input row kernels, DOT16 */
 #include "gguf_blocks_round8.h"   /* the 8-bit input row kernels of Q4_K and Q6_K, DOT8 */
+#include "gguf_blocks_gemm8.h"    /* their products of many rows on AVX-512 VNNI, BUILD8 */
 
 #ifdef HAS_DIRECT_DOTS
 TO_FLOAT(q2_k, 256, 84) DOT_BY_ROWS(q2_k)
@@ -432,6 +438,7 @@ DEFINE_TYPE(q6_k, 256, 210)
 /* The served types by ggml number (enum nbq_ggml_type); elems 0: not served. K256: a
  * 256-weight type's many-row products through built blocks (gemm16), with adds or not. */
 #define K256(T, ADDS) .build16 = BUILD16(T), .adds16 = (ADDS)
+#define K8(T, SUMS) .build8 = BUILD8(T), .sums8 = (SUMS)
 static const block_type TYPES[N_TYPES] = {
     [NBQ_GGML_Q4_0] = {32, 18, q4_0_to_float, q4_0_dot, DOT16(q4_0)},
     [NBQ_GGML_Q4_1] = {32, 20, q4_1_to_float, q4_1_dot, DOT16(q4_1)},
@@ -440,9 +447,11 @@ static const block_type TYPES[N_TYPES] = {
     [NBQ_GGML_Q8_0] = {32, 34, q8_0_to_float, q8_0_dot, DOT16(q8_0)},
     [NBQ_GGML_Q2_K] = {256, 84, q2_k_to_float, q2_k_dot, DOT16(q2_k), K256(q2_k, 1)},
     [NBQ_GGML_Q3_K] = {256, 110, q3_k_to_float, q3_k_dot, DOT16(q3_k), K256(q3_k, 0)},
-    [NBQ_GGML_Q4_K] = {256, 144, q4_k_to_float, q4_k_dot, DOT16(q4_k), DOT8(q4_k), K256(q4_k, 1)},
+    [NBQ_GGML_Q4_K] = {256, 144, q4_k_to_float, q4_k_dot, DOT16(q4_k), DOT8(q4_k), K256(q4_k, 1),
+                       K8(q4_k, 32)},
     [NBQ_GGML_Q5_K] = {256, 176, q5_k_to_float, q5_k_dot, DOT16(q5_k), K256(q5_k, 1)},
-    [NBQ_GGML_Q6_K] = {256, 210, q6_k_to_float, q6_k_dot, DOT16(q6_k), DOT8(q6_k), K256(q6_k, 0)},
+    [NBQ_GGML_Q6_K] = {256, 210, q6_k_to_float, q6_k_dot, DOT16(q6_k), DOT8(q6_k), K256(q6_k, 0),
+                       K8(q6_k, 16)},
     [NBQ_GGML_IQ4_NL] = {32, 18, iq4_nl_to_float, iq4_nl_dot, DOT16(iq4_nl)},
     [NBQ_GGML_IQ4_XS] = {256, 136, iq4_xs_to_float, iq4_xs_dot, DOT16(iq4_xs), K256(iq4_xs, 0)},
 };
@@ -462,6 +471,8 @@ int nbq_blocks_rounded(int type) { return type_of(type) && type_of(type)->dot16 
 int nbq_blocks_rounded8(int type) { return type_of(type) && type_of(type)->dot8 ? 1 : 0; }
 
 int nbq_blocks_rounded_many(int type) { return type_of(type) && type_of(type)->build16 ? 1 : 0; }
+
+int nbq_blocks_rounded8_many(int type) { return type_of(type) && type_of(type)->build8 ? 1 : 0; }
 
 /* ---------------------------------------------------------------- many rows: the panels */
 
@@ -497,6 +508,26 @@ static int blocks_panels(const block_type *t, const float *x, int rows, int k,
 
 /* ---------------------------------------------------------------- entry points */
 
+#ifdef HAS_GEMM8
+/* gemm8 over round8's input in order: its sums per 16 as they are (Q6_K) or added in pairs to
+ * per 32 (Q4_K) */
+static int gemm8_call(const block_type *t, const int8_t *x8, const float *xs,
+                      const int16_t *bsum, int rows, int k, const uint8_t *w, int n, float *y,
+                      int threads) {
+    int16_t *sums = NULL;
+    if (t->sums8 == 32) {
+        size_t count = (size_t)rows * (k / 32);
+        sums = malloc(sizeof(int16_t) * count);
+        if (!sums) return -1;
+        for (size_t j = 0; j < count; j++) sums[j] = (int16_t)(bsum[2 * j] + bsum[2 * j + 1]);
+    }
+    int failed = blocks_gemm8(t->build8, t->sums8 == 16, t->bytes, x8, xs, sums ? sums : bsum,
+                              rows, k, w, n, y, threads);
+    free(sums);
+    return failed;
+}
+#endif
+
 /* y (rows, n) = prepare(x) (rows, k) @ w.T, w the n weight rows of `type`'s blocks (each row
  * k / elems blocks, in the file's order); prepare as nbq_q4_matmul's (RMSNorm with `norm`,
  * NBQ_GATED); with NBQ_ROUND16, inputs of up to ROW_PATH_MAX rows (of any row count for a
@@ -521,12 +552,13 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
     float *xs = NULL, *xsum = NULL;
     int rounds8 = (flags & NBQ_ROUND8) && t->dot8, rounds16 = (flags & NBQ_ROUND16) && t->dot16;
     int row_path = rows <= ROW_PATH_MAX || rounds8 || (rounds16 && t->build16);
+    int many8 = rounds8 && t->build8 && rows > ROW_PATH_MAX;  /* gemm8 */
     if (row_path && rounds8) {  /* 8 bits, once a call */
         x8 = malloc((size_t)rows * k);
         xs = malloc(sizeof(float) * (size_t)rows * (k / 256));
         bsum = malloc(sizeof(int16_t) * (size_t)rows * (k / 16));
         if (!x8 || !xs || !bsum) { free(x8); free(xs); free(bsum); free(buf); return -1; }
-        ROUND8(x, rows, k, x8, xs, bsum, Q4_K_ORDER(type), threads);
+        ROUND8(x, rows, k, x8, xs, bsum, many8 ? 0 : Q4_K_ORDER(type), threads);
     } else if (row_path && rounds16) {  /* once a call */
         xq = malloc(sizeof(int16_t) * (size_t)rows * k);
         xs = malloc(sizeof(float) * (size_t)rows * nb);
@@ -536,6 +568,10 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
     }
     if (!row_path) {
         failed = blocks_panels(t, x, rows, k, w0, n, y, threads);
+#ifdef HAS_GEMM8
+    } else if (many8) {
+        failed = gemm8_call(t, x8, xs, bsum, rows, k, w0, n, y, threads);
+#endif
 #ifdef HAS_ROUNDED
     } else if (xq && t->build16 && rows > ROW_PATH_MAX) {
         failed = blocks_gemm16(t->build16, t->adds16, t->bytes, xq, xs, xsum, rows, k, w0, n, y,

@@ -105,6 +105,9 @@ int nbq_blocks_rounded8(int type);  /* 1 where NBQ_ROUND8 takes 8-bit row kernel
 int nbq_blocks_rounded_many(int type); /* 1 where NBQ_ROUND16 takes inputs of any row count
                                            (built blocks, gemm16), else 0 (past ROW_PATH_MAX
                                            rows: the exact panels) */
+int nbq_blocks_rounded8_many(int type); /* 1 where NBQ_ROUND8 takes more than ROW_PATH_MAX rows
+                                           through gemm8 (16 weight rows built once), else 0
+                                           (the 8-bit row kernels, a chunk of rows at a time) */
 
 /* paged_attention.c, over a float32 cache and (_f16) a float16 one; 0, -1 when out of memory,
  * -2 for invalid arguments. */
