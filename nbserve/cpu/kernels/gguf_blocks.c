@@ -31,7 +31,9 @@
  * gguf_blocks_round8.h), within max |x| / 254 (benchmarks/activation_rounding.py measures what
  * either does to greedy answers), at any row count: the 8-bit row kernels multiply in integers
  * faster than the float32 panels, so a batch takes them too, ROW_CHUNK input rows at a time,
- * and a row's product is the same bits in any batch.
+ * and a row's product is the same bits in any batch; where the CPU has AVX-512 VNNI, a batch of
+ * more than ROW_PATH_MAX rows takes gemm8 instead (gguf_blocks_gemm8.h: the same integers
+ * summed in another float order, a row's product the same bits in any such batch).
  */
 #include "matmul_common.h"
 #include "nbserve_kernels.h"
