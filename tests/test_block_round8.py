@@ -128,9 +128,10 @@ def test_round8_is_served_for_q4_k_and_q6_k_where_the_build_rounds(arch):
     lib = _kernels(arch)
     served = {t for t in BlockType if blocks_rounded8(t, lib)}
     assert served == (set() if lib.nbq_simd_width() == 1 else set(ROUNDED8))
-    many = {t for t in BlockType if blocks_rounded8_many(t, lib)}  # gemm8: AVX-512 VNNI only
-    vnni = lib.nbq_simd_width() == 16 and "avx512_vnni" in _cpu_flags()
-    assert many == (set(ROUNDED8) if vnni else set())
+    many = {t for t in BlockType if blocks_rounded8_many(t, lib)}  # gemm8: AVX2, AVX-512 VNNI
+    width = lib.nbq_simd_width()
+    gemm8 = width == 8 or (width == 16 and "avx512_vnni" in _cpu_flags())
+    assert many == (set(ROUNDED8) if gemm8 else set())
 
 
 @pytest.mark.parametrize("arch", PATHS)

@@ -1,5 +1,5 @@
 /* gguf_blocks.c's 8-bit products of many input rows (gemm8) for Q4_K and Q6_K, included once by
- * it after gguf_blocks_round8.h; built where the CPU has AVX-512 VNNI (vpdpbusd), NULL
+ * it after gguf_blocks_round8.h, on the builds that have those (AVX-512 with VNNI, AVX2); NULL
  * elsewhere (BUILD8(T)), where batches keep the 8-bit row kernels.
  *
  * The row kernels (T_dot8) multiply one weight row with up to TILE input rows: per 64 weights
@@ -9,32 +9,72 @@
  * codes of each of the 16 rows, and one vpdpbusd multiplies it with 4 inputs of one input row
  * broadcast from memory (64 products an instruction, no shuffle). A sub-block's (Q4_K: 32
  * weights, Q6_K: 16) integer sums then meet their scales (one per lane, vpmulld) in an int32
- * block sum, converted once a block and multiplied by d times the input's scale, as the row
+ * block sum. The AVX2 build (and AVX-512 without VNNI: none measured) takes 8 weight rows a
+ * 256-bit vector: vpmaddubsw's pairs add up in int16 over a sub-block (Q4_K: at most
+ * 8 x 2 x 15 x 127 = 30480) or half of one (Q6_K: 2 x 2 x 63 x 127 = 32004), then one vpmaddwd
+ * by the scale (as an int16 pair) adds them to the int32 block sum. Either way the block sum is converted once a block and multiplied by d times the input's scale, as the row
  * kernels do; what the codes leave out (Q4_K's mins, Q6_K's - 32) goes through the input's sums
  * per 32 or 16 (vpdpwssd of int16 pairs). The product is the 8-bit input's with gguf's weights
  * up to float32 rounding, the same arithmetic as T_dot8 with the float sums in another order:
  * a row's product is the same bits in any batch of more than ROW_PATH_MAX rows, as it is in
  * any of up to ROW_PATH_MAX (the row kernels), and the two agree to float32 rounding. */
-#if defined(HAS_ROUND8) && VL == 16 && defined(__AVX512VNNI__)
+#if defined(HAS_ROUND8) && ((VL == 16 && defined(__AVX512VNNI__)) || VL == 8)
 #define HAS_GEMM8 1
+#if VL == 16
 #define G8_LANES 16  /* weight rows a built block holds: one a 32-bit lane */
 #define G8_C 8       /* input rows a tile: 3 x 8 vector accumulators */
+typedef __m512i g8i;
+typedef __m512 g8f;
+#define G8_SUM16(q6) 64  /* steps summed before the scale: a whole sub-block, in int32 */
+#else
+#define G8_LANES 8
+#define G8_C 4
+typedef __m256i g8i;
+typedef __m256 g8f;
+#define G8_SUM16(q6) ((q6) ? 2 : 8)  /* steps of int16 pairs summed before the scale */
+#endif
 
-/* One block (256 weights) of 16 weight rows built for gemm8: codes[64 t + 4 j + u] is row j's
- * weight 4 t + u (unsigned: Q4_K's 4 bits, Q6_K's 6 without the - 32); sc[g] each row's integer
- * scale of sub-block g; pairs[p] each row's two int16 factors of the input's sums p (Q4_K: the
- * mins m of sub-blocks 2p, 2p + 1, against the sums per 32; Q6_K: - 32 sc of 2p, 2p + 1, against
- * the sums per 16); d and dmin (Q4_K's factor of the mins) per row. Rows past the tensor's are
- * zero. */
+/* One block (256 weights) of G8_LANES weight rows built for gemm8: codes[4 L t + 4 j + u] (L =
+ * G8_LANES) is row j's weight 4 t + u (unsigned: Q4_K's 4 bits, Q6_K's 6 without the - 32);
+ * sc[g] each row's integer scale of sub-block g (AVX2: twice, as an int16 pair); pairs[p] each
+ * row's two int16 factors of the input's sums p (Q4_K: the mins m of sub-blocks 2p, 2p + 1,
+ * against the sums per 32; Q6_K: - 32 sc of 2p, 2p + 1, against the sums per 16); d and dmin
+ * (Q4_K's factor of the mins) per row. Rows past the tensor's are zero. */
 typedef struct __attribute__((aligned(64))) built8 {
-    uint8_t codes[64 * 64];
+    uint8_t codes[64 * 4 * G8_LANES];
     int32_t sc[16][G8_LANES];
     int32_t pairs[8][G8_LANES];
     float d[G8_LANES], dmin[G8_LANES];
 } built8;
 
+#if VL == 16
+INLINE g8i g8_load(const void *p) { return _mm512_loadu_si512(p); }
+INLINE g8i g8_zero(void) { return _mm512_setzero_si512(); }
+INLINE g8i g8_set1(int32_t v) { return _mm512_set1_epi32(v); }
+INLINE g8i g8_add32(g8i a, g8i b) { return _mm512_add_epi32(a, b); }
+INLINE g8i g8_and(g8i a, g8i b) { return _mm512_and_si512(a, b); }
+INLINE g8i g8_sll32(g8i a, int n) { return _mm512_slli_epi32(a, n); }
+INLINE g8i g8_mul32(g8i a, g8i b) { return _mm512_mullo_epi32(a, b); }
+INLINE void g8_store(void *p, g8i v) { _mm512_store_si512(p, v); }
+/* part + codes . x (4 products a lane) */
+INLINE g8i g8_product(g8i part, g8i codes, g8i x) { return _mm512_dpbusd_epi32(part, codes, x); }
+/* isum + part by the sub-block's scales */
+INLINE g8i g8_close(g8i isum, g8i part, g8i sc) { return _mm512_add_epi32(isum, _mm512_mullo_epi32(part, sc)); }
+INLINE g8i g8_pairs(g8i acc, g8i a, g8i b) { return _mm512_dpwssd_epi32(acc, a, b); }
+INLINE g8f g8_float(g8i v) { return _mm512_cvtepi32_ps(v); }
+INLINE g8f g8_fzero(void) { return _mm512_setzero_ps(); }
+INLINE g8f g8_fload(const float *p) { return _mm512_load_ps(p); }
+INLINE g8f g8_fset1(float v) { return _mm512_set1_ps(v); }
+INLINE g8f g8_fmul(g8f a, g8f b) { return _mm512_mul_ps(a, b); }
+INLINE g8f g8_fmadd(g8f a, g8f b, g8f c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE g8f g8_fnmadd(g8f a, g8f b, g8f c) { return _mm512_fnmadd_ps(a, b, c); }
+INLINE void g8_fstore(float *y, g8f v, int nw) { _mm512_mask_storeu_ps(y, (__mmask16)((1u << nw) - 1), v); }
+INLINE g8i g8_widen(__m128i v, int is_signed) {  /* 16 bytes to int32 */
+    return is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+}
+
 /* A 16 x 16 int32 transpose: r[j] lane t -> r[t] lane j (4 stages of 16 shuffles) */
-INLINE void transpose16(__m512i r[16]) {
+INLINE void g8_transpose(g8i r[16]) {
     __m512i a[16], b[16];
     for (int i = 0; i < 16; i += 2) {  /* 128-bit lane L: rows i, i + 1 at 4L, 4L+1 | 4L+2, 4L+3 */
         a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
@@ -58,177 +98,230 @@ INLINE void transpose16(__m512i r[16]) {
         r[12 + c] = _mm512_shuffle_i32x4(hi, hi2, _MM_SHUFFLE(3, 1, 3, 1));
     }
 }
+#else
+INLINE g8i g8_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+INLINE g8i g8_zero(void) { return _mm256_setzero_si256(); }
+INLINE g8i g8_set1(int32_t v) { return _mm256_set1_epi32(v); }
+INLINE g8i g8_add32(g8i a, g8i b) { return _mm256_add_epi32(a, b); }
+INLINE g8i g8_and(g8i a, g8i b) { return _mm256_and_si256(a, b); }
+INLINE g8i g8_sll32(g8i a, int n) { return _mm256_slli_epi32(a, n); }
+INLINE g8i g8_mul32(g8i a, g8i b) { return _mm256_mullo_epi32(a, b); }
+INLINE void g8_store(void *p, g8i v) { _mm256_store_si256((__m256i *)p, v); }
+/* part + codes . x as int16 pairs (vpmaddubsw: 2 products a pair, never saturating here) */
+INLINE g8i g8_product(g8i part, g8i codes, g8i x) {
+    return _mm256_add_epi16(part, _mm256_maddubs_epi16(codes, x));
+}
+/* isum + the pairs by the sub-block's scale (an int16 pair a lane) */
+INLINE g8i g8_close(g8i isum, g8i part, g8i sc) { return _mm256_add_epi32(isum, _mm256_madd_epi16(part, sc)); }
+INLINE g8i g8_pairs(g8i acc, g8i a, g8i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+INLINE g8f g8_float(g8i v) { return _mm256_cvtepi32_ps(v); }
+INLINE g8f g8_fzero(void) { return _mm256_setzero_ps(); }
+INLINE g8f g8_fload(const float *p) { return _mm256_load_ps(p); }
+INLINE g8f g8_fset1(float v) { return _mm256_set1_ps(v); }
+INLINE g8f g8_fmul(g8f a, g8f b) { return _mm256_mul_ps(a, b); }
+INLINE g8f g8_fmadd(g8f a, g8f b, g8f c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE g8f g8_fnmadd(g8f a, g8f b, g8f c) { return _mm256_fnmadd_ps(a, b, c); }
+INLINE void g8_fstore(float *y, g8f v, int nw) {
+    __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(nw), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    _mm256_maskstore_ps(y, keep, v);
+}
+INLINE g8i g8_widen(__m128i v, int is_signed) {  /* the first 8 bytes to int32 */
+    return is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+}
 
-/* a row's 256 codes in order, as 4 vectors of 64 */
-INLINE void q4_k_codes_in_order(const uint8_t *blk, __m512i *out) {
+/* An 8 x 8 int32 transpose: r[j] lane t -> r[t] lane j */
+INLINE void g8_transpose(g8i r[8]) {
+    __m256i a[8], b[8];
+    for (int i = 0; i < 8; i += 2) {
+        a[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        a[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {  /* b[i + c] 128-bit lane L: rows i .. i + 3 at 4L + c */
+        b[i] = _mm256_unpacklo_epi64(a[i], a[i + 2]);
+        b[i + 1] = _mm256_unpackhi_epi64(a[i], a[i + 2]);
+        b[i + 2] = _mm256_unpacklo_epi64(a[i + 1], a[i + 3]);
+        b[i + 3] = _mm256_unpackhi_epi64(a[i + 1], a[i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm256_permute2x128_si256(b[c], b[4 + c], 0x20);
+        r[4 + c] = _mm256_permute2x128_si256(b[c], b[4 + c], 0x31);
+    }
+}
+#endif
+
+INLINE g8i g8_bcast4(const void *p) {  /* 4 bytes at p in every lane */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return g8_set1(v);
+}
+
+/* a row's 256 codes in order, into out[256] */
+INLINE void q4_k_codes_in_order(const uint8_t *blk, uint8_t *out) {
     const uint8_t *qs = blk + 16;
     for (int c = 0; c < 4; c++) {  /* 32 bytes: weights 64 c + l (low), 64 c + 32 + l (high) */
         __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-        __m256i lo = _mm256_and_si256(v, _mm256_set1_epi8(15));
-        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
-        out[c] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        _mm256_storeu_si256((__m256i *)(out + 64 * c), _mm256_and_si256(v, _mm256_set1_epi8(15)));
+        _mm256_storeu_si256((__m256i *)(out + 64 * c + 32),
+                            _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)));
     }
 }
-INLINE void q6_k_codes_in_order(const uint8_t *blk, __m512i *out) {
+INLINE void q6_k_codes_in_order(const uint8_t *blk, uint8_t *out) {
     const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
     for (int n = 0; n < 2; n++) {  /* 128 weights: ql[64 n..], qh[32 n..] */
         const uint8_t *ql = blk + 64 * n, *qh = blk + 128 + 32 * n;
         __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
         __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
         __m256i h = _mm256_loadu_si256((const __m256i *)qh);
-        __m256i q[4];
         for (int s = 0; s < 4; s++) {  /* weights 128 n + 32 s + l */
             __m256i low = _mm256_and_si256(_mm256_srli_epi16(s & 1 ? l1 : l0, 4 * (s >> 1)), m4);
             __m256i high = _mm256_and_si256(_mm256_srli_epi16(h, 2 * s), m2);
-            q[s] = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+            _mm256_storeu_si256((__m256i *)(out + 128 * n + 32 * s),
+                                _mm256_or_si256(low, _mm256_slli_epi16(high, 4)));
         }
-        out[2 * n] = _mm512_inserti64x4(_mm512_castsi256_si512(q[0]), q[1], 1);
-        out[2 * n + 1] = _mm512_inserti64x4(_mm512_castsi256_si512(q[2]), q[3], 1);
     }
 }
 
-/* The codes of nw <= 16 rows (each `codes_of` 4 vectors a block, rows row_bytes apart) into
- * o->codes, one lane a row */
+/* The codes of nw <= G8_LANES rows (rows row_bytes apart) into o->codes, one lane a row */
 INLINE void lanes_of_rows(const uint8_t *w, size_t row_bytes, int nw, int q6, built8 *o) {
-    __m512i rows[16][4];
-    for (int j = 0; j < 16; j++) {
-        if (j >= nw) {
-            for (int c = 0; c < 4; c++) rows[j][c] = _mm512_setzero_si512();
-        } else if (q6) {
+    uint8_t rows[G8_LANES][256] __attribute__((aligned(64)));
+    for (int j = 0; j < G8_LANES; j++) {
+        if (j >= nw)
+            memset(rows[j], 0, 256);
+        else if (q6)
             q6_k_codes_in_order(w + (size_t)j * row_bytes, rows[j]);
-        } else {
+        else
             q4_k_codes_in_order(w + (size_t)j * row_bytes, rows[j]);
-        }
     }
-    for (int c = 0; c < 4; c++) {  /* quads 16 c .. 16 c + 15 */
-        __m512i r[16];
-        for (int j = 0; j < 16; j++) r[j] = rows[j][c];
-        transpose16(r);
-        for (int t = 0; t < 16; t++) _mm512_storeu_si512((void *)(o->codes + 64 * (16 * c + t)), r[t]);
+    for (int c = 0; c < 64 / G8_LANES; c++) {  /* quads G8_LANES c .. */
+        g8i r[G8_LANES];
+        for (int j = 0; j < G8_LANES; j++) r[j] = g8_load(rows[j] + 4 * G8_LANES * c);
+        g8_transpose(r);
+        for (int t = 0; t < G8_LANES; t++)
+            g8_store(o->codes + 4 * G8_LANES * (G8_LANES * c + t), r[t]);
     }
 }
 
-/* each row's 16 factor bytes (widened to int32 by `widen`) -> per factor, one lane a row */
-INLINE void factors_of_rows(const __m128i bytes[16], int nw, int is_signed, __m512i r[16]) {
-    for (int j = 0; j < 16; j++)
-        r[j] = j >= nw ? _mm512_setzero_si512()
-                       : is_signed ? _mm512_cvtepi8_epi32(bytes[j]) : _mm512_cvtepu8_epi32(bytes[j]);
-    transpose16(r);
+/* each row's 16 factor bytes -> per factor f[0..15], one int32 lane a row */
+INLINE void factors_of_rows(const __m128i bytes[G8_LANES], int nw, int is_signed, g8i f[16]) {
+    for (int h = 0; h < 16 / G8_LANES; h++) {  /* AVX2: bytes 0-7, then 8-15 */
+        g8i r[G8_LANES];
+        for (int j = 0; j < G8_LANES; j++)
+            r[j] = j >= nw ? g8_zero() : g8_widen(h ? _mm_srli_si128(bytes[j], 8) : bytes[j], is_signed);
+        g8_transpose(r);
+        for (int g = 0; g < G8_LANES; g++) f[G8_LANES * h + g] = r[g];
+    }
 }
 
-INLINE __m512i int16_pairs(__m512i lo, __m512i hi) {  /* (lo, hi) as int16 in each lane */
-    return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(hi, 16));
+INLINE g8i int16_pairs(g8i lo, g8i hi) {  /* (lo, hi) as int16 in each lane */
+    return g8_add32(g8_and(lo, g8_set1(0xffff)), g8_sll32(hi, 16));
+}
+INLINE g8i scale_of(g8i sc) {  /* what g8_close takes: AVX-512 the int32, AVX2 an int16 pair */
+    return G8_LANES == 16 ? sc : int16_pairs(sc, sc);
 }
 
 static void q4_k_build8(const uint8_t *w, size_t row_bytes, int nw, built8 *o) {
-    __m128i bytes[16];
-    __m512i f[16];
+    __m128i bytes[G8_LANES];
+    g8i f[16];
     lanes_of_rows(w, row_bytes, nw, 0, o);
-    for (int j = 0; j < 16; j++) {
+    for (int j = 0; j < G8_LANES; j++) {
         const uint8_t *blk = w + (size_t)(j < nw ? j : 0) * row_bytes;
         bytes[j] = q4_k_scales8(blk);  /* sc 0-7, m 0-7 */
         o->d[j] = j < nw ? half_at(blk) : 0.f;
         o->dmin[j] = j < nw ? half_at(blk + 2) : 0.f;
     }
     factors_of_rows(bytes, nw, 0, f);
-    for (int g = 0; g < 8; g++) _mm512_store_si512((void *)o->sc[g], f[g]);
-    for (int p = 0; p < 4; p++)
-        _mm512_store_si512((void *)o->pairs[p], int16_pairs(f[8 + 2 * p], f[9 + 2 * p]));
+    for (int g = 0; g < 8; g++) g8_store(o->sc[g], scale_of(f[g]));
+    for (int p = 0; p < 4; p++) g8_store(o->pairs[p], int16_pairs(f[8 + 2 * p], f[9 + 2 * p]));
 }
 
 static void q6_k_build8(const uint8_t *w, size_t row_bytes, int nw, built8 *o) {
-    __m128i bytes[16];
-    __m512i f[16];
+    __m128i bytes[G8_LANES];
+    g8i f[16];
     lanes_of_rows(w, row_bytes, nw, 1, o);
-    for (int j = 0; j < 16; j++) {
+    for (int j = 0; j < G8_LANES; j++) {
         const uint8_t *blk = w + (size_t)(j < nw ? j : 0) * row_bytes;
         bytes[j] = _mm_loadu_si128((const __m128i *)(blk + 192));  /* int8 scales per 16 */
         o->d[j] = j < nw ? half_at(blk + 208) : 0.f;
         o->dmin[j] = 0.f;
     }
     factors_of_rows(bytes, nw, 1, f);
-    for (int g = 0; g < 16; g++) _mm512_store_si512((void *)o->sc[g], f[g]);
-    for (int p = 0; p < 8; p++) {
-        __m512i a = _mm512_mullo_epi32(f[2 * p], _mm512_set1_epi32(-32));
-        __m512i b = _mm512_mullo_epi32(f[2 * p + 1], _mm512_set1_epi32(-32));
-        _mm512_store_si512((void *)o->pairs[p], int16_pairs(a, b));
-    }
-}
-
-INLINE __m512i bcast4(const void *p) {  /* 4 bytes at p in every lane */
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
+    for (int g = 0; g < 16; g++) g8_store(o->sc[g], scale_of(f[g]));
+    for (int p = 0; p < 8; p++)
+        g8_store(o->pairs[p], int16_pairs(g8_mul32(f[2 * p], g8_set1(-32)),
+                                          g8_mul32(f[2 * p + 1], g8_set1(-32))));
 }
 
 /* y[i n_out + j] (j < nw) = input row i (x: the 8-bit codes, rows k apart; xs its scales, rows
  * nb apart; su its int16 sums per `per` inputs, rows k / per apart) times the built rows (wb:
- * nb blocks) for NR input rows, the accumulators in registers over the whole row. GQ: quads a
- * sub-block (Q4_K 8, Q6_K 4); MINS: Q4_K's sums against the mins, times dmin (else Q6_K's, into
- * the integer sums). */
+ * nb blocks) for nr input rows, the accumulators in registers over the whole row. gq: quads a
+ * sub-block (Q4_K 8, Q6_K 4), summed sum16 at a time before their scale; mins: Q4_K's sums
+ * against the mins, times dmin (else Q6_K's, into the integer sums). */
 INLINE void tile8(const int8_t *restrict x, int k, const float *restrict xs,
                   const int16_t *restrict su, int per, const built8 *restrict wb, int nr, int gq,
-                  int mins, float *y, int n_out, int nw) {
-    __m512 acc[G8_C];
-    int nb = k / 256, ng = 64 / gq, np = 256 / per / 2;
-    for (int i = 0; i < nr; i++) acc[i] = _mm512_setzero_ps();
+                  int sum16, int mins, float *y, int n_out, int nw) {
+    g8f acc[G8_C];
+    int nb = k / 256, ng = 64 / gq, np = 256 / per / 2, run = sum16 < gq ? sum16 : gq;
+    for (int i = 0; i < nr; i++) acc[i] = g8_fzero();
     for (int b = 0; b < nb; b++) {
         const built8 *w = wb + b;
         const int8_t *xb = x + (size_t)b * 256;
         const int16_t *sb = su + (size_t)b * (256 / per);
-        __m512i isum[G8_C], part[G8_C];
-        for (int i = 0; i < nr; i++) isum[i] = _mm512_setzero_si512();
+        g8i isum[G8_C], part[G8_C];
+        for (int i = 0; i < nr; i++) isum[i] = g8_zero();
         for (int g = 0; g < ng; g++) {
-            for (int i = 0; i < nr; i++) part[i] = _mm512_setzero_si512();
-            for (int s = 0; s < gq; s++) {
-                int t = g * gq + s;
-                __m512i codes = _mm512_load_si512((const void *)(w->codes + 64 * t));
-                for (int i = 0; i < nr; i++)
-                    part[i] = _mm512_dpbusd_epi32(part[i], codes, bcast4(xb + (size_t)i * k + 4 * t));
+            g8i sc = g8_load(w->sc[g]);
+            for (int h = 0; h < gq; h += run) {
+                for (int i = 0; i < nr; i++) part[i] = g8_zero();
+                for (int s = 0; s < run; s++) {
+                    int t = g * gq + h + s;
+                    g8i codes = g8_load(w->codes + 4 * G8_LANES * t);
+                    for (int i = 0; i < nr; i++)
+                        part[i] = g8_product(part[i], codes, g8_bcast4(xb + (size_t)i * k + 4 * t));
+                }
+                for (int i = 0; i < nr; i++) isum[i] = g8_close(isum[i], part[i], sc);
             }
-            __m512i sc = _mm512_load_si512((const void *)w->sc[g]);
-            for (int i = 0; i < nr; i++) isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(part[i], sc));
         }
-        __m512 d = _mm512_load_ps(w->d);
+        g8f d = g8_fload(w->d);
         if (mins) {
             for (int i = 0; i < nr; i++) {
-                part[i] = _mm512_setzero_si512();
+                part[i] = g8_zero();
                 for (int p = 0; p < np; p++)
-                    part[i] = _mm512_dpwssd_epi32(part[i], _mm512_load_si512((const void *)w->pairs[p]),
-                                                  bcast4(sb + (size_t)i * (k / per) + 2 * p));
+                    part[i] = g8_pairs(part[i], g8_load(w->pairs[p]),
+                                       g8_bcast4(sb + (size_t)i * (k / per) + 2 * p));
             }
-            __m512 dm = _mm512_load_ps(w->dmin);
+            g8f dm = g8_fload(w->dmin);
             for (int i = 0; i < nr; i++) {
-                __m512 s = _mm512_set1_ps(xs[(size_t)i * nb + b]);
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(d, s), acc[i]);
-                acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(part[i]), _mm512_mul_ps(dm, s), acc[i]);
+                g8f s = g8_fset1(xs[(size_t)i * nb + b]);
+                acc[i] = g8_fmadd(g8_float(isum[i]), g8_fmul(d, s), acc[i]);
+                acc[i] = g8_fnmadd(g8_float(part[i]), g8_fmul(dm, s), acc[i]);
             }
         } else {
             for (int i = 0; i < nr; i++) {
                 for (int p = 0; p < np; p++)
-                    isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_load_si512((const void *)w->pairs[p]),
-                                                  bcast4(sb + (size_t)i * (k / per) + 2 * p));
-                __m512 s = _mm512_set1_ps(xs[(size_t)i * nb + b]);
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(d, s), acc[i]);
+                    isum[i] = g8_pairs(isum[i], g8_load(w->pairs[p]),
+                                       g8_bcast4(sb + (size_t)i * (k / per) + 2 * p));
+                g8f s = g8_fset1(xs[(size_t)i * nb + b]);
+                acc[i] = g8_fmadd(g8_float(isum[i]), g8_fmul(d, s), acc[i]);
             }
         }
     }
-    __mmask16 keep = (__mmask16)((1u << nw) - 1);
-    for (int i = 0; i < nr; i++) _mm512_mask_storeu_ps(y + (size_t)i * n_out, keep, acc[i]);
+    for (int i = 0; i < nr; i++) g8_fstore(y + (size_t)i * n_out, acc[i], nw);
 }
 
 #define TILE8_CASE(NR)                                                                           \
     case NR:                                                                                     \
         if (q6)                                                                                  \
-            tile8(x, k, xs, su, 16, wb, NR, 4, 0, y, n_out, nw);                                 \
+            tile8(x, k, xs, su, 16, wb, NR, 4, G8_SUM16(1), 0, y, n_out, nw);                    \
         else                                                                                     \
-            tile8(x, k, xs, su, 32, wb, NR, 8, 1, y, n_out, nw);                                 \
+            tile8(x, k, xs, su, 32, wb, NR, 8, G8_SUM16(0), 1, y, n_out, nw);                    \
         break;
 static void tile8_any(const int8_t *x, int k, const float *xs, const int16_t *su,
                       const built8 *wb, int nr, int q6, float *y, int n_out, int nw) {
     switch (nr) {
         TILE8_CASE(1) TILE8_CASE(2) TILE8_CASE(3) TILE8_CASE(4)
+#if G8_C == 8
         TILE8_CASE(5) TILE8_CASE(6) TILE8_CASE(7) TILE8_CASE(8)
+#endif
     }
 }
 
@@ -237,7 +330,7 @@ typedef void (*build8_fn)(const uint8_t *w, size_t row_bytes, int nw, built8 *o)
 #define GEMM8_BYTES (256 << 10)  /* a chunk of input rows: 256 KiB of 8-bit codes, in L2 */
 /* y (rows, n) = the 8-bit input (rows > ROW_PATH_MAX: batches, prompt chunks; x8 (rows, k) in
  * order, xs (rows, k / 256), su (rows, k / 32) for Q4_K, (rows, k / 16) for Q6_K) times n
- * weight rows of Q4_K (q6 0) or Q6_K (1), 16 weight rows built once a chunk of input rows, the
+ * weight rows of Q4_K (q6 0) or Q6_K (1), G8_LANES weight rows built once a chunk of input rows, the
  * groups handed out one at a time. Returns 0, -1 when out of memory. */
 static int blocks_gemm8(build8_fn build, int q6, int bytes, const int8_t *x8, const float *xs,
                         const int16_t *su, int rows, int k, const uint8_t *w, int n, float *y,
