@@ -31,6 +31,14 @@ same modes on a weight that stays in the caches (256 rows of 4096), at 1, 2 and 
     python benchmarks/cpu_kernels.py --crossover   # ~1 minute; needs a C compiler
     python benchmarks/cpu_kernels.py --blocks      # ~2 minutes; needs a C compiler
     python benchmarks/cpu_kernels.py --blocks --in-cache --types Q4_K,Q6_K  # seconds
+
+With `--blocks --many`: Q4_K and Q6_K products of 16 and 64 input rows (decode batches, prompt
+chunks) over the 1.5B shape's q/o (2048 x 1536 here: 1536 rounded up to whole groups) and FFN
+(8960 x 1536, 1536 x 8960) weights, 1 thread, us per input row: 8-bit inputs in one call (gemm8
+where the build has it, `blocks_rounded8_many`), the same 8 rows at a time (the 8-bit row
+kernels), and 16-bit inputs (gemm16 on AVX-512, the row kernels or panels elsewhere).
+
+    python benchmarks/cpu_kernels.py --blocks --many    # ~1 minute
 """
 
 from __future__ import annotations
@@ -264,6 +272,50 @@ def block_in_cache(n: int, types: list[str] | None = None, n_out: int = 256,
     t.join()
 
 
+def block_many(n: int, shapes: tuple[tuple[int, int], ...] = ((2048, 1536), (8960, 1536),
+                                                              (1536, 8960))) -> None:
+    """Microseconds per input row of Q4_K and Q6_K products of 16 and 64 rows, 1 thread: 8-bit
+    inputs in one call, 8 rows a call (the row kernels), and 16-bit inputs."""
+    from nbserve.cpu.kernels import build
+    from nbserve.cpu.kernels.abi import KernelFlag
+    from nbserve.cpu.kernels.blocks import BlockType, blocks_rounded8_many, row_bytes
+
+    lib = build.quant_kernels()
+    rng = np.random.default_rng(0)
+    print(f"blocks, many rows: simd width {lib.nbq_simd_width()}, 1 thread, load average "
+          f"{os.getloadavg()[0]:.2f}")
+
+    def body() -> None:
+        for block_type in (BlockType.Q4_K, BlockType.Q6_K):
+            gemm8 = "gemm8" if blocks_rounded8_many(block_type, lib) else "row kernels"
+            for n_out, k in shapes:
+                raw = rng.integers(0, 256, (n_out, row_bytes(block_type, k)), dtype=np.uint8)
+                raw[:, ::row_bytes(block_type, 256)] = 0  # no inf / nan scales: Q4_K's d
+                for rows in (16, 64):
+                    x, y = torch.randn(rows, k), torch.empty(rows, n_out)
+
+                    def call(r0: int, r1: int, flags: int, x: torch.Tensor = x,
+                             y: torch.Tensor = y, w: np.ndarray = raw,
+                             kind: int = int(block_type), n_out: int = n_out,
+                             k: int = k) -> None:
+                        lib.nbq_blocks_matmul(x[r0:].data_ptr(), r1 - r0, k, kind, w.ctypes.data,
+                                              n_out, y[r0:].data_ptr(), 1, None, 0.0, flags)
+
+                    r8, r16 = int(KernelFlag.ROUND8), int(KernelFlag.ROUND16)
+                    many = median_ms(lambda: call(0, rows, r8), n) * 1e3 / rows
+                    eights = median_ms(lambda: [call(i, i + 8, r8) for i in range(0, rows, 8)],
+                                       n) * 1e3 / rows
+                    sixteen = median_ms(lambda: call(0, rows, r16), n) * 1e3 / rows
+                    print(f"blocks, many rows: {block_type.name} {n_out}x{k} {rows:>2} rows: "
+                          f"8-bit one call ({gemm8}) {many:6.1f} us/row | 8 rows a call "
+                          f"{eights:6.1f} | 16-bit {sixteen:6.1f}", flush=True)
+
+    release_openmp_pool()
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+
+
 def run(where: str, threads: int, rows_list: list[int], n: int) -> None:
     torch.set_num_threads(threads)
     for rows in rows_list:
@@ -313,7 +365,12 @@ def main() -> None:
                     help="with --blocks: microseconds over a weight in the caches, 1-4 rows")
     ap.add_argument("--types", default="",
                     help="with --blocks: the block types to time, e.g. Q4_K,Q6_K (default all)")
+    ap.add_argument("--many", action="store_true",
+                    help="with --blocks: Q4_K/Q6_K products of 16 and 64 rows, gemm8 and the rest")
     args = ap.parse_args()
+    if args.blocks and args.many:
+        block_many(args.n)
+        return
     if args.blocks and args.in_cache:
         block_in_cache(args.n, args.types.split(",") if args.types else None)
         return
