@@ -39,6 +39,7 @@ HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0":
                "IQ4_NL": [0], "IQ4_XS": [0]}
 TYPES = list(BlockType)
 K256 = [t for t in TYPES if gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(t))][0] == 256]
+K32 = [t for t in TYPES if gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(t))][0] == 32]
 ROWS = (1, 2, 3, 4, 7, 16, 33)  # up to 8: the row kernels (tiles of 4), past it: the panels
 GEMMA3 = Path.home() / ".cache" / "nbserve-bench" / "gemma3-270m" / "gemma-3-270m-q4_k_m.gguf"
 _builds: dict[str, ctypes.CDLL] = {}
@@ -183,9 +184,10 @@ def test_round16_multiplies_the_input_rounded_to_16_bits(arch, block_type):
     product; the inputs (one large value a block) make the exact product differ from the
     rounded one by more than that tolerance, so a kernel that ignored the flag fails here. A
     build without integer row kernels (plain C), and the panels (past 8 rows) stay exact,
-    except for the 256-weight types on AVX-512, which round at any row count: past 8 rows
-    their built blocks (gemm16) take prompt chunks and batches (16, 33, 129 rows: tile and
-    chunk edges)."""
+    except where the build has products of many rows over built blocks, which round at any
+    row count: the 256-weight types' on AVX-512 (gemm16), the 32-weight types' on AVX-512 VNNI
+    and AVX2 (gemm32); past 8 rows they take prompt chunks and batches (16, 33, 129 rows: tile
+    and chunk edges)."""
     lib = _kernels(arch)
     elems, _ = block_layout(block_type, lib)
     g = torch.Generator().manual_seed(int(block_type) + 100)
@@ -195,7 +197,7 @@ def test_round16_multiplies_the_input_rounded_to_16_bits(arch, block_type):
         w = _reference(raw, block_type, n, k).double()
         blocks = torch.from_numpy(raw.reshape(-1).copy())
         most = 10**6 if blocks_rounded_many(block_type, lib) else 8  # the rows that round
-        for rows in (1, 2, 3, 4, 7, 16, *((33, 129) if elems == 256 else ())):
+        for rows in (1, 2, 3, 4, 7, 16, 33, 129):
             x = torch.randn(rows, k, generator=g)
             x[:, ::32] *= 300  # each block's step is then about 300 / 65534
             got = blocks_matmul(x, block_type, blocks, n, k, round16=True, lib=lib,
@@ -233,6 +235,33 @@ def test_round16_gives_a_row_the_same_bits_in_any_batch(arch, block_type):
                 alone = blocks_matmul(x[i:i + 1], block_type, blocks, n, k, round16=True,
                                       lib=lib, threads=2)
                 assert torch.equal(batch[i:i + 1], alone), (k, rows, i)
+
+
+@pytest.mark.parametrize("arch", PATHS)
+@pytest.mark.parametrize("block_type", K32, ids=[t.name for t in K32])
+def test_gemm32_gives_a_row_the_same_bits_in_any_batch_past_8_rows(arch, block_type):
+    """The 32-weight types' 16-bit products of more than 8 rows (gemm32: 16 or 8 weight rows
+    built into one lane each, input rows in tiles) give a row the same bits in any such batch
+    (9, 23 and 130 rows against 7 and 19 weight rows, k of 1 and 40 blocks), and within float32
+    rounding of the row kernels' product of that row alone (another float order)."""
+    lib = _kernels(arch)
+    if not blocks_rounded_many(block_type, lib):
+        pytest.skip("this build takes the float32 panels past 8 rows (plain C)")
+    g = torch.Generator().manual_seed(int(block_type) + 11)
+    for k, n in ((32, 7), (1280, 19)):
+        raw = _random_blocks(block_type, n, k, seed=k + n)
+        w = _reference(raw, block_type, n, k).double()
+        blocks = torch.from_numpy(raw.reshape(-1).copy())
+        x = torch.randn(130, k, generator=g)
+        many = blocks_matmul(x, block_type, blocks, n, k, round16=True, lib=lib, threads=2)
+        for start, stop in ((0, 9), (100, 123), (3, 130)):
+            part = blocks_matmul(x[start:stop], block_type, blocks, n, k, round16=True, lib=lib,
+                                 threads=2)
+            assert torch.equal(part, many[start:stop]), (k, start, stop)
+        alone = torch.cat([blocks_matmul(x[i:i + 1], block_type, blocks, n, k, round16=True,
+                                         lib=lib, threads=2) for i in range(0, 130, 13)])
+        size = x[::13].double().abs() @ w.abs().t()
+        assert bool(((many[::13].double() - alone.double()).abs() <= 2e-6 * size).all())
 
 
 @pytest.mark.parametrize("block_type", [BlockType.Q4_K, BlockType.Q6_K, BlockType.Q5_0],

@@ -58,9 +58,10 @@ def blocks_rounded8_many(block_type: int, lib: ctypes.CDLL | None = None) -> boo
 
 
 def blocks_rounded_many(block_type: int, lib: ctypes.CDLL | None = None) -> bool:
-    """Whether `round16` products of `block_type` round inputs of any row count (the 256-weight
-    types on the AVX-512 build: prompt chunks and batches through built blocks, faster than
-    the float32 panels there); elsewhere inputs past 8 rows take the exact panels."""
+    """Whether `round16` products of `block_type` round inputs of any row count, prompt chunks
+    and batches through built blocks, faster than the float32 panels: the 256-weight types on
+    the AVX-512 build (gemm16), the 32-weight types on the AVX-512 VNNI and AVX2 builds
+    (gemm32); elsewhere inputs past 8 rows take the exact panels."""
     return bool(_lib(lib).nbq_blocks_rounded_many(int(block_type)))
 
 

@@ -37,7 +37,7 @@ SOURCES = [Path(__file__).with_name(name)
 HEADERS = [Path(__file__).with_name(name)  # in the cache key, not built
            for name in ("nbserve_kernels.h", "matmul_common.h", "paged_attention_body.h",
                         "gguf_blocks_decode.h", "gguf_blocks_round16.h",
-                        "gguf_blocks_round8.h", "gguf_blocks_gemm8.h")]
+                        "gguf_blocks_round8.h", "gguf_blocks_gemm8.h", "gguf_blocks_gemm32.h")]
 # -ffp-contract=off: a * b + c stays two roundings, as in torch's separate ops (no silent FMA)
 FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11", "-ffp-contract=off"]
 BUILD_TIMEOUT_S = 120

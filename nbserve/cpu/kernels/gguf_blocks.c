@@ -57,6 +57,7 @@ typedef void (*dot8_fn)(const int8_t *xq, const float *xs, const int16_t *bsum, 
 
 struct built16;  /* gguf_blocks_round16.h's weight blocks built for many input rows */
 struct built8;   /* gguf_blocks_gemm8.h's, 16 weight rows a block */
+struct built32;  /* gguf_blocks_gemm32.h's */
 
 /* One GGUF block type: `elems` weights in `bytes` bytes a block; to_float: `nblocks`
  * consecutive blocks as float32; dot: out[i * n_out] = x[i] . (the weight row w) for 1 to
@@ -75,6 +76,10 @@ typedef struct {
                         NBQ_ROUND8, 16 weight rows' block built for gemm8, the 8-bit products
                         of more than ROW_PATH_MAX rows; NULL: the row kernels take them */
     int sums8;       /* the input's sums gemm8 takes: per 32 (Q4_K's mins) or 16 (Q6_K) */
+    void (*build32)(const uint8_t *w, size_t row_bytes, int nw, struct built32 *o);  /*
+                        with NBQ_ROUND16, a 32-weight type's block of a few weight rows built for
+                        gemm32, the products of more than ROW_PATH_MAX rows; NULL: the panels */
+    int mins32;      /* whether a block has an m (Q4_1, Q5_1) */
 } block_type;
 
 #include "gguf_blocks_decode.h"  /* the block decoders */
@@ -407,7 +412,8 @@ INLINE void q3_k_dot_n(const float *x, int rows, int k, const uint8_t *w, float 
 
 #include "gguf_blocks_round16.h"  /* the rounded-input row kernels, DOT16 */
 #include "gguf_blocks_round8.h"   /* the 8-bit input row kernels of Q4_K and Q6_K, DOT8 */
-#include "gguf_blocks_gemm8.h"    /* their products of many rows on AVX-512 VNNI, BUILD8 */
+#include "gguf_blocks_gemm8.h"    /* their products of many rows (AVX-512 VNNI, AVX2), BUILD8 */
+#include "gguf_blocks_gemm32.h"   /* the 32-weight types' 16-bit products of many rows, BUILD32 */
 
 #ifdef HAS_DIRECT_DOTS
 TO_FLOAT(q2_k, 256, 84) DOT_BY_ROWS(q2_k)
@@ -441,12 +447,13 @@ DEFINE_TYPE(q6_k, 256, 210)
  * 256-weight type's many-row products through built blocks (gemm16), with adds or not. */
 #define K256(T, ADDS) .build16 = BUILD16(T), .adds16 = (ADDS)
 #define K8(T, SUMS) .build8 = BUILD8(T), .sums8 = (SUMS)
+#define K32(T, MINS) .build32 = BUILD32(T), .mins32 = (MINS)
 static const block_type TYPES[N_TYPES] = {
-    [NBQ_GGML_Q4_0] = {32, 18, q4_0_to_float, q4_0_dot, DOT16(q4_0)},
-    [NBQ_GGML_Q4_1] = {32, 20, q4_1_to_float, q4_1_dot, DOT16(q4_1)},
-    [NBQ_GGML_Q5_0] = {32, 22, q5_0_to_float, q5_0_dot, DOT16(q5_0)},
-    [NBQ_GGML_Q5_1] = {32, 24, q5_1_to_float, q5_1_dot, DOT16(q5_1)},
-    [NBQ_GGML_Q8_0] = {32, 34, q8_0_to_float, q8_0_dot, DOT16(q8_0)},
+    [NBQ_GGML_Q4_0] = {32, 18, q4_0_to_float, q4_0_dot, DOT16(q4_0), K32(q4_0, 0)},
+    [NBQ_GGML_Q4_1] = {32, 20, q4_1_to_float, q4_1_dot, DOT16(q4_1), K32(q4_1, 1)},
+    [NBQ_GGML_Q5_0] = {32, 22, q5_0_to_float, q5_0_dot, DOT16(q5_0), K32(q5_0, 0)},
+    [NBQ_GGML_Q5_1] = {32, 24, q5_1_to_float, q5_1_dot, DOT16(q5_1), K32(q5_1, 1)},
+    [NBQ_GGML_Q8_0] = {32, 34, q8_0_to_float, q8_0_dot, DOT16(q8_0), K32(q8_0, 0)},
     [NBQ_GGML_Q2_K] = {256, 84, q2_k_to_float, q2_k_dot, DOT16(q2_k), K256(q2_k, 1)},
     [NBQ_GGML_Q3_K] = {256, 110, q3_k_to_float, q3_k_dot, DOT16(q3_k), K256(q3_k, 0)},
     [NBQ_GGML_Q4_K] = {256, 144, q4_k_to_float, q4_k_dot, DOT16(q4_k), DOT8(q4_k), K256(q4_k, 1),
@@ -454,7 +461,7 @@ static const block_type TYPES[N_TYPES] = {
     [NBQ_GGML_Q5_K] = {256, 176, q5_k_to_float, q5_k_dot, DOT16(q5_k), K256(q5_k, 1)},
     [NBQ_GGML_Q6_K] = {256, 210, q6_k_to_float, q6_k_dot, DOT16(q6_k), DOT8(q6_k), K256(q6_k, 0),
                        K8(q6_k, 16)},
-    [NBQ_GGML_IQ4_NL] = {32, 18, iq4_nl_to_float, iq4_nl_dot, DOT16(iq4_nl)},
+    [NBQ_GGML_IQ4_NL] = {32, 18, iq4_nl_to_float, iq4_nl_dot, DOT16(iq4_nl), K32(iq4_nl, 0)},
     [NBQ_GGML_IQ4_XS] = {256, 136, iq4_xs_to_float, iq4_xs_dot, DOT16(iq4_xs), K256(iq4_xs, 0)},
 };
 
@@ -472,7 +479,9 @@ int nbq_blocks_rounded(int type) { return type_of(type) && type_of(type)->dot16 
 
 int nbq_blocks_rounded8(int type) { return type_of(type) && type_of(type)->dot8 ? 1 : 0; }
 
-int nbq_blocks_rounded_many(int type) { return type_of(type) && type_of(type)->build16 ? 1 : 0; }
+int nbq_blocks_rounded_many(int type) {
+    return type_of(type) && (type_of(type)->build16 || type_of(type)->build32) ? 1 : 0;
+}
 
 int nbq_blocks_rounded8_many(int type) { return type_of(type) && type_of(type)->build8 ? 1 : 0; }
 
@@ -553,8 +562,8 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
     int8_t *x8 = NULL;
     float *xs = NULL, *xsum = NULL;
     int rounds8 = (flags & NBQ_ROUND8) && t->dot8, rounds16 = (flags & NBQ_ROUND16) && t->dot16;
-    int row_path = rows <= ROW_PATH_MAX || rounds8 || (rounds16 && t->build16);
-    int many8 = rounds8 && t->build8 && rows > ROW_PATH_MAX;  /* gemm8 */
+    int row_path = rows <= ROW_PATH_MAX || rounds8 || (rounds16 && (t->build16 || t->build32));
+    __attribute__((unused)) int many8 = rounds8 && t->build8 && rows > ROW_PATH_MAX;  /* gemm8 */
     if (row_path && rounds8) {  /* 8 bits, once a call */
         x8 = malloc((size_t)rows * k);
         xs = malloc(sizeof(float) * (size_t)rows * (k / 256));
@@ -570,6 +579,11 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
     }
     if (!row_path) {
         failed = blocks_panels(t, x, rows, k, w0, n, y, threads);
+#ifdef HAS_GEMM32
+    } else if (xq && t->build32 && rows > ROW_PATH_MAX) {
+        failed = blocks_gemm32(t->build32, t->mins32, t->bytes, xq, xs, xsum, rows, k, w0, n, y,
+                               threads);
+#endif
 #ifdef HAS_GEMM8
     } else if (many8) {
         failed = gemm8_call(t, x8, xs, bsum, rows, k, w0, n, y, threads);

@@ -103,7 +103,7 @@ int nbq_block_bytes(int type);      /* bytes a block of the type (0: not served)
 int nbq_blocks_rounded(int type);   /* 1 where NBQ_ROUND16 takes integer row kernels, else 0 */
 int nbq_blocks_rounded8(int type);  /* 1 where NBQ_ROUND8 takes 8-bit row kernels, else 0 */
 int nbq_blocks_rounded_many(int type); /* 1 where NBQ_ROUND16 takes inputs of any row count
-                                           (built blocks, gemm16), else 0 (past ROW_PATH_MAX
+                                           (built blocks: gemm16, gemm32), else 0 (past ROW_PATH_MAX
                                            rows: the exact panels) */
 int nbq_blocks_rounded8_many(int type); /* 1 where NBQ_ROUND8 takes more than ROW_PATH_MAX rows
                                            through gemm8 (16 weight rows built once), else 0
