@@ -56,8 +56,6 @@ typedef void (*dot8_fn)(const int8_t *xq, const float *xs, const int16_t *bsum, 
                         const uint8_t *w, float *out, int n_out);
 
 struct built16;  /* gguf_blocks_round16.h's weight blocks built for many input rows */
-struct built8;   /* gguf_blocks_gemm8.h's, 16 weight rows a block */
-struct built32;  /* gguf_blocks_gemm32.h's */
 
 /* One GGUF block type: `elems` weights in `bytes` bytes a block; to_float: `nblocks`
  * consecutive blocks as float32; dot: out[i * n_out] = x[i] . (the weight row w) for 1 to
@@ -72,11 +70,11 @@ typedef struct {
                         256-weight type's block built for gemm16, the products of more than
                         ROW_PATH_MAX rows (the same bits as dot16's); NULL: the panels */
     int adds16;      /* whether build16's blocks have adds (Q2_K's, Q4_K's, Q5_K's mins) */
-    void (*build8)(const uint8_t *w, size_t row_bytes, int nw, struct built8 *o);  /* with
+    void (*build8)(const uint8_t *w, size_t row_bytes, int nw, void *o);  /* with
                         NBQ_ROUND8, 16 weight rows' block built for gemm8, the 8-bit products
                         of more than ROW_PATH_MAX rows; NULL: the row kernels take them */
     int sums8;       /* the input's sums gemm8 takes: per 32 (Q4_K's mins) or 16 (Q6_K) */
-    void (*build32)(const uint8_t *w, size_t row_bytes, int nw, struct built32 *o);  /*
+    void (*build32)(const uint8_t *w, size_t row_bytes, int nw, void *o);  /*
                         with NBQ_ROUND16, a 32-weight type's block of a few weight rows built for
                         gemm32, the products of more than ROW_PATH_MAX rows; NULL: the panels */
     int mins32;      /* whether a block has an m (Q4_1, Q5_1) */

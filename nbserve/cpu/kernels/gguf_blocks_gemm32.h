@@ -101,12 +101,11 @@ INLINE void build32(codes32_fn codes_of, const uint8_t *w, size_t row_bytes, int
 }
 /* T_build32: build32 with T's codes, the function gemm32 takes for T */
 #define BUILD32_OF(T)                                                                            \
-    static void T##_build32(const uint8_t *w, size_t row_bytes, int nw, built32 *o) {            \
-        build32(T##_codes32, w, row_bytes, nw, o);                                               \
+    static void T##_build32(const uint8_t *w, size_t row_bytes, int nw, void *o) {               \
+        build32(T##_codes32, w, row_bytes, nw, (built32 *)o);                                    \
     }
 BUILD32_OF(q4_0) BUILD32_OF(q4_1) BUILD32_OF(q5_0) BUILD32_OF(q5_1) BUILD32_OF(q8_0)
 BUILD32_OF(iq4_nl)
-typedef void (*build32_fn)(const uint8_t *w, size_t row_bytes, int nw, built32 *o);
 
 /* part + codes . (the two int16 at x in every lane); on AVX-512 the broadcast inside the
  * instruction ({1to16}: GCC loads it into a register first, one more uop a product; 5-9%
@@ -171,42 +170,32 @@ static void tile32_any(const int16_t *x, int k, const float *xs, const float *xs
     }
 }
 
+typedef struct {  /* gemm32's input: round16's codes, scales per 32, sums per 16 */
+    const int16_t *x;
+    const float *xs, *xsum;
+    int mins;
+} input32;
+
+static void tile32_job(const lanes_job *job, int i, int nr, const char *built, float *y,
+                       int nw) {
+    const input32 *in = job->input;
+    int k = job->k;
+    tile32_any(in->x + (size_t)i * k, k, in->xs + (size_t)i * (k / 32),
+               in->xsum + (size_t)i * (k / 16), (const built32 *)built, nr, in->mins, y, job->n,
+               nw);
+}
+
 #define GEMM32_BYTES (256 << 10)  /* a chunk of input rows: 256 KiB of 16-bit codes, in L2 */
 /* y (rows, n) = the 16-bit input (rows > ROW_PATH_MAX; round16's xq (rows, k), xs (rows,
- * k / 32), xsum (rows, k / 16)) times n weight rows of a 32-weight type (`bytes` a block),
- * G8_LANES weight rows built once a chunk of input rows, the groups handed out one at a time.
- * Returns 0, -1 when out of memory. */
-static int blocks_gemm32(build32_fn build, int mins, int bytes, const int16_t *xq,
-                         const float *xs, const float *xsum, int rows, int k, const uint8_t *w,
-                         int n, float *y, int threads) {
-    int nb = k / 32;
-    size_t row_bytes = (size_t)nb * bytes, each = sizeof(built32) * (size_t)nb;
-    int chunk = (int)(GEMM32_BYTES / (2 * (size_t)k)) / G8_C * G8_C;
-    chunk = chunk < 4 * G8_C ? 4 * G8_C : chunk;
-    char *built = aligned_alloc(64, each * (size_t)threads);
-    if (!built) return -1;
-    int groups = (n + G8_LANES - 1) / G8_LANES;
-    #pragma omp parallel num_threads(threads)
-    {
-        built32 *wb = (built32 *)(built + each * (size_t)omp_get_thread_num());
-        for (int c0 = 0; c0 < rows; c0 += chunk) {
-            int cr = rows - c0 < chunk ? rows - c0 : chunk;
-            #pragma omp for schedule(dynamic, 1)
-            for (int g = 0; g < groups; g++) {
-                int r = g * G8_LANES, nw = n - r < G8_LANES ? n - r : G8_LANES;
-                for (int b = 0; b < nb; b++)
-                    build(w + (size_t)r * row_bytes + (size_t)b * bytes, row_bytes, nw, &wb[b]);
-                for (int i0 = 0; i0 < cr; i0 += G8_C) {
-                    int i = c0 + i0;
-                    tile32_any(xq + (size_t)i * k, k, xs + (size_t)i * nb,
-                               xsum + (size_t)i * (k / 16), wb, cr - i0 < G8_C ? cr - i0 : G8_C,
-                               mins, y + (size_t)i * n + r, n, nw);
-                }
-            }
-        }
-    }
-    free(built);
-    return 0;
+ * k / 32), xsum (rows, k / 16)) times n weight rows of a 32-weight type (`build` a block,
+ * `bytes` a block) through lanes_gemm. Returns 0, -1 when out of memory. */
+static int blocks_gemm32(void (*build)(const uint8_t *, size_t, int, void *), int mins,
+                         int bytes, const int16_t *xq, const float *xs, const float *xsum,
+                         int rows, int k, const uint8_t *w, int n, float *y, int threads) {
+    input32 in = {xq, xs, xsum, mins};
+    lanes_job job = {w, (size_t)(k / 32) * bytes, sizeof(built32), bytes, k / 32, n, k,
+                     lanes_chunk(GEMM32_BYTES, k, 2), build, tile32_job, &in};
+    return lanes_gemm(&job, rows, y, threads);
 }
 #define BUILD32(T) T##_build32
 #else

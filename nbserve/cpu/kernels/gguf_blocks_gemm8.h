@@ -219,7 +219,8 @@ INLINE g8i scale_of(g8i sc) {  /* what g8_close takes: AVX-512 the int32, AVX2 a
     return G8_LANES == 16 ? sc : int16_pairs(sc, sc);
 }
 
-static void q4_k_build8(const uint8_t *w, size_t row_bytes, int nw, built8 *o) {
+static void q4_k_build8(const uint8_t *w, size_t row_bytes, int nw, void *out) {
+    built8 *o = out;
     __m128i bytes[G8_LANES];
     g8i f[16];
     lanes_of_rows(w, row_bytes, nw, 0, o);
@@ -234,7 +235,8 @@ static void q4_k_build8(const uint8_t *w, size_t row_bytes, int nw, built8 *o) {
     for (int p = 0; p < 4; p++) g8_store(o->pairs[p], int16_pairs(f[8 + 2 * p], f[9 + 2 * p]));
 }
 
-static void q6_k_build8(const uint8_t *w, size_t row_bytes, int nw, built8 *o) {
+static void q6_k_build8(const uint8_t *w, size_t row_bytes, int nw, void *out) {
+    built8 *o = out;
     __m128i bytes[G8_LANES];
     g8i f[16];
     lanes_of_rows(w, row_bytes, nw, 1, o);
@@ -325,43 +327,82 @@ static void tile8_any(const int8_t *x, int k, const float *xs, const int16_t *su
     }
 }
 
-typedef void (*build8_fn)(const uint8_t *w, size_t row_bytes, int nw, built8 *o);
+/* ---------------------------------------------------------------- the lanes driver */
 
-#define GEMM8_BYTES (256 << 10)  /* a chunk of input rows: 256 KiB of 8-bit codes, in L2 */
-/* y (rows, n) = the 8-bit input (rows > ROW_PATH_MAX: batches, prompt chunks; x8 (rows, k) in
- * order, xs (rows, k / 256), su (rows, k / 32) for Q4_K, (rows, k / 16) for Q6_K) times n
- * weight rows of Q4_K (q6 0) or Q6_K (1), G8_LANES weight rows built once a chunk of input rows, the
- * groups handed out one at a time. Returns 0, -1 when out of memory. */
-static int blocks_gemm8(build8_fn build, int q6, int bytes, const int8_t *x8, const float *xs,
-                        const int16_t *su, int rows, int k, const uint8_t *w, int n, float *y,
-                        int threads) {
-    int nb = k / 256, per = q6 ? 16 : 32;
-    size_t row_bytes = (size_t)nb * bytes, each = sizeof(built8) * (size_t)nb;
-    int chunk = (int)(GEMM8_BYTES / (size_t)k) / G8_C * G8_C;
-    chunk = chunk < 4 * G8_C ? 4 * G8_C : chunk;
+/* One product over weight rows built G8_LANES at a time (gemm8's, gemm32's): n weight rows of
+ * nb blocks of `bytes` (row_bytes apart), each block of a group built by `build` into
+ * built_bytes; `tile` multiplies nr input rows from row i with a group's nb built blocks into
+ * y (the group's first output of row i, rows n apart); `input` is what tile reads. */
+typedef struct lanes_job {
+    const uint8_t *w;
+    size_t row_bytes, built_bytes;
+    int bytes, nb, n, k, chunk;
+    void (*build)(const uint8_t *w, size_t row_bytes, int nw, void *o);
+    void (*tile)(const struct lanes_job *job, int i, int nr, const char *built, float *y, int nw);
+    const void *input;
+} lanes_job;
+
+/* y (rows, n) = the input's rows times the weight rows, a group of G8_LANES built once per
+ * chunk of job->chunk input rows (kept in L2 while every group meets them), the groups handed
+ * out one at a time so that a core slowed by a neighbour does not hold the other at the
+ * barrier. Returns 0, -1 when out of memory. */
+static int lanes_gemm(const lanes_job *job, int rows, float *y, int threads) {
+    size_t each = job->built_bytes * (size_t)job->nb;
     char *built = aligned_alloc(64, each * (size_t)threads);
     if (!built) return -1;
-    int groups = (n + G8_LANES - 1) / G8_LANES;
+    int n = job->n, groups = (n + G8_LANES - 1) / G8_LANES;
     #pragma omp parallel num_threads(threads)
     {
-        built8 *wb = (built8 *)(built + each * (size_t)omp_get_thread_num());
-        for (int c0 = 0; c0 < rows; c0 += chunk) {
-            int cr = rows - c0 < chunk ? rows - c0 : chunk;
+        char *wb = built + each * (size_t)omp_get_thread_num();
+        for (int c0 = 0; c0 < rows; c0 += job->chunk) {
+            int c1 = rows - c0 < job->chunk ? rows : c0 + job->chunk;
             #pragma omp for schedule(dynamic, 1)
             for (int g = 0; g < groups; g++) {
                 int r = g * G8_LANES, nw = n - r < G8_LANES ? n - r : G8_LANES;
-                for (int b = 0; b < nb; b++)
-                    build(w + (size_t)r * row_bytes + (size_t)b * bytes, row_bytes, nw, &wb[b]);
-                for (int i0 = 0; i0 < cr; i0 += G8_C) {
-                    int i = c0 + i0;
-                    tile8_any(x8 + (size_t)i * k, k, xs + (size_t)i * nb, su + (size_t)i * (k / per),
-                              wb, cr - i0 < G8_C ? cr - i0 : G8_C, q6, y + (size_t)i * n + r, n, nw);
-                }
+                for (int b = 0; b < job->nb; b++)
+                    job->build(job->w + (size_t)r * job->row_bytes + (size_t)b * job->bytes,
+                               job->row_bytes, nw, wb + job->built_bytes * (size_t)b);
+                for (int i = c0; i < c1; i += G8_C)
+                    job->tile(job, i, c1 - i < G8_C ? c1 - i : G8_C, wb, y + (size_t)i * n + r, nw);
             }
         }
     }
     free(built);
     return 0;
+}
+
+/* input rows a chunk: `bytes` of the input's codes (k `width`-byte codes a row), whole tiles */
+INLINE int lanes_chunk(size_t bytes, int k, int width) {
+    int chunk = (int)(bytes / ((size_t)width * (size_t)k)) / G8_C * G8_C;
+    return chunk < 4 * G8_C ? 4 * G8_C : chunk;
+}
+
+typedef struct {  /* gemm8's input: round8's codes in order, scales, sums per 16 or 32 */
+    const int8_t *x;
+    const float *xs;
+    const int16_t *su;
+    int q6;
+} input8;
+
+static void tile8_job(const lanes_job *job, int i, int nr, const char *built, float *y, int nw) {
+    const input8 *in = job->input;
+    int k = job->k, per = in->q6 ? 16 : 32;
+    tile8_any(in->x + (size_t)i * k, k, in->xs + (size_t)i * (k / 256),
+              in->su + (size_t)i * (k / per), (const built8 *)built, nr, in->q6, y, job->n, nw);
+}
+
+#define GEMM8_BYTES (256 << 10)  /* a chunk of input rows: 256 KiB of 8-bit codes, in L2 */
+/* y (rows, n) = the 8-bit input (rows > ROW_PATH_MAX: batches, prompt chunks; x8 (rows, k) in
+ * order, xs (rows, k / 256), su (rows, k / 32) for Q4_K, (rows, k / 16) for Q6_K) times n
+ * weight rows of Q4_K (q6 0) or Q6_K (1) (`build` a block, `bytes` a block). Returns 0, -1 when
+ * out of memory. */
+static int blocks_gemm8(void (*build)(const uint8_t *, size_t, int, void *), int q6, int bytes,
+                        const int8_t *x8, const float *xs, const int16_t *su, int rows, int k,
+                        const uint8_t *w, int n, float *y, int threads) {
+    input8 in = {x8, xs, su, q6};
+    lanes_job job = {w, (size_t)(k / 256) * bytes, sizeof(built8), bytes, k / 256, n, k,
+                     lanes_chunk(GEMM8_BYTES, k, 1), build, tile8_job, &in};
+    return lanes_gemm(&job, rows, y, threads);
 }
 #define BUILD8(T) T##_build8
 #else
