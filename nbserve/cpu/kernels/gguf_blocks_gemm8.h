@@ -9,11 +9,12 @@
  * codes of each of the 16 rows, and one vpdpbusd multiplies it with 4 inputs of one input row
  * broadcast from memory (64 products an instruction, no shuffle). A sub-block's (Q4_K: 32
  * weights, Q6_K: 16) integer sums then meet their scales (one per lane, vpmulld) in an int32
- * block sum. The AVX2 build (and AVX-512 without VNNI: none measured) takes 8 weight rows a
- * 256-bit vector: vpmaddubsw's pairs add up in int16 over a sub-block (Q4_K: at most
- * 8 x 2 x 15 x 127 = 30480) or half of one (Q6_K: 2 x 2 x 63 x 127 = 32004), then one vpmaddwd
- * by the scale (as an int16 pair) adds them to the int32 block sum. Either way the block sum is converted once a block and multiplied by d times the input's scale, as the row
- * kernels do; what the codes leave out (Q4_K's mins, Q6_K's - 32) goes through the input's sums
+ * block sum. The AVX2 build takes 8 weight rows a 256-bit vector: vpmaddubsw's pairs add up
+ * in int16 over a sub-block (Q4_K: at most 8 x 2 x 15 x 127 = 30480) or half of one (Q6_K:
+ * 2 x 2 x 63 x 127 = 32004), then one vpmaddwd by the scale (as an int16 pair) adds them to the
+ * int32 block sum. (An AVX-512 build without VNNI has no gemm8: its batches keep the row
+ * kernels.) Either way the block sum is converted once a block and multiplied by d times the
+ * input's scale, as the row kernels do; what the codes leave out (Q4_K's mins, Q6_K's - 32) goes through the input's sums
  * per 32 or 16 (vpdpwssd of int16 pairs). The product is the 8-bit input's with gguf's weights
  * up to float32 rounding, the same arithmetic as T_dot8 with the float sums in another order:
  * a row's product is the same bits in any batch of more than ROW_PATH_MAX rows, as it is in
