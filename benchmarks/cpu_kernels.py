@@ -52,6 +52,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -282,6 +283,7 @@ def block_many(n: int, shapes: tuple[tuple[int, int], ...] = ((2048, 1536), (896
 
     lib = build.quant_kernels()
     rng = np.random.default_rng(0)
+    r8, r16 = int(KernelFlag.ROUND8), int(KernelFlag.ROUND16)
     print(f"blocks, many rows: simd width {lib.nbq_simd_width()}, 1 thread, load average "
           f"{os.getloadavg()[0]:.2f}")
 
@@ -301,14 +303,16 @@ def block_many(n: int, shapes: tuple[tuple[int, int], ...] = ((2048, 1536), (896
                         lib.nbq_blocks_matmul(x[r0:].data_ptr(), r1 - r0, k, kind, w.ctypes.data,
                                               n_out, y[r0:].data_ptr(), 1, None, 0.0, flags)
 
-                    r8, r16 = int(KernelFlag.ROUND8), int(KernelFlag.ROUND16)
-                    many = median_ms(lambda: call(0, rows, r8), n) * 1e3 / rows
-                    eights = median_ms(lambda: [call(i, i + 8, r8) for i in range(0, rows, 8)],
-                                       n) * 1e3 / rows
-                    sixteen = median_ms(lambda: call(0, rows, r16), n) * 1e3 / rows
+                    def eights(rows: int = rows, call: Callable[..., None] = call) -> None:
+                        for i in range(0, rows, 8):
+                            call(i, i + 8, r8)
+
+                    many = median_ms(partial(call, 0, rows, r8), n) * 1e3 / rows
+                    by_eight = median_ms(eights, n) * 1e3 / rows
+                    sixteen = median_ms(partial(call, 0, rows, r16), n) * 1e3 / rows
                     print(f"blocks, many rows: {block_type.name} {n_out}x{k} {rows:>2} rows: "
                           f"8-bit one call ({gemm8}) {many:6.1f} us/row | 8 rows a call "
-                          f"{eights:6.1f} | 16-bit {sixteen:6.1f}", flush=True)
+                          f"{by_eight:6.1f} | 16-bit {sixteen:6.1f}", flush=True)
 
     release_openmp_pool()
     t = threading.Thread(target=body)

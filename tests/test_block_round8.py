@@ -21,7 +21,6 @@ from tiny_models import make_tiny_hf_dir
 
 import nbserve
 from nbserve.cpu.kernels.abi import KernelFlag
-from nbserve.cpu.kernels.build import _cpu_flags
 from nbserve.cpu.kernels.blocks import (
     BlockType,
     block_layout,
@@ -30,6 +29,7 @@ from nbserve.cpu.kernels.blocks import (
     blocks_rounded8,
     blocks_rounded8_many,
 )
+from nbserve.cpu.kernels.build import _cpu_flags
 from nbserve.execution.decode_stack import unfit_reason
 
 pytestmark = NEEDS_COMPILER
@@ -220,10 +220,11 @@ def test_the_environment_sets_round8_where_rounding_is_allowed(monkeypatch):
 def test_decode_rows_round_to_8_bits_and_prompt_chunks_do_not(monkeypatch):
     """A KernelLinear over Q4_K blocks: an input of one position a sequence (batch, 1, k), 12
     rows, gives the 8-bit product of the 12 rows (what decode steps use at any batch size;
-    within float32 rounding of each row's alone); an input of several positions (a prompt chunk, (1, 12, k)) the product of the
-    same rows without ROUND8 (16-bit or float32 inputs), so a prompt's rows are not rounded to 8
-    bits; NBSERVE_ROUND8=all rounds them too. (Before, a 12-row decode batch took the float32
-    panels and a 5-position prompt chunk 8-bit inputs.)"""
+    within float32 rounding of each row's alone); an input of several positions (a prompt
+    chunk, (1, 12, k)) the product of the same rows without ROUND8 (16-bit or float32 inputs),
+    so a prompt's rows are not rounded to 8 bits; NBSERVE_ROUND8=all rounds them too.
+    (Before, a 12-row decode batch took the float32 panels and a 5-position prompt chunk 8-bit
+    inputs.)"""
     from nbserve.execution.quant import GGMLBlocks, KernelLinear
 
     lib = _kernels(None)
