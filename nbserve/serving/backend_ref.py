@@ -40,27 +40,46 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-class StoppedBackend(BackendDefaults):
-    """Stands in for a closed backend so that nothing keeps its weights alive."""
+class AbsentBackend(BackendDefaults):
+    """Stands in where no model is served under a name (stopped, not loaded), so that nothing
+    keeps a closed backend's weights alive: every request fails with `message()`, and `/stats`
+    and `/health` say `status`."""
+
+    status = "absent"
 
     def __init__(self, model_name: str):
         self.model_name = model_name
 
+    def message(self) -> str:
+        return f"the model {self.model_name!r} is not served here"
+
     async def generate(self, request: Request) -> AsyncIterator[Event]:
-        raise EngineStoppedError("this server is stopped: launch it again to serve requests")
+        raise EngineStoppedError(self.message())
         yield  # an async generator, like an Engine's
 
     def stats(self) -> JSONObject:
-        return {"running": 0, "waiting": 0, "stopped": True}
+        return {"running": 0, "waiting": 0}
 
     def health(self) -> JSONObject:
-        return {"ready": False, "status": "stopped", "model": self.model_name}
+        return {"ready": False, "status": self.status, "model": self.model_name}
 
     def close(self) -> None:
         pass
 
     def __repr__(self) -> str:
-        return f"StoppedBackend({self.model_name!r})"
+        return f"{type(self).__name__}({self.model_name!r})"
+
+
+class StoppedBackend(AbsentBackend):
+    """Stands in for a closed backend once its server is stopped."""
+
+    status = "stopped"
+
+    def message(self) -> str:
+        return "this server is stopped: launch it again to serve requests"
+
+    def stats(self) -> JSONObject:
+        return {**super().stats(), "stopped": True}
 
 
 class SwappableBackend:

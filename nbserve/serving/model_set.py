@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,41 +27,34 @@ from ..api.adapter_backend import adapter_names, split_adapter, with_adapter
 from ..types import (
     AdapterHost,
     Backend,
-    BackendDefaults,
     EngineStoppedError,
-    Event,
     InvalidRequestError,
     JSONObject,
     ModelEntry,
     ModelNotFoundError,
     ModelState,
-    Request,
 )
-from .backend_ref import SwappableBackend, free_memory
+from .backend_ref import AbsentBackend, SwappableBackend, free_memory
 
 log = logging.getLogger("nbserve.models")
 BuildBackend = Callable[[str, object], tuple[Backend, bool]]  # (name, source) -> backend, owned
 SWEEP_S = 1.0  # how often idle models are looked for
 
 
-class UnloadedBackend(BackendDefaults):
+class UnloadedBackend(AbsentBackend):
     """Stands in for a model of the set while it is not loaded."""
 
-    def __init__(self, name: str, why: str = "is not loaded"):
-        self.model_name, self.why = name, why
+    status = "unloaded"
 
-    async def generate(self, request: Request) -> AsyncIterator[Event]:
-        raise EngineStoppedError(f"the model {self.model_name!r} {self.why}; retry to load it")
-        yield  # an async generator, like an Engine's
+    def __init__(self, name: str, why: str = "is not loaded"):
+        super().__init__(name)
+        self.why = why
+
+    def message(self) -> str:
+        return f"the model {self.model_name!r} {self.why}; retry to load it"
 
     def stats(self) -> JSONObject:
-        return {"running": 0, "waiting": 0, "loaded": False}
-
-    def health(self) -> JSONObject:
-        return {"ready": False, "status": "unloaded", "model": self.model_name}
-
-    def close(self) -> None:
-        pass
+        return {**super().stats(), "loaded": False}
 
 
 @dataclass(slots=True)
