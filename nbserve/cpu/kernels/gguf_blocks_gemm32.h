@@ -185,7 +185,6 @@ static void tile32_job(const lanes_job *job, int i, int nr, const char *built, f
                nw);
 }
 
-#define GEMM32_BYTES (256 << 10)  /* a chunk of input rows: 256 KiB of 16-bit codes, in L2 */
 /* y (rows, n) = the 16-bit input (rows > ROW_PATH_MAX; round16's xq (rows, k), xs (rows,
  * k / 32), xsum (rows, k / 16)) times n weight rows of a 32-weight type (`build` a block,
  * `bytes` a block) through lanes_gemm. Returns 0, -1 when out of memory. */
@@ -194,7 +193,7 @@ static int blocks_gemm32(void (*build)(const uint8_t *, size_t, int, void *), in
                          int rows, int k, const uint8_t *w, int n, float *y, int threads) {
     input32 in = {xq, xs, xsum, mins};
     lanes_job job = {w, (size_t)(k / 32) * bytes, sizeof(built32), bytes, k / 32, n, k,
-                     lanes_chunk(GEMM32_BYTES, k, 2), build, tile32_job, &in};
+                     lanes_chunk(k, 2), build, tile32_job, &in};
     return lanes_gemm(&job, rows, y, threads);
 }
 #define BUILD32(T) T##_build32

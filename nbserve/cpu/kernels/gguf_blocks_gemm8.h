@@ -372,9 +372,10 @@ static int lanes_gemm(const lanes_job *job, int rows, float *y, int threads) {
     return 0;
 }
 
-/* input rows a chunk: `bytes` of the input's codes (k `width`-byte codes a row), whole tiles */
-INLINE int lanes_chunk(size_t bytes, int k, int width) {
-    int chunk = (int)(bytes / ((size_t)width * (size_t)k)) / G8_C * G8_C;
+#define LANES_CHUNK_BYTES (256 << 10)  /* a chunk of input rows' codes: 256 KiB, in L2 */
+/* input rows a chunk (k `width`-byte codes a row), whole tiles */
+INLINE int lanes_chunk(int k, int width) {
+    int chunk = (int)(LANES_CHUNK_BYTES / ((size_t)width * (size_t)k)) / G8_C * G8_C;
     return chunk < 4 * G8_C ? 4 * G8_C : chunk;
 }
 
@@ -392,7 +393,6 @@ static void tile8_job(const lanes_job *job, int i, int nr, const char *built, fl
               in->su + (size_t)i * (k / per), (const built8 *)built, nr, in->q6, y, job->n, nw);
 }
 
-#define GEMM8_BYTES (256 << 10)  /* a chunk of input rows: 256 KiB of 8-bit codes, in L2 */
 /* y (rows, n) = the 8-bit input (rows > ROW_PATH_MAX: batches, prompt chunks; x8 (rows, k) in
  * order, xs (rows, k / 256), su (rows, k / 32) for Q4_K, (rows, k / 16) for Q6_K) times n
  * weight rows of Q4_K (q6 0) or Q6_K (1) (`build` a block, `bytes` a block). Returns 0, -1 when
@@ -402,7 +402,7 @@ static int blocks_gemm8(void (*build)(const uint8_t *, size_t, int, void *), int
                         const uint8_t *w, int n, float *y, int threads) {
     input8 in = {x8, xs, su, q6};
     lanes_job job = {w, (size_t)(k / 256) * bytes, sizeof(built8), bytes, k / 256, n, k,
-                     lanes_chunk(GEMM8_BYTES, k, 1), build, tile8_job, &in};
+                     lanes_chunk(k, 1), build, tile8_job, &in};
     return lanes_gemm(&job, rows, y, threads);
 }
 #define BUILD8(T) T##_build8
