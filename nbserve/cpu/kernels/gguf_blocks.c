@@ -31,9 +31,11 @@
  * gguf_blocks_round8.h), within max |x| / 254 (benchmarks/activation_rounding.py measures what
  * either does to greedy answers), at any row count: the 8-bit row kernels multiply in integers
  * faster than the float32 panels, so a batch takes them too, ROW_CHUNK input rows at a time,
- * and a row's product is the same bits in any batch; where the CPU has AVX-512 VNNI, a batch of
- * more than ROW_PATH_MAX rows takes gemm8 instead (gguf_blocks_gemm8.h: the same integers
- * summed in another float order, a row's product the same bits in any such batch).
+ * and a row's product is the same bits in any batch; on the AVX-512 VNNI and AVX2 builds, a
+ * batch of more than ROW_PATH_MAX rows takes gemm8 instead (gguf_blocks_gemm8.h: the same
+ * integers summed in another float order, a row's product the same bits in any such batch),
+ * and with NBQ_ROUND16 the 32-weight types' take gemm32 where the panels took them
+ * (gguf_blocks_gemm32.h).
  */
 #include "matmul_common.h"
 #include "nbserve_kernels.h"
@@ -442,7 +444,8 @@ DEFINE_TYPE(q6_k, 256, 210)
 #endif
 
 /* The served types by ggml number (enum nbq_ggml_type); elems 0: not served. K256: a
- * 256-weight type's many-row products through built blocks (gemm16), with adds or not. */
+ * 256-weight type's many-row products through built blocks (gemm16), with adds or not; K8 and
+ * K32: its gemm8 (with the input's sums it takes) or gemm32 (with an m or not) builder. */
 #define K256(T, ADDS) .build16 = BUILD16(T), .adds16 = (ADDS)
 #define K8(T, SUMS) .build8 = BUILD8(T), .sums8 = (SUMS)
 #define K32(T, MINS) .build32 = BUILD32(T), .mins32 = (MINS)
