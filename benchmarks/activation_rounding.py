@@ -10,21 +10,23 @@ greedy tokens past end-of-text: how many answers stay identical to the unrounded
 the others first differ. Asserts nothing.
 
 With `--file FILE.gguf` (a quantized GGUF, e.g. a K-quant file): the real kernels instead of
-a simulation. The file loads four times, served from its blocks: weights="blocks", exact=True
-(float32 arithmetic on gguf's dequantized weights, the reference); weights="blocks" with
-NBSERVE_ROUND16=1 and NBSERVE_ROUND8=0 (the integer row kernels of cpu/kernels/gguf_blocks.c
-and quant_matmul.c: a lone stream's matmul inputs rounded to 16 bits per block of 32); with
-Q4_K's and Q6_K's inputs in decode steps rounded to 8 bits per 256 (llama.cpp's Q8_K, the
-default); and with NBSERVE_ROUND8=all (prompts too; the other types as with 16 bits). The same
-count of identical greedy answers, each rounding against exact; then `transformers` on the same
-file (its GGUF loader dequantizes every tensor to float32; `--no-transformers` skips it), greedy
-on the same prompt ids, the reference each mode's answers are counted against too, and so are
-llama.cpp's llama-server's on the same file and prompt ids, where it is built
+a simulation. The file loads once per mode, served from its blocks (`FILE_MODES`):
+weights="blocks", exact=True (float32 arithmetic on gguf's dequantized weights, the
+reference); weights="blocks" with NBSERVE_ROUND16=1 and NBSERVE_ROUND8=0 (the integer row
+kernels of cpu/kernels/gguf_blocks.c and quant_matmul.c: a lone stream's matmul inputs rounded
+to 16 bits per block of 32); with Q4_K's and Q6_K's inputs in decode steps rounded to 8 bits
+per 256 (llama.cpp's Q8_K) and prompts at 16 bits (NBSERVE_ROUND8=decode); the default (the
+same decode steps, prompt chunks past 8 rows at 8 bits per 32 through gemm8); and with
+NBSERVE_ROUND8=all (every prompt chunk; up to 8 rows per 256). The same count of identical
+greedy answers, each rounding against exact; then `transformers` on the same file (its GGUF
+loader dequantizes every tensor to float32; `--no-transformers` skips it), greedy on the same
+prompt ids, the reference each mode's answers are counted against too, and so are llama.cpp's
+llama-server's on the same file and prompt ids, where it is built
 (benchmarks/llama_server.py). Chat prompts through the file's template, or plain text prompts
 for a base model without one.
 
     python benchmarks/activation_rounding.py            # ~6 minutes on 2 cores
-    python benchmarks/activation_rounding.py --file FILE.gguf   # Gemma 3 270M: ~7 minutes
+    python benchmarks/activation_rounding.py --file FILE.gguf   # Gemma 3 270M: ~8 minutes
 """
 
 from __future__ import annotations
@@ -171,6 +173,22 @@ def report(name: str, got: list[list[int]], reference: list[list[int]], what: st
           f"to {what}; first differing token: {[f for f in first if f is not None]}", flush=True)
 
 
+# a base model's prompts: each form over every topic of engine_bench.TOPICS, then the next
+PLAIN = ["Here is a short paragraph about {}, with one surprising fact that most people do not "
+         "know:", "Question: What is the most important thing to understand about {}?\nAnswer:"]
+# a mode's name: (NBSERVE_ROUND16, NBSERVE_ROUND8, what it is)
+FILE_MODES = {
+    "exact": ("0", "0", "exact float32 arithmetic (weights='blocks', exact=True)"),
+    "16-bit": ("1", "0", "16-bit inputs (NBSERVE_ROUND8=0)"),
+    "decode": ("1", "decode", "8-bit inputs for Q4_K and Q6_K in decode steps, prompts at 16 bits "
+                              "(NBSERVE_ROUND8=decode)"),
+    "default": ("1", "1", "8-bit inputs for Q4_K and Q6_K in decode steps and in prompt chunks "
+                          "past 8 rows, per 32 (the default)"),
+    "all": ("1", "all", "8-bit inputs for Q4_K and Q6_K in every prompt chunk too "
+                        "(NBSERVE_ROUND8=all)"),
+}
+
+
 def file_modes(path: Path, n_prompts: int, max_tokens: int, with_transformers: bool = True
                ) -> None:
     """The real kernels on a quantized GGUF: exact against 16-bit and 8-bit inputs (see the
@@ -180,44 +198,31 @@ def file_modes(path: Path, n_prompts: int, max_tokens: int, with_transformers: b
     import nbserve
 
     results, rates = {}, {}
-    for dtype, round16, round8 in (("quantized-exact", "0", "0"), ("quantized", "1", "0"),
-                                   ("round8", "1", "1"), ("round8-all", "1", "all")):
+    for mode, (round16, round8, _) in FILE_MODES.items():
         os.environ["NBSERVE_ROUND16"] = round16  # read when the kernels are made, at load
         os.environ["NBSERVE_ROUND8"] = round8
-        loaded = nbserve.load(str(path), weights="blocks", exact=dtype == "quantized-exact",
-                              verbose=False)
+        loaded = nbserve.load(str(path), weights="blocks", exact=mode == "exact", verbose=False)
         if loaded.template is not None:
             prompts = chat_prompts(loaded.tokenizer, loaded.template, n_prompts)
         else:  # a base model: plain text
-            prompts = [loaded.tokenizer.encode(f"Here is a short paragraph about "
-                                               f"{TOPICS[i % len(TOPICS)]}, with one surprising "
-                                               f"fact that most people do not know:")
-                       for i in range(n_prompts)]
+            prompts = [loaded.tokenizer.encode(PLAIN[i // len(TOPICS) % len(PLAIN)].format(
+                TOPICS[i % len(TOPICS)])) for i in range(n_prompts)]
         start = time.perf_counter()
-        results[dtype] = greedy(loaded, prompts, max_tokens)
-        rates[dtype] = len(prompts) * max_tokens / (time.perf_counter() - start)
+        results[mode] = greedy(loaded, prompts, max_tokens)
+        rates[mode] = len(prompts) * max_tokens / (time.perf_counter() - start)
         del loaded
     print(f"{path.name}: served from its blocks, one stream (prefills included, load average "
-          f"{os.getloadavg()[0]:.1f}): {rates['quantized-exact']:.1f} tok/s exact, "
-          f"{rates['quantized']:.1f} with 16-bit inputs, {rates['round8']:.1f} with 8-bit inputs "
-          f"for Q4_K and Q6_K in decode steps, {rates['round8-all']:.1f} in prompts too",
-          flush=True)
-    exact = "exact float32 arithmetic (weights='blocks', exact=True)"
-    report("16-bit inputs (weights='blocks', NBSERVE_ROUND16=1)", results["quantized"],
-           results["quantized-exact"], exact, max_tokens)
-    report("8-bit inputs for Q4_K and Q6_K in decode steps (the default)", results["round8"],
-           results["quantized-exact"], exact, max_tokens)
-    report("8-bit inputs for Q4_K and Q6_K in prompts too (NBSERVE_ROUND8=all)",
-           results["round8-all"], results["quantized-exact"], exact, max_tokens)
+          f"{os.getloadavg()[0]:.1f}), tok/s: "
+          + ", ".join(f"{mode} {rate:.1f}" for mode, rate in rates.items()), flush=True)
+    for mode, (_, _, name) in FILE_MODES.items():
+        if mode != "exact":
+            report(name, results[mode], results["exact"], FILE_MODES["exact"][2], max_tokens)
     if not with_transformers:
         return
     reference = transformers_greedy(path, prompts, max_tokens)
     what = "transformers' on the same file (float32)"
-    for dtype, name in (("quantized-exact", "exact float32 arithmetic (exact=True)"),
-                        ("quantized", "16-bit inputs"),
-                        ("round8", "8-bit inputs for Q4_K and Q6_K in decode steps"),
-                        ("round8-all", "8-bit inputs for Q4_K and Q6_K in prompts too")):
-        report(name, results[dtype], reference, what, max_tokens)
+    for mode, (_, _, name) in FILE_MODES.items():
+        report(name, results[mode], reference, what, max_tokens)
     theirs = llama_server_greedy(path, prompts, max_tokens)
     if theirs is not None:
         report("llama-server", theirs, reference, what, max_tokens)

@@ -1,12 +1,14 @@
-"""NBQ_ROUND8 (cpu/kernels/gguf_blocks_round8.h): Q4_K and Q6_K products of up to 8 rows over the
-input rounded to 8 bits per 256 as llama.cpp's Q8_K (scale max |x| / 127, codes rint(x / scale)
-in [-127, 127]), multiplied in integers: on every build that has the kernels (AVX-512, AVX2)
-equal to the float64 product of that rounded input with gguf's dequantized weights up to
-float32 rounding, the largest codes and scales included; where a build or a type has none (plain
-C; the other types) and past 8 rows, exactly what the call gives without the flag. Then the
-serving side: the flag is set by default (NBSERVE_ROUND8=0 unsets it) on the weights that allow
-rounding, decode steps take it at any batch size and prompt chunks do not, and the one-call
-decode stack passes it on."""
+"""NBQ_ROUND8 (cpu/kernels/gguf_blocks_round8.h, gguf_blocks_gemm8.h): Q4_K and Q6_K products over
+the input rounded to 8 bits (scale max |x| / 127, codes rint(x / scale) in [-127, 127]) and
+multiplied in integers: up to 8 rows per 256 inputs as llama.cpp's Q8_K (the row kernels), past
+8 rows per 32 (gemm8, where the build has it; else per 256 again). On every build that has the
+kernels (AVX-512, AVX2) equal to the float64 product of that rounded input with gguf's
+dequantized weights up to float32 rounding, the largest codes and scales included; where a
+build or a type has none (plain C; the other types), exactly what the call gives without the
+flag. NBQ_ROUND8_MANY asks for gemm8's share only. Then the serving side: the flag is set by
+default (NBSERVE_ROUND8=0 unsets it) on the weights that allow rounding, decode steps take it at
+any batch size, prompt chunks only where gemm8 takes them (NBSERVE_ROUND8=decode: never, all:
+always), and the one-call decode stack passes it on."""
 
 from __future__ import annotations
 
@@ -36,17 +38,22 @@ pytestmark = NEEDS_COMPILER
 ROUNDED8 = [BlockType.Q4_K, BlockType.Q6_K]
 
 
-def _round8(x: torch.Tensor) -> torch.Tensor:
-    """The kernels' 8-bit input (round8) as float64: per 256 inputs, s = max |x| / 127 and
-    q = rint(x * (127 / max |x|)) in float32 (ties to even, as the CPU's conversion), clamped
-    to [-127, 127]; the input q s."""
+def _round8(x: torch.Tensor, per: int = 256) -> torch.Tensor:
+    """The kernels' 8-bit input (round8) as float64: per `per` inputs (256: the row kernels',
+    32: gemm8's), s = max |x| / 127 and q = rint(x * (127 / max |x|)) in float32 (ties to even,
+    as the CPU's conversion), clamped to [-127, 127]; the input q s."""
     rows, k = x.shape
-    blocks = x.reshape(rows, k // 256, 256)
+    blocks = x.reshape(rows, k // per, per)
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.tensor(127.0) / torch.where(amax > 0, amax, 1.0), 0.0)
     q = torch.round(blocks * inv).clamp(-127, 127)
     scale = amax / torch.tensor(127.0)
     return (q.double() * scale.double()).reshape(rows, k)
+
+
+def _per(rows: int, block_type: BlockType, lib) -> int:
+    """The inputs an 8-bit scale covers in a product of `rows` rows on this build."""
+    return 32 if rows > 8 and blocks_rounded8_many(block_type, lib) else 256
 
 
 def _product(x, block_type, blocks, n, k, lib, **flags) -> torch.Tensor:
@@ -78,12 +85,18 @@ def test_round8_multiplies_the_input_rounded_to_8_bits(arch, block_type):
                 assert torch.equal(both, _product(x, block_type, blocks, n, k, lib,
                                                   round16=True))
                 continue
-            want, exact = _round8(x) @ w.t(), x.double() @ w.t()
+            want = _round8(x, _per(rows, block_type, lib)) @ w.t()
+            exact = x.double() @ w.t()
             size = x.double().abs() @ w.abs().t()
             assert bool(((got - want).abs() <= 1e-6 * size).all()), \
                 float(((got - want).abs() / size).max())
             assert torch.equal(both, got)
             assert bool(((exact - want).abs() > 1e-6 * size).any())  # the flag matters here
+            many = _product(x, block_type, blocks, n, k, lib, round8_many=True)
+            if rows > 8 and blocks_rounded8_many(block_type, lib):  # gemm8's share: the same
+                assert torch.equal(many, got)
+            else:  # not gemm8's: as without the flag
+                assert torch.equal(many, _product(x, block_type, blocks, n, k, lib))
 
 
 @pytest.mark.parametrize("arch", PATHS)
@@ -93,8 +106,8 @@ def test_round8_gives_a_row_the_same_bits_in_any_batch(arch, block_type):
     16 and 130 rows (two row chunks and a part) is bit for bit that row's product in any batch
     of the same regime -- up to 8 rows (the row kernels: that row alone) or more (gemm8 where
     the build has it, else the row kernels again) -- so a stream's greedy answer does not move
-    with the concurrency inside either. Across the two regimes gemm8 sums the same integers in
-    another float order: equal to float32 rounding, and still the 8-bit input's product.
+    with the concurrency inside either. Across the two regimes gemm8 rounds per 32 where the
+    row kernels round per 256: each the product of its own rounded input.
     (Past 8 rows the products took the exact float32 panels before: not bit for bit.)"""
     lib = _kernels(arch)
     if not blocks_rounded8(block_type, lib):
@@ -117,8 +130,9 @@ def test_round8_gives_a_row_the_same_bits_in_any_batch(arch, block_type):
     if not blocks_rounded8_many(block_type, lib):
         assert torch.equal(many, alone)
     size = x.double().abs() @ w.abs().t()
-    assert bool(((many - alone).abs() <= 1e-6 * size).all())
-    assert bool(((many - _round8(x) @ w.t()).abs() <= 1e-6 * size).all())
+    assert bool(((alone - _round8(x) @ w.t()).abs() <= 1e-6 * size).all())
+    want = _round8(x, _per(len(x), block_type, lib)) @ w.t()
+    assert bool(((many - want).abs() <= 1e-6 * size).all())
 
 
 @pytest.mark.parametrize("arch", PATHS)
@@ -204,7 +218,7 @@ def test_the_environment_sets_round8_where_rounding_is_allowed(monkeypatch):
         _, size = block_layout(block_type, lib)
         raw = _random_blocks(block_type, 4, 512, seed=1)
         weights[block_type] = GGMLBlocks.of_file(raw.reshape(4, 2, size), block_type)
-    for value in ("1", "0", "", "all"):
+    for value in ("1", "0", "", "all", "decode"):
         monkeypatch.setenv("NBSERVE_ROUND8", value)
         for block_type, weight in weights.items():
             rounded = KernelLinear(weight, kernels=lib, round16=True).flags
@@ -217,42 +231,61 @@ def test_the_environment_sets_round8_where_rounding_is_allowed(monkeypatch):
         KernelLinear(weights[BlockType.Q4_K], kernels=lib, round16=True)
 
 
-def test_decode_rows_round_to_8_bits_and_prompt_chunks_do_not(monkeypatch):
+def test_decode_rows_round_to_8_bits_and_long_prompt_chunks_take_gemm8(monkeypatch):
     """A KernelLinear over Q4_K blocks: an input of one position a sequence (batch, 1, k), 12
-    rows, gives the 8-bit product of the 12 rows (what decode steps use at any batch size;
-    within float32 rounding of each row's alone); an input of several positions (a prompt
-    chunk, (1, 12, k)) the product of the same rows without ROUND8 (16-bit or float32 inputs),
-    so a prompt's rows are not rounded to 8 bits; NBSERVE_ROUND8=all rounds them too.
-    (Before, a 12-row decode batch took the float32 panels and a 5-position prompt chunk 8-bit
-    inputs.)"""
+    rows, gives the 8-bit product of the 12 rows (what decode steps use at any batch size: per
+    32 where gemm8 takes them, each row's product of its input rounded so); an input of several
+    positions (a prompt chunk, (1, 12, k)) the same where gemm8 takes it and the product without
+    ROUND8 (16-bit or float32 inputs) where it does not; a 5-position chunk never takes the row
+    kernels' 8 bits per 256. NBSERVE_ROUND8=decode keeps every prompt chunk off 8 bits,
+    NBSERVE_ROUND8=all puts every one on. (Before, prompt chunks kept 16 bits by default.)"""
     from nbserve.execution.quant import GGMLBlocks, KernelLinear
 
     lib = _kernels(None)
     if not blocks_rounded8(BlockType.Q4_K, lib):
         pytest.skip("this build has no 8-bit row kernels")
-    monkeypatch.delenv("NBSERVE_ROUND8", raising=False)
     k, n = 512, 6
     _, size = block_layout(BlockType.Q4_K, lib)
     raw = _random_blocks(BlockType.Q4_K, n, k, seed=2)
-    linear = KernelLinear(GGMLBlocks.of_file(raw.reshape(n, k // 256, size), BlockType.Q4_K),
-                          kernels=lib, round16=True)
+    weight = GGMLBlocks.of_file(raw.reshape(n, k // 256, size), BlockType.Q4_K)
     blocks = torch.from_numpy(raw.reshape(-1).copy())
+    w = _reference(raw, BlockType.Q4_K, n, k).double()
     x = torch.randn(12, k, generator=torch.Generator().manual_seed(9))
     x[:, ::64] *= 20
+    size = x.double().abs() @ w.abs().t()
     alone8 = torch.cat([_product(x[i:i + 1], BlockType.Q4_K, blocks, n, k, lib, round8=True)
                         for i in range(12)])
     batch8 = _product(x, BlockType.Q4_K, blocks, n, k, lib, round8=True)  # gemm8 if built
-    assert torch.equal(linear(x.unsqueeze(1)).reshape(12, n).double(), batch8)
-    torch.testing.assert_close(batch8, alone8, rtol=1e-6, atol=1e-4)
-    for positions in (12, 5):
-        chunk = x[:positions].unsqueeze(0)
-        without8 = _product(x[:positions], BlockType.Q4_K, blocks, n, k, lib,
+    assert bool(((alone8 - _round8(x) @ w.t()).abs() <= 1e-6 * size).all())
+    want = _round8(x, _per(12, BlockType.Q4_K, lib)) @ w.t()
+    assert bool(((batch8 - want).abs() <= 1e-6 * size).all())
+
+    def chunks(mode: str | None) -> tuple[KernelLinear, torch.Tensor]:
+        if mode is None:
+            monkeypatch.delenv("NBSERVE_ROUND8", raising=False)
+        else:
+            monkeypatch.setenv("NBSERVE_ROUND8", mode)
+        linear = KernelLinear(weight, kernels=lib, round16=True)
+        assert torch.equal(linear(x.unsqueeze(1)).reshape(12, n).double(), batch8)
+        without8 = _product(x, BlockType.Q4_K, blocks, n, k, lib,
                             round16=linear.flags & KernelFlag.ROUND16 != 0)
-        assert torch.equal(linear(chunk).reshape(positions, n).double(), without8)
-        assert not torch.equal(without8, alone8[:positions])
-    monkeypatch.setenv("NBSERVE_ROUND8", "all")  # llama.cpp's arithmetic: prompts too
-    everywhere = KernelLinear(linear.weight, kernels=lib, round16=True)
-    assert torch.equal(everywhere(x.unsqueeze(0)).reshape(12, n).double(), batch8)
+        return linear, without8
+
+    linear, without8 = chunks(None)
+    for positions in (12, 5):
+        got = linear(x[:positions].unsqueeze(0)).reshape(positions, n).double()
+        if positions > 8 and blocks_rounded8_many(BlockType.Q4_K, lib):
+            assert torch.equal(got, batch8)
+        else:
+            assert torch.equal(got, without8[:positions])
+            assert not torch.equal(got, alone8[:positions])
+    linear, without8 = chunks("decode")  # prompts at 16 bits
+    for positions in (12, 5):
+        got = linear(x[:positions].unsqueeze(0)).reshape(positions, n).double()
+        assert torch.equal(got, without8[:positions])
+    linear, _ = chunks("all")  # every prompt chunk
+    assert torch.equal(linear(x.unsqueeze(0)).reshape(12, n).double(), batch8)
+    assert torch.equal(linear(x[:5].unsqueeze(0)).reshape(5, n).double(), alone8[:5])
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,13 @@ exact=True): on the AVX2 path, and on the AVX-512 path where they measure faster
 of one or two rows multiply their inputs rounded to 16 bits per block of 32 with integer
 products, which decode the weights in fewer instructions.
 Q4_K's and Q6_K's products in decode steps (weights="blocks" without exact=True) take their
-inputs rounded to 8 bits per 256 as llama.cpp's CPU kernels do (Q8_K), at any batch size, a row
-the same bits in any batch; prompt chunks keep 16-bit or float32 inputs, so a greedy answer
-starts where float32 arithmetic starts it. NBSERVE_ROUND8=0 keeps decode steps at 16 bits,
-NBSERVE_ROUND8=all rounds prompts too (`cpu.kernels.tuning.round8_wanted`);
+inputs rounded to 8 bits: per 256 as llama.cpp's CPU kernels do (Q8_K) in steps of up to 8
+rows, per 32 in larger batches (gemm8), a row the same bits in any batch of either kind; prompt
+chunks of more than 8 rows take gemm8's 8 bits per 32 where the build has it (which keeps
+almost as many greedy answers as 16 bits, where 8 bits per 256 loses half), shorter ones keep
+16-bit or float32 inputs. NBSERVE_ROUND8=decode keeps prompts at 16 bits, NBSERVE_ROUND8=0
+decode steps too, NBSERVE_ROUND8=all rounds every prompt chunk
+(`cpu.kernels.tuning.round8_wanted`);
 benchmarks/activation_rounding.py counts the greedy answers each keeps identical to exact
 arithmetic and to transformers' (benchmarks/README.md).
 The blocks serve every step, so a model loaded from them needs no float32 copy of its weights.
@@ -44,7 +47,7 @@ FLOAT_MAX_ROWS = 4  # the same for float32 weights; SmolLM2's matmuls in the eng
 # kernel against oneDNN-packed (ms): 1 row 13.6 / 20.3, 3: 17.3 / 20.2, 4: 16.7 / 17.1, 8: 29 / 22
 # the kernel's flags (nbserve_kernels.h) as plain ints: `|` on them stays an int operation
 GATED, ROUND16 = int(KernelFlag.GATED), int(KernelFlag.ROUND16)
-ROUND8 = int(KernelFlag.ROUND8)
+ROUND8, ROUND8_MANY = int(KernelFlag.ROUND8), int(KernelFlag.ROUND8_MANY)
 
 
 @dataclass
@@ -382,9 +385,8 @@ class KernelLinear:
         do where the kernel build has integer row kernels for it and they are the faster
         path on this machine (always on AVX2, measured once on AVX-512: see
         `cpu.kernels.tuning`); exact float32 arithmetic elsewhere and for float32 weights.
-        Q4_K's and Q6_K's in decode steps to 8 bits per 256 instead, where the build has those
-        kernels, unless NBSERVE_ROUND8=0; with NBSERVE_ROUND8=all, prompt chunks' too
-        (`tuning.round8_wanted`)."""
+        Q4_K's and Q6_K's in decode steps and long prompt chunks to 8 bits instead, where the
+        build has those kernels (`tuning.round8_wanted`; see `flags`)."""
         from ..cpu.kernels.blocks import blocks_rounded8
         from ..cpu.kernels.build import quant_kernels
         from ..cpu.kernels.tuning import round8_wanted, round16_pays
@@ -409,7 +411,9 @@ class KernelLinear:
         round8 = round8_wanted() if self.round16 else "none"
         self._rounds8 = (round8 != "none" and self.weight_kind == WeightKind.BLOCKS
                          and blocks_rounded8(self.block_type, self._lib))
-        self._prompts8 = self._rounds8 and round8 == "all"
+        # what a prompt chunk keeps of ROUND8: all of it, gemm8's share or nothing
+        self._prompt8 = ((ROUND8 if round8 == "all" else ROUND8_MANY if round8 == "many" else 0)
+                         if self._rounds8 else 0)
 
     @property
     def pointers(self) -> Pointers:
@@ -421,12 +425,12 @@ class KernelLinear:
 
     @property
     def flags(self) -> int:
-        """The kernel's flags for this weight's products (ROUND16, ROUND8, both or none; GATED
-        per call). ROUND8 is dropped per call for an input of several positions a sequence (a
-        prompt chunk, (batch, positions, k)): decode steps round to 8 bits, prompts keep 16-bit
-        or float32 inputs, which keeps far more greedy answers identical to float32 arithmetic
-        (benchmarks/activation_rounding.py) for a slower prefill; NBSERVE_ROUND8=all keeps it
-        for prompts too."""
+        """The kernel's flags for a decode step's product (ROUND16, ROUND8, both or none; GATED
+        per call). For an input of several positions a sequence (a prompt chunk, (batch,
+        positions, k)) ROUND8 becomes ROUND8_MANY by default: gemm8's 8 bits per 32 past 8 rows,
+        16-bit or float32 inputs for fewer, never the row kernels' 8 bits per 256, which loses
+        far more greedy answers (benchmarks/activation_rounding.py); NBSERVE_ROUND8=decode
+        drops it, NBSERVE_ROUND8=all keeps it."""
         return (ROUND16 if self._rounds else 0) | (ROUND8 if self._rounds8 else 0)
 
     @property
@@ -458,8 +462,8 @@ class KernelLinear:
         y = torch.empty(rows, n, dtype=torch.float32)
         norm_at, eps = (None, 0.0) if norm is None else (norm.weight.data_ptr(), norm.eps)
         flags = self.flags | (GATED if gated else 0)
-        if x.dim() >= 3 and x.shape[-2] > 1 and not self._prompts8:  # a prompt: see `flags`
-            flags &= ~ROUND8
+        if x.dim() >= 3 and x.shape[-2] > 1:  # a prompt chunk: see `flags`
+            flags = flags & ~ROUND8 | self._prompt8
         failed = self._matmul(self._lib, self.pointers, flat.data_ptr(), rows, k, n,
                               y.data_ptr(), torch.get_num_threads(), norm_at, eps, flags)
         if failed:

@@ -165,6 +165,7 @@ class KernelFlag(IntFlag):
     GATED = ABI.constants["NBQ_GATED"]
     ROUND16 = ABI.constants["NBQ_ROUND16"]
     ROUND8 = ABI.constants["NBQ_ROUND8"]
+    ROUND8_MANY = ABI.constants["NBQ_ROUND8_MANY"]
 
 
 def ctype(param: Param) -> type:

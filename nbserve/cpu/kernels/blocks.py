@@ -86,14 +86,16 @@ def _check_blocks(blocks: torch.Tensor, block_type: int, n: int, k: int,
 
 def blocks_matmul(x: torch.Tensor, block_type: int, blocks: torch.Tensor, n: int, k: int, *,
                   norm: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-                  round16: bool = False, round8: bool = False, threads: int | None = None,
-                  lib: ctypes.CDLL | None = None) -> torch.Tensor:
+                  round16: bool = False, round8: bool = False, round8_many: bool = False,
+                  threads: int | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x (..., k) @ w.T -> (..., n) for the weight w in `blocks`; with `norm` (RMSNorm weights,
     k floats) of RMSNorm(x, eps); `gated`: of silu(a) * b for x (..., 2k) = [a | b].
     `round16`: inputs of a few rows rounded to 16 bits per block of the type for the integer row
     kernels, where the build has them for the type (`blocks_rounded`). `round8`: the same rounded
-    to 8 bits per 256 where the build has 8-bit kernels for the type (`blocks_rounded8`), which
-    then win over `round16`; elsewhere `round16` alone decides."""
+    to 8 bits where the build has 8-bit kernels for the type (`blocks_rounded8`), which then win
+    over `round16`; elsewhere `round16` alone decides: per 256 inputs for up to 8 rows (the row
+    kernels), per 32 past 8 rows where gemm8 takes them (`blocks_rounded8_many`), else per 256.
+    `round8_many`: `round8` only where gemm8 takes the rows (what prompt chunks ask for)."""
     kernels = _lib(lib)
     _check_blocks(blocks, block_type, n, k, kernels)
     width = 2 * k if gated else k
@@ -110,7 +112,8 @@ def blocks_matmul(x: torch.Tensor, block_type: int, blocks: torch.Tensor, n: int
         flat.data_ptr(), rows, k, int(block_type), blocks.data_ptr(), n, y.data_ptr(),
         threads or torch.get_num_threads(), None if norm_c is None else norm_c.data_ptr(), eps,
         (int(KernelFlag.GATED) if gated else 0) | (int(KernelFlag.ROUND16) if round16 else 0)
-        | (int(KernelFlag.ROUND8) if round8 else 0))
+        | (int(KernelFlag.ROUND8) if round8 else 0)
+        | (int(KernelFlag.ROUND8_MANY) if round8_many else 0))
     if failed == -1:
         raise MemoryError("block matmul: out of memory for its buffers")
     if failed:

@@ -20,41 +20,46 @@
 #if defined(HAS_ROUNDED)
 #define HAS_ROUND8 1
 
-/* x (rows, k) to 8 bits per 256: q (rows, k) codes, s (rows, k / 256) scales, bsum
- * (rows, k / 16) each 16 codes' sum (in the input's order). `swap`: q holds each 128 inputs'
- * 32-input quarters in the order 0, 2, 1, 3 (Q4_K_ORDER). */
-static void round8(const float *x, int rows, int k, int8_t *q, float *s, int16_t *bsum,
+/* x (rows, k) to 8 bits per `per` inputs (256: the row kernels', llama.cpp's Q8_K; 32: gemm8's):
+ * q (rows, k) codes, s (rows, k / per) scales max |x| / 127, bsum (rows, k / 16) each 16 codes'
+ * sum (in the input's order). `swap`: q holds each 128 inputs' 32-input quarters in the order
+ * 0, 2, 1, 3 (Q4_K_ORDER). */
+static void round8(const float *x, int rows, int k, int per, int8_t *q, float *s, int16_t *bsum,
                    int swap, int threads) {
-    int nb = k / 256;
+    int nb = k / 256, groups = 256 / per;
     #pragma omp parallel for schedule(static) num_threads(threads) if (rows > ROW_PATH_MAX)
     for (int i = 0; i < rows; i++)
         for (int b = 0; b < nb; b++) {
             const float *v = x + (size_t)i * k + (size_t)b * 256;
             int8_t o[256];
-            __m256 m = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.f);
-            for (int j = 0; j < 256; j += 8)
-                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-            float inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
-            __m256 vinv = _mm256_set1_ps(inv);
-            for (int j = 0; j < 256; j += 32) {  /* cvtps rounds to nearest even */
-                __m256i c[4];
-                for (int u = 0; u < 4; u++)
-                    c[u] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + j + 8 * u), vinv));
-                __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
-                                               _mm256_packs_epi32(c[2], c[3]));
-                /* the packs interleave 4-byte groups of the 128-bit lanes: put them back */
-                w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-                _mm256_storeu_si256((__m256i *)(o + j), _mm256_max_epi8(w, _mm256_set1_epi8(-127)));
+            __m256 sign = _mm256_set1_ps(-0.f);
+            for (int g = 0; g < groups; g++) {
+                __m256 m = _mm256_setzero_ps();
+                for (int j = per * g; j < per * (g + 1); j += 8)
+                    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
+                __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+                m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+                float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+                float inv = amax > 0.f ? 127.f / amax : 0.f;
+                __m256 vinv = _mm256_set1_ps(inv);
+                for (int j = per * g; j < per * (g + 1); j += 32) {  /* cvtps: to nearest even */
+                    __m256i c[4];
+                    for (int u = 0; u < 4; u++)
+                        c[u] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + j + 8 * u), vinv));
+                    __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
+                                                   _mm256_packs_epi32(c[2], c[3]));
+                    /* the packs interleave 4-byte groups of the 128-bit lanes: put them back */
+                    w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                    _mm256_storeu_si256((__m256i *)(o + j),
+                                        _mm256_max_epi8(w, _mm256_set1_epi8(-127)));
+                }
+                s[(size_t)i * (k / per) + (size_t)b * groups + g] = amax / 127.f;
             }
             for (int h = 0; h < 16; h++) {
                 int total = 0;
                 for (int j = 0; j < 16; j++) total += o[16 * h + j];
                 bsum[(size_t)i * (k / 16) + (size_t)b * 16 + h] = (int16_t)total;
             }
-            s[(size_t)i * nb + b] = scale;
             for (int j = 0; j < 256; j += 32) {
                 int from = swap && (j / 32) % 4 % 3 ? j ^ 96 : j;  /* quarters 1 and 2 swap */
                 memcpy(q + (size_t)i * k + (size_t)b * 256 + j, o + from, 32);
@@ -262,6 +267,6 @@ ROUND8_KERNEL(q6_k, 210, 0)
 #define Q4_K_ORDER(type) (VL == 16 && (type) == NBQ_GGML_Q4_K)
 #else
 #define DOT8(T) NULL
-#define ROUND8(x, rows, k, q, s, bsum, swap, threads) ((void)0)  /* never reached: no DOT8 */
+#define ROUND8(x, rows, k, per, q, s, bsum, swap, threads) ((void)0)  /* never reached: no DOT8 */
 #define Q4_K_ORDER(type) 0
 #endif

@@ -10,12 +10,14 @@ that a machine keeps one choice (and one set of greedy answers) from run to run.
 
 `NBSERVE_ROUND16=1` or `0` decides without measuring.
 
-8-bit inputs (flag NBQ_ROUND8 of `gguf_blocks.c`, llama.cpp's Q8_K: 8 bits per 256 inputs):
-Q4_K's and Q6_K's products in decode steps take them by default, where rounding is allowed
-(weights="blocks" without exact=True) and the build has those kernels; `NBSERVE_ROUND8=0` keeps
-the 16-bit choice above for them instead, `NBSERVE_ROUND8=all` rounds prompt chunks too. Not
-measured per machine: the 8-bit kernels read fewer bytes of input and do half the integer work
-of the 16-bit ones on every core measured.
+8-bit inputs (flag NBQ_ROUND8 of `gguf_blocks.c`): Q4_K's and Q6_K's products in decode steps
+take them by default (8 bits per 256 inputs for up to 8 rows, llama.cpp's Q8_K; per 32 for
+gemm8's batches), and so do prompt chunks of more than 8 rows where gemm8 takes them (flag
+NBQ_ROUND8_MANY: 8 bits per 32), where rounding is allowed (weights="blocks" without exact=True)
+and the build has those kernels. `NBSERVE_ROUND8=decode` keeps prompts at 16 bits,
+`NBSERVE_ROUND8=all` rounds every prompt chunk (per 256 up to 8 rows), `NBSERVE_ROUND8=0` keeps
+the 16-bit choice above everywhere. Not measured per machine: the 8-bit kernels read fewer bytes
+of input and do half the integer work of the 16-bit ones on every core measured.
 """
 
 from __future__ import annotations
@@ -56,21 +58,22 @@ def round16_pays(lib: ctypes.CDLL, threads: int = 1) -> bool:
         return _choices[name]
 
 
+ROUND8_MODES = {"": "many", "1": "many", "decode": "decode", "all": "all", "0": "none"}
+
+
 def round8_wanted() -> str:
-    """Which Q4_K and Q6_K products round their inputs to 8 bits per 256: "decode" (unset or
-    NBSERVE_ROUND8=1: the rows of decode steps), "all" (NBSERVE_ROUND8=all: prompt chunks too,
-    llama.cpp's arithmetic everywhere) or "none" (0); anything else is refused. Read once per
-    weight, when its kernel is made (at load)."""
+    """Which Q4_K and Q6_K products round their inputs to 8 bits: "many" (unset or
+    NBSERVE_ROUND8=1: decode steps, and prompt chunks where gemm8 takes them, past 8 rows),
+    "decode" (NBSERVE_ROUND8=decode: decode steps only), "all" (every prompt chunk too) or
+    "none" (0); anything else is refused. Read once per weight, when its kernel is made (at
+    load)."""
     forced = os.environ.get("NBSERVE_ROUND8", "").strip()
-    if forced in ("", "1"):
-        return "decode"
-    if forced == "all":
-        return "all"
-    if forced == "0":
-        return "none"
+    if forced in ROUND8_MODES:
+        return ROUND8_MODES[forced]
     raise ValueError(f"NBSERVE_ROUND8={forced!r}: use 1 or leave it unset (round the inputs of "
-                     "Q4_K and Q6_K products in decode steps to 8 bits per 256), all (prompt "
-                     "chunks too), or 0 (keep them at 16 bits)")
+                     "Q4_K and Q6_K products to 8 bits in decode steps, and in prompt chunks "
+                     "past 8 rows to 8 bits per 32), decode (decode steps only), all (every "
+                     "prompt chunk too), or 0 (keep them at 16 bits)")
 
 
 def _remembered_or_measured(lib: ctypes.CDLL, library: Path, threads: int) -> bool:
