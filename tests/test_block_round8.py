@@ -1,14 +1,14 @@
 """NBQ_ROUND8 (cpu/kernels/gguf_blocks_round8.h, gguf_blocks_gemm8.h): Q4_K and Q6_K products over
-the input rounded to 8 bits (scale max |x| / 127, codes rint(x / scale) in [-127, 127]) and
-multiplied in integers: up to 8 rows per 256 inputs as llama.cpp's Q8_K (the row kernels), past
-8 rows per 32 (gemm8, where the build has it; else per 256 again). On every build that has the
-kernels (AVX-512, AVX2) equal to the float64 product of that rounded input with gguf's
-dequantized weights up to float32 rounding, the largest codes and scales included; where a
-build or a type has none (plain C; the other types), exactly what the call gives without the
-flag. NBQ_ROUND8_MANY asks for gemm8's share only. Then the serving side: the flag is set by
-default (NBSERVE_ROUND8=0 unsets it) on the weights that allow rounding, decode steps take it at
-any batch size, prompt chunks only where gemm8 takes them (NBSERVE_ROUND8=decode: never, all:
-always), and the one-call decode stack passes it on."""
+the input rounded to 8 bits per 256 as llama.cpp's Q8_K (scale max |x| / 127, codes rint(x /
+scale) in [-127, 127]) and multiplied in integers (the row kernels up to 8 rows, gemm8 past 8
+where the build has it); NBQ_ROUND8_MANY alone: the same past 8 rows where gemm8 takes them,
+rounded per 32. On every build that has the kernels (AVX-512, AVX2) equal to the float64
+product of that rounded input with gguf's dequantized weights up to float32 rounding, the
+largest codes and scales included; where a build or a type has none (plain C; the other types),
+exactly what the call gives without the flag. Then the serving side: the flag is set by default
+(NBSERVE_ROUND8=0 unsets it) on the weights that allow rounding, decode steps take it at any
+batch size, prompt chunks take NBQ_ROUND8_MANY (NBSERVE_ROUND8=decode: nothing, all: NBQ_ROUND8),
+and the one-call decode stack passes it on."""
 
 from __future__ import annotations
 
@@ -51,9 +51,9 @@ def _round8(x: torch.Tensor, per: int = 256) -> torch.Tensor:
     return (q.double() * scale.double()).reshape(rows, k)
 
 
-def _per(rows: int, block_type: BlockType, lib) -> int:
-    """The inputs an 8-bit scale covers in a product of `rows` rows on this build."""
-    return 32 if rows > 8 and blocks_rounded8_many(block_type, lib) else 256
+def _many(rows: int, block_type: BlockType, lib) -> bool:
+    """Whether round8_many takes a product of `rows` rows on this build (gemm8's, per 32)."""
+    return rows > 8 and blocks_rounded8_many(block_type, lib)
 
 
 def _product(x, block_type, blocks, n, k, lib, **flags) -> torch.Tensor:
@@ -85,16 +85,19 @@ def test_round8_multiplies_the_input_rounded_to_8_bits(arch, block_type):
                 assert torch.equal(both, _product(x, block_type, blocks, n, k, lib,
                                                   round16=True))
                 continue
-            want = _round8(x, _per(rows, block_type, lib)) @ w.t()
-            exact = x.double() @ w.t()
+            want, exact = _round8(x) @ w.t(), x.double() @ w.t()
             size = x.double().abs() @ w.abs().t()
             assert bool(((got - want).abs() <= 1e-6 * size).all()), \
                 float(((got - want).abs() / size).max())
             assert torch.equal(both, got)
             assert bool(((exact - want).abs() > 1e-6 * size).any())  # the flag matters here
             many = _product(x, block_type, blocks, n, k, lib, round8_many=True)
-            if rows > 8 and blocks_rounded8_many(block_type, lib):  # gemm8's share: the same
-                assert torch.equal(many, got)
+            if _many(rows, block_type, lib):  # gemm8's share, per 32
+                per32 = _round8(x, 32) @ w.t()
+                assert bool(((many - per32).abs() <= 1e-6 * size).all())
+                assert bool(((per32 - want).abs() > 1e-6 * size).any())  # not per 256
+                assert torch.equal(_product(x, block_type, blocks, n, k, lib, round8=True,
+                                            round8_many=True), got)  # round8 wins
             else:  # not gemm8's: as without the flag
                 assert torch.equal(many, _product(x, block_type, blocks, n, k, lib))
 
@@ -106,8 +109,9 @@ def test_round8_gives_a_row_the_same_bits_in_any_batch(arch, block_type):
     16 and 130 rows (two row chunks and a part) is bit for bit that row's product in any batch
     of the same regime -- up to 8 rows (the row kernels: that row alone) or more (gemm8 where
     the build has it, else the row kernels again) -- so a stream's greedy answer does not move
-    with the concurrency inside either. Across the two regimes gemm8 rounds per 32 where the
-    row kernels round per 256: each the product of its own rounded input.
+    with the concurrency inside either. Across the two regimes gemm8 sums the same integers in
+    another float order: equal to float32 rounding, and still the 8-bit input's product. The
+    same for gemm8 over the input rounded per 32 (round8_many) in any batch of more than 8.
     (Past 8 rows the products took the exact float32 panels before: not bit for bit.)"""
     lib = _kernels(arch)
     if not blocks_rounded8(block_type, lib):
@@ -130,9 +134,13 @@ def test_round8_gives_a_row_the_same_bits_in_any_batch(arch, block_type):
     if not blocks_rounded8_many(block_type, lib):
         assert torch.equal(many, alone)
     size = x.double().abs() @ w.abs().t()
-    assert bool(((alone - _round8(x) @ w.t()).abs() <= 1e-6 * size).all())
-    want = _round8(x, _per(len(x), block_type, lib)) @ w.t()
-    assert bool(((many - want).abs() <= 1e-6 * size).all())
+    assert bool(((many - alone).abs() <= 1e-6 * size).all())
+    assert bool(((many - _round8(x) @ w.t()).abs() <= 1e-6 * size).all())
+    if blocks_rounded8_many(block_type, lib):
+        per32 = _product(x, block_type, blocks, n, k, lib, round8_many=True)
+        for start, stop in ((0, 9), (7, 23), (64, 130)):
+            assert torch.equal(_product(x[start:stop], block_type, blocks, n, k, lib,
+                                        round8_many=True), per32[start:stop]), (start, stop)
 
 
 @pytest.mark.parametrize("arch", PATHS)
@@ -233,12 +241,12 @@ def test_the_environment_sets_round8_where_rounding_is_allowed(monkeypatch):
 
 def test_decode_rows_round_to_8_bits_and_long_prompt_chunks_take_gemm8(monkeypatch):
     """A KernelLinear over Q4_K blocks: an input of one position a sequence (batch, 1, k), 12
-    rows, gives the 8-bit product of the 12 rows (what decode steps use at any batch size: per
-    32 where gemm8 takes them, each row's product of its input rounded so); an input of several
-    positions (a prompt chunk, (1, 12, k)) the same where gemm8 takes it and the product without
-    ROUND8 (16-bit or float32 inputs) where it does not; a 5-position chunk never takes the row
-    kernels' 8 bits per 256. NBSERVE_ROUND8=decode keeps every prompt chunk off 8 bits,
-    NBSERVE_ROUND8=all puts every one on. (Before, prompt chunks kept 16 bits by default.)"""
+    rows, gives the 8-bit product of the 12 rows (what decode steps use at any batch size, per
+    256); an input of several positions (a prompt chunk, (1, 12, k)) gemm8's product over the
+    input rounded per 32 where the build has gemm8 and the product without ROUND8 (16-bit or
+    float32 inputs) where it has not; a 5-position chunk never takes the row kernels' 8 bits
+    per 256. NBSERVE_ROUND8=decode keeps every prompt chunk off 8 bits, NBSERVE_ROUND8=all puts
+    every one on 8 bits per 256. (Before, prompt chunks kept 16 bits by default.)"""
     from nbserve.execution.quant import GGMLBlocks, KernelLinear
 
     lib = _kernels(None)
@@ -256,9 +264,9 @@ def test_decode_rows_round_to_8_bits_and_long_prompt_chunks_take_gemm8(monkeypat
     alone8 = torch.cat([_product(x[i:i + 1], BlockType.Q4_K, blocks, n, k, lib, round8=True)
                         for i in range(12)])
     batch8 = _product(x, BlockType.Q4_K, blocks, n, k, lib, round8=True)  # gemm8 if built
+    per32 = _product(x, BlockType.Q4_K, blocks, n, k, lib, round8_many=True)
     assert bool(((alone8 - _round8(x) @ w.t()).abs() <= 1e-6 * size).all())
-    want = _round8(x, _per(12, BlockType.Q4_K, lib)) @ w.t()
-    assert bool(((batch8 - want).abs() <= 1e-6 * size).all())
+    assert bool(((batch8 - _round8(x) @ w.t()).abs() <= 1e-6 * size).all())
 
     def chunks(mode: str | None) -> tuple[KernelLinear, torch.Tensor]:
         if mode is None:
@@ -274,8 +282,9 @@ def test_decode_rows_round_to_8_bits_and_long_prompt_chunks_take_gemm8(monkeypat
     linear, without8 = chunks(None)
     for positions in (12, 5):
         got = linear(x[:positions].unsqueeze(0)).reshape(positions, n).double()
-        if positions > 8 and blocks_rounded8_many(BlockType.Q4_K, lib):
-            assert torch.equal(got, batch8)
+        if _many(positions, BlockType.Q4_K, lib):
+            assert torch.equal(got, per32)
+            assert bool(((got - _round8(x, 32) @ w.t()).abs() <= 1e-6 * size).all())
         else:
             assert torch.equal(got, without8[:positions])
             assert not torch.equal(got, alone8[:positions])

@@ -16,13 +16,13 @@ exact=True): on the AVX2 path, and on the AVX-512 path where they measure faster
 of one or two rows multiply their inputs rounded to 16 bits per block of 32 with integer
 products, which decode the weights in fewer instructions.
 Q4_K's and Q6_K's products in decode steps (weights="blocks" without exact=True) take their
-inputs rounded to 8 bits: per 256 as llama.cpp's CPU kernels do (Q8_K) in steps of up to 8
-rows, per 32 in larger batches (gemm8), a row the same bits in any batch of either kind; prompt
-chunks of more than 8 rows take gemm8's 8 bits per 32 where the build has it (which keeps
-almost as many greedy answers as 16 bits, where 8 bits per 256 loses half), shorter ones keep
-16-bit or float32 inputs. NBSERVE_ROUND8=decode keeps prompts at 16 bits, NBSERVE_ROUND8=0
-decode steps too, NBSERVE_ROUND8=all rounds every prompt chunk
-(`cpu.kernels.tuning.round8_wanted`);
+inputs rounded to 8 bits per 256 as llama.cpp's CPU kernels do (Q8_K), at any batch size, a
+row the same bits in any batch of up to 8 rows and in any of more (gemm8); prompt chunks of
+more than 8 rows take gemm8 over the input rounded per 32 where the build has it (on Gemma 3
+270M, prompts rounded per 256 moved about half the greedy answers, per 32 a few:
+benchmarks/README.md), shorter ones keep 16-bit or float32 inputs. NBSERVE_ROUND8=decode
+keeps prompts at 16 bits, NBSERVE_ROUND8=0 decode steps too, NBSERVE_ROUND8=all rounds every
+prompt chunk per 256 (`cpu.kernels.tuning.round8_wanted`);
 benchmarks/activation_rounding.py counts the greedy answers each keeps identical to exact
 arithmetic and to transformers' (benchmarks/README.md).
 The blocks serve every step, so a model loaded from them needs no float32 copy of its weights.

@@ -92,10 +92,10 @@ def blocks_matmul(x: torch.Tensor, block_type: int, blocks: torch.Tensor, n: int
     k floats) of RMSNorm(x, eps); `gated`: of silu(a) * b for x (..., 2k) = [a | b].
     `round16`: inputs of a few rows rounded to 16 bits per block of the type for the integer row
     kernels, where the build has them for the type (`blocks_rounded`). `round8`: the same rounded
-    to 8 bits where the build has 8-bit kernels for the type (`blocks_rounded8`), which then win
-    over `round16`; elsewhere `round16` alone decides: per 256 inputs for up to 8 rows (the row
-    kernels), per 32 past 8 rows where gemm8 takes them (`blocks_rounded8_many`), else per 256.
-    `round8_many`: `round8` only where gemm8 takes the rows (what prompt chunks ask for)."""
+    to 8 bits per 256 where the build has 8-bit kernels for the type (`blocks_rounded8`), which
+    then win over `round16`; elsewhere `round16` alone decides. `round8_many` (without `round8`):
+    rounded to 8 bits per 32 where gemm8 takes the rows (past 8 rows, `blocks_rounded8_many`),
+    elsewhere nothing: what prompt chunks ask for."""
     kernels = _lib(lib)
     _check_blocks(blocks, block_type, n, k, kernels)
     width = 2 * k if gated else k

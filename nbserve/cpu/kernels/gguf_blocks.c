@@ -32,10 +32,12 @@
  * either does to greedy answers), at any row count: the 8-bit row kernels multiply in integers
  * faster than the float32 panels, so a batch takes them too, ROW_CHUNK input rows at a time,
  * and a row's product is the same bits in any batch; on the AVX-512 VNNI and AVX2 builds, a
- * batch of more than ROW_PATH_MAX rows takes gemm8 instead (gguf_blocks_gemm8.h: the input
- * rounded per 32, a row's product the same bits in any such batch). NBQ_ROUND8_MANY asks for
- * gemm8's share alone (prompt chunks, by default). With NBQ_ROUND16 the 32-weight types' take
- * gemm32 where the panels took them (gguf_blocks_gemm32.h).
+ * batch of more than ROW_PATH_MAX rows takes gemm8 instead (gguf_blocks_gemm8.h: the same
+ * integers summed in another float order, a row's product the same bits in any such batch).
+ * NBQ_ROUND8_MANY alone asks for gemm8's share only, over the input rounded per 32 (prompt
+ * chunks, by default: far fewer greedy answers move than with 8 bits per 256). With
+ * NBQ_ROUND16 the 32-weight types' take gemm32 where the panels took them
+ * (gguf_blocks_gemm32.h).
  */
 #include "matmul_common.h"
 #include "nbserve_kernels.h"
@@ -521,20 +523,27 @@ static int blocks_panels(const block_type *t, const float *x, int rows, int k,
 /* ---------------------------------------------------------------- entry points */
 
 #ifdef HAS_GEMM8
-/* gemm8 over round8's input per 32 in order: its sums per 16 as they are (Q6_K), or per 32
- * times their scales (Q4_K, for the mins) */
-static int gemm8_call(const block_type *t, const int8_t *x8, const float *xs,
+/* gemm8 over round8's input in order (scales per `per`): its sums per 16 as they are (Q6_K);
+ * Q4_K's for the mins added in pairs to per 32 (per 256) or times their scales (per 32) */
+static int gemm8_call(const block_type *t, const int8_t *x8, const float *xs, int per,
                       const int16_t *bsum, int rows, int k, const uint8_t *w, int n, float *y,
                       int threads) {
+    int16_t *sums = NULL;
     float *fs = NULL;
-    if (t->sums8 == 32) {
-        size_t count = (size_t)rows * (k / 32);
+    size_t count = (size_t)rows * (k / 32);
+    if (t->sums8 == 32 && per == 256) {
+        sums = malloc(sizeof(int16_t) * count);
+        if (!sums) return -1;
+        for (size_t j = 0; j < count; j++) sums[j] = (int16_t)(bsum[2 * j] + bsum[2 * j + 1]);
+    } else if (t->sums8 == 32) {
         fs = malloc(sizeof(float) * count);
         if (!fs) return -1;
-        for (size_t j = 0; j < count; j++) fs[j] = xs[j] * (float)(bsum[2 * j] + bsum[2 * j + 1]);
+        for (size_t j = 0; j < count; j++)  /* a scale per 32: one a sum */
+            fs[j] = xs[j] * (float)(bsum[2 * j] + bsum[2 * j + 1]);
     }
-    int failed = blocks_gemm8(t->build8, t->sums8 == 16, t->bytes, x8, xs, bsum, fs, rows, k, w,
-                              n, y, threads);
+    int failed = blocks_gemm8(t->build8, t->sums8 == 16, t->bytes, x8, xs, per,
+                              sums ? sums : bsum, fs, rows, k, w, n, y, threads);
+    free(sums);
     free(fs);
     return failed;
 }
@@ -544,10 +553,10 @@ static int gemm8_call(const block_type *t, const int8_t *x8, const float *xs,
  * k / elems blocks, in the file's order); prepare as nbq_q4_matmul's (RMSNorm with `norm`,
  * NBQ_GATED); with NBQ_ROUND16, inputs of up to ROW_PATH_MAX rows (of any row count for a
  * type with build16: gemm16) are rounded to 16 bits per block of the type (round16) for the
- * integer kernels, where the build has them (AVX2, AVX-512); with NBQ_ROUND8, to 8 bits for
- * Q4_K's and Q6_K's on those builds, at any row count (round8: per 256 for the row kernels, per
- * 32 for gemm8); with NBQ_ROUND8_MANY, the same where gemm8 takes the rows; the flags ignored
- * elsewhere (other types, the plain C build: what the other flags give).
+ * integer kernels, where the build has them (AVX2, AVX-512); with NBQ_ROUND8, to 8 bits per
+ * 256 (round8) for Q4_K's and Q6_K's on those builds, at any row count; with NBQ_ROUND8_MANY
+ * alone, to 8 bits per 32 where gemm8 takes the rows (more than ROW_PATH_MAX); the flags
+ * ignored elsewhere (other types, the plain C build: what the other flags give).
  * Returns 0, -1 when out of memory, -2 for a type not served or k not a multiple of its block. */
 int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blocks, int n,
                       float *y, int threads, const float *norm, float eps, int flags) {
@@ -569,8 +578,10 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
     int rounds8 = ((flags & NBQ_ROUND8) && t->dot8) || many8;
     int rounds16 = (flags & NBQ_ROUND16) && t->dot16;
     int row_path = rows <= ROW_PATH_MAX || rounds8 || (rounds16 && (t->build16 || t->build32));
-    if (row_path && rounds8) {  /* 8 bits, once a call: per 32 for gemm8, per 256 for the rows */
-        int per = many8 ? 32 : 256;
+    /* 8 bits per 256 (NBQ_ROUND8: the row kernels, and decode batches in gemm8), or per 32
+     * (NBQ_ROUND8_MANY alone: gemm8's prompt chunks) */
+    __attribute__((unused)) int per = many8 && !(flags & NBQ_ROUND8) ? 32 : 256;
+    if (row_path && rounds8) {  /* once a call */
         x8 = malloc((size_t)rows * k);
         xs = malloc(sizeof(float) * (size_t)rows * (k / per));
         bsum = malloc(sizeof(int16_t) * (size_t)rows * (k / 16));
@@ -592,7 +603,7 @@ int nbq_blocks_matmul(const float *x, int rows, int k, int type, const void *blo
 #endif
 #ifdef HAS_GEMM8
     } else if (many8) {
-        failed = gemm8_call(t, x8, xs, bsum, rows, k, w0, n, y, threads);
+        failed = gemm8_call(t, x8, xs, per, bsum, rows, k, w0, n, y, threads);
 #endif
 #ifdef HAS_ROUNDED
     } else if (xq && t->build16 && rows > ROW_PATH_MAX) {

@@ -7,21 +7,22 @@
  * same row, so the sub-block scales must be shuffled into every lane. Here 16 weight rows are
  * built once per chunk of input rows into one lane each: a 64-byte vector holds 4 neighbouring
  * codes of each of the 16 rows, and one vpdpbusd multiplies it with 4 inputs of one input row
- * broadcast from memory (64 products an instruction, no shuffle). The input is rounded per 32
- * (round8 with per = 32: a scale a Q4_K sub-block, two of Q6_K's), where the row kernels round
- * per 256 as llama.cpp's Q8_K: half the greedy answers of a 256-wide rounding moved off exact
- * arithmetic's, a few of a 32-wide one (benchmarks/README.md), so prompt chunks can take
- * gemm8. A sub-block's (Q4_K: 32 weights, Q6_K: 16) integer sums meet their scales (one per
- * lane, vpmulld) in an int32 sum per 32 inputs, converted once and multiplied by the input's
- * scale and d. The AVX2 build takes 8 weight rows a 256-bit vector: vpmaddubsw's pairs add up
+ * broadcast from memory (64 products an instruction, no shuffle). The input is rounded per 256
+ * as the row kernels round it (decode batches: NBQ_ROUND8) or per 32 (prompt chunks:
+ * NBQ_ROUND8_MANY; a scale a Q4_K sub-block, two of Q6_K's): a 256-wide rounding of prompts
+ * moved half of Gemma 3 270M's greedy answers off exact arithmetic's, a 32-wide one a few
+ * (benchmarks/README.md). A sub-block's (Q4_K: 32 weights, Q6_K: 16) integer sums meet their
+ * scales (one per lane, vpmulld; Q4_K's per 32 on AVX-512 in float) in an int32 sum per block
+ * or per 32 inputs, converted once and multiplied by the input's scale and d. The AVX2 build takes 8 weight rows a 256-bit vector: vpmaddubsw's pairs add up
  * in int16 over a sub-block (Q4_K: at most 8 x 2 x 15 x 127 = 30480) or half of one (Q6_K:
  * 2 x 2 x 63 x 127 = 32004), then one vpmaddwd by the scale (as an int16 pair) adds them to the
  * int32 sum. (An AVX-512 build without VNNI has no gemm8: its batches keep the row kernels.)
  * What the codes leave out: Q6_K's - 32 through the input codes' sums per 16 (vpdpwssd of int16
  * pairs) into the integer sums; Q4_K's mins (dmin m, float per lane) against the input's sums
- * per 32 times their scales, in float. The product is the one of gguf's weights with the input
- * rounded per 32, up to float32 rounding; a row's product is the same bits in any batch of more
- * than ROW_PATH_MAX rows, as it is in any of up to ROW_PATH_MAX (the row kernels, per 256). */
+ * per 32 times their scales, in float. The product is the one of gguf's weights with the
+ * rounded input, up to float32 rounding; a row's product is the same bits in any batch of more
+ * than ROW_PATH_MAX rows, as it is in any of up to ROW_PATH_MAX (the row kernels), and per 256
+ * the two agree to float32 rounding. */
 #if defined(HAS_ROUND8) && ((VL == 16 && defined(__AVX512VNNI__)) || VL == 8)
 #define HAS_GEMM8 1
 #if VL == 16
@@ -40,17 +41,23 @@ typedef __m256 g8f;
 
 /* One block (256 weights) of G8_LANES weight rows built for gemm8: codes[4 L t + 4 j + u] (L =
  * G8_LANES) is row j's weight 4 t + u (unsigned: Q4_K's 4 bits, Q6_K's 6 without the - 32);
- * sc[g] each row's integer scale of sub-block g (AVX2: twice, as an int16 pair); Q6_K's pairs[q]
- * each row's two int16 factors - 32 sc of sub-blocks 2q, 2q + 1, against the input's sums per
- * 16; Q4_K's dm[q] each row's dmin times the min of sub-block q (float), against the input's
- * scaled sums per 32; d per row. Rows past the tensor's are zero. */
+ * sc[g] each row's integer scale of sub-block g (AVX2: twice, as an int16 pair); pairs[p] each
+ * row's two int16 factors of the input's sums p (Q4_K: the mins m of sub-blocks 2p, 2p + 1,
+ * against the sums per 32, input rounded per 256; Q6_K: - 32 sc of 2p, 2p + 1, against the sums
+ * per 16); Q4_K's dm[q] each row's dmin times the min of sub-block q (float), against the
+ * input's scaled sums per 32 (input rounded per 32); d and dmin per row. Rows past the
+ * tensor's are zero. */
 typedef struct __attribute__((aligned(64))) built8 {
     uint8_t codes[64 * 4 * G8_LANES];
     int32_t sc[16][G8_LANES];
     int32_t pairs[8][G8_LANES];
     float dm[8][G8_LANES];
-    float d[G8_LANES];
+    float dsc[8][G8_LANES];  /* Q4_K on AVX-512: d sc of sub-block q, in float (no vpmulld) */
+    float d[G8_LANES], dmin[G8_LANES];
 } built8;
+/* Q4_K's sub-block scales meet its sums in float (dsc) where the sums are int32 (AVX-512): one
+ * vpmulld fewer per 32 inputs and input row; AVX2's vpmaddwd takes the scale for free */
+#define G8_FLOAT_SCALES (G8_LANES == 16)
 
 #if VL == 16
 INLINE g8i g8_load(const void *p) { return _mm512_loadu_si512(p); }
@@ -61,8 +68,12 @@ INLINE g8i g8_and(g8i a, g8i b) { return _mm512_and_si512(a, b); }
 INLINE g8i g8_sll32(g8i a, int n) { return _mm512_slli_epi32(a, n); }
 INLINE g8i g8_mul32(g8i a, g8i b) { return _mm512_mullo_epi32(a, b); }
 INLINE void g8_store(void *p, g8i v) { _mm512_store_si512(p, v); }
-/* part + codes . x (4 products a lane) */
-INLINE g8i g8_product(g8i part, g8i codes, g8i x) { return _mm512_dpbusd_epi32(part, codes, x); }
+/* part + codes . (the 4 bytes at x in every lane): 4 products a lane, the broadcast inside the
+ * instruction ({1to16}, as gemm32's pairs_bcast: GCC loads it into a register first) */
+INLINE g8i g8_product(g8i part, g8i codes, const int8_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(part) : "v"(codes), "m"(*(const int32_t *)x));
+    return part;
+}
 /* isum + part by the sub-block's scales */
 INLINE g8i g8_close(g8i isum, g8i part, g8i sc) { return _mm512_add_epi32(isum, _mm512_mullo_epi32(part, sc)); }
 INLINE g8i g8_pairs(g8i acc, g8i a, g8i b) { return _mm512_dpwssd_epi32(acc, a, b); }
@@ -112,9 +123,12 @@ INLINE g8i g8_and(g8i a, g8i b) { return _mm256_and_si256(a, b); }
 INLINE g8i g8_sll32(g8i a, int n) { return _mm256_slli_epi32(a, n); }
 INLINE g8i g8_mul32(g8i a, g8i b) { return _mm256_mullo_epi32(a, b); }
 INLINE void g8_store(void *p, g8i v) { _mm256_store_si256((__m256i *)p, v); }
-/* part + codes . x as int16 pairs (vpmaddubsw: 2 products a pair, never saturating here) */
-INLINE g8i g8_product(g8i part, g8i codes, g8i x) {
-    return _mm256_add_epi16(part, _mm256_maddubs_epi16(codes, x));
+/* part + codes . (the 4 bytes at x in every lane) as int16 pairs (vpmaddubsw: 2 products a
+ * pair, never saturating here) */
+INLINE g8i g8_product(g8i part, g8i codes, const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return _mm256_add_epi16(part, _mm256_maddubs_epi16(codes, _mm256_set1_epi32(v)));
 }
 /* isum + the pairs by the sub-block's scale (an int16 pair a lane) */
 INLINE g8i g8_close(g8i isum, g8i part, g8i sc) { return _mm256_add_epi32(isum, _mm256_madd_epi16(part, sc)); }
@@ -228,19 +242,19 @@ static void q4_k_build8(const uint8_t *w, size_t row_bytes, int nw, void *out) {
     built8 *o = out;
     __m128i bytes[G8_LANES];
     g8i f[16];
-    float dmin[G8_LANES] __attribute__((aligned(64)));
     lanes_of_rows(w, row_bytes, nw, 0, o);
     for (int j = 0; j < G8_LANES; j++) {
         const uint8_t *blk = w + (size_t)(j < nw ? j : 0) * row_bytes;
         bytes[j] = q4_k_scales8(blk);  /* sc 0-7, m 0-7 */
         o->d[j] = j < nw ? half_at(blk) : 0.f;
-        dmin[j] = j < nw ? half_at(blk + 2) : 0.f;
+        o->dmin[j] = j < nw ? half_at(blk + 2) : 0.f;
     }
     factors_of_rows(bytes, nw, 0, f);
     for (int g = 0; g < 8; g++) g8_store(o->sc[g], scale_of(f[g]));
+    for (int p = 0; p < 4; p++) g8_store(o->pairs[p], int16_pairs(f[8 + 2 * p], f[9 + 2 * p]));
     for (int q = 0; q < 8; q++) {
-        g8f m = g8_fmul(g8_float(f[8 + q]), g8_fload(dmin));
-        g8_fstore(o->dm[q], m, G8_LANES);
+        g8_fstore(o->dm[q], g8_fmul(g8_float(f[8 + q]), g8_fload(o->dmin)), G8_LANES);
+        g8_fstore(o->dsc[q], g8_fmul(g8_float(f[q]), g8_fload(o->d)), G8_LANES);
     }
 }
 
@@ -253,6 +267,7 @@ static void q6_k_build8(const uint8_t *w, size_t row_bytes, int nw, void *out) {
         const uint8_t *blk = w + (size_t)(j < nw ? j : 0) * row_bytes;
         bytes[j] = _mm_loadu_si128((const __m128i *)(blk + 192));  /* int8 scales per 16 */
         o->d[j] = j < nw ? half_at(blk + 208) : 0.f;
+        o->dmin[j] = 0.f;
     }
     factors_of_rows(bytes, nw, 1, f);
     for (int g = 0; g < 16; g++) g8_store(o->sc[g], scale_of(f[g]));
@@ -261,28 +276,32 @@ static void q6_k_build8(const uint8_t *w, size_t row_bytes, int nw, void *out) {
                                           g8_mul32(f[2 * q + 1], g8_set1(-32))));
 }
 
-/* y[i n_out + j] (j < nw) = input row i (x: the 8-bit codes, rows k apart; xs its scales per
- * 32, rows k / 32 apart; Q6_K: su its int16 sums per 16, rows k / 16 apart; Q4_K: fs its sums
- * per 32 times their scales, rows k / 32 apart) times the built rows (wb: k / 256 blocks) for nr
- * input rows, the accumulators in registers over the whole row. Per 32 inputs (a Q4_K
- * sub-block, two of Q6_K's): the integer products by their sub-block scales (run steps summed
- * before the scale), Q6_K's - 32 sc against the sums, one conversion, times the input's scale
- * and d; Q4_K's mins against the scaled sums in float. */
+/* y[i n_out + j] (j < nw) = input row i (x: the 8-bit codes, rows k apart; xs its scales, per
+ * 256 (`wide`) or per 32, rows k / 256 or k / 32 apart; su its int16 sums, Q6_K's per 16 (rows
+ * k / 16 apart), Q4_K's per 32 when wide (rows k / 32 apart); else Q4_K's fs, its sums per 32
+ * times their scales, rows k / 32 apart) times the built
+ * rows (wb: k / 256 blocks) for nr input rows, the accumulators in registers over the whole row.
+ * The integer products meet their sub-block scales (run steps summed before the scale), Q6_K's
+ * - 32 sc the input's sums; then one conversion per 32 inputs (a Q4_K sub-block, two of
+ * Q6_K's), times the input's scale and d (Q4_K on AVX-512: d sc), or per block (`wide`: one
+ * scale a block, the integers summed over it). Q4_K's mins meet the sums in integers when
+ * wide, the scaled sums in float otherwise. */
 INLINE void tile8(const int8_t *restrict x, int k, const float *restrict xs,
                   const int16_t *restrict su, const float *restrict fs,
-                  const built8 *restrict wb, int nr, int q6, int run, float *y, int n_out,
-                  int nw) {
+                  const built8 *restrict wb, int nr, int q6, int wide, int run, float *y,
+                  int n_out, int nw) {
     g8f acc[G8_C];
+    g8i isum[G8_C], part[G8_C];
     int nb = k / 256, subs = q6 ? 2 : 1, gq = q6 ? 4 : 8;  /* sub-blocks and their quads a 32 */
+    int per_row = wide ? nb : k / 32, float_sc = !q6 && !wide && G8_FLOAT_SCALES;
     run = run < gq ? run : gq;
     for (int i = 0; i < nr; i++) acc[i] = g8_fzero();
     for (int b = 0; b < nb; b++) {
         const built8 *w = wb + b;
         const int8_t *xb = x + (size_t)b * 256;
         g8f d = g8_fload(w->d);
+        for (int i = 0; i < nr; i++) isum[i] = g8_zero();
         for (int q = 0; q < 8; q++) {
-            g8i isum[G8_C], part[G8_C];
-            for (int i = 0; i < nr; i++) isum[i] = g8_zero();
             for (int g = subs * q; g < subs * (q + 1); g++) {
                 g8i sc = g8_load(w->sc[g]);
                 for (int h = 0; h < gq; h += run) {
@@ -291,42 +310,68 @@ INLINE void tile8(const int8_t *restrict x, int k, const float *restrict xs,
                         int t = g * gq + h + s;
                         g8i codes = g8_load(w->codes + 4 * G8_LANES * t);
                         for (int i = 0; i < nr; i++)
-                            part[i] = g8_product(part[i], codes,
-                                                 g8_bcast4(xb + (size_t)i * k + 4 * t));
+                            part[i] = g8_product(part[i], codes, xb + (size_t)i * k + 4 * t);
                     }
-                    for (int i = 0; i < nr; i++) isum[i] = g8_close(isum[i], part[i], sc);
+                    if (float_sc)  /* one sub-block, in one run: its scale in float below */
+                        for (int i = 0; i < nr; i++) isum[i] = part[i];
+                    else
+                        for (int i = 0; i < nr; i++) isum[i] = g8_close(isum[i], part[i], sc);
                 }
             }
-            size_t at = (size_t)b * 8 + q;  /* this 32's place in a row's scales */
+            size_t at = (size_t)b * 8 + q;  /* this 32's place in a row's sums */
             if (q6) {
                 g8i pairs = g8_load(w->pairs[q]);
                 for (int i = 0; i < nr; i++)
                     isum[i] = g8_pairs(isum[i], pairs,
                                        g8_bcast4(su + (size_t)i * (k / 16) + 2 * at));
             }
-            for (int i = 0; i < nr; i++)
-                acc[i] = g8_fmadd(g8_fmul(g8_float(isum[i]), g8_fset1(xs[(size_t)i * (k / 32) + at])),
-                                  d, acc[i]);
-            if (!q6) {
+            if (!wide) {
+                g8f by = float_sc ? g8_fload(w->dsc[q]) : d;
+                for (int i = 0; i < nr; i++) {
+                    g8f s = g8_fset1(xs[(size_t)i * per_row + at]);
+                    acc[i] = g8_fmadd(g8_fmul(g8_float(isum[i]), s), by, acc[i]);
+                    isum[i] = g8_zero();
+                }
+            }
+            if (!q6 && !wide) {
                 g8f dm = g8_fload(w->dm[q]);
                 for (int i = 0; i < nr; i++)
                     acc[i] = g8_fnmadd(dm, g8_fset1(fs[(size_t)i * (k / 32) + at]), acc[i]);
             }
         }
+        if (wide && !q6) {  /* the mins m against the sums per 32 (su), in integers */
+            g8f dmin = g8_fload(w->dmin);
+            for (int i = 0; i < nr; i++) {
+                g8i mins = g8_zero();
+                for (int p = 0; p < 4; p++)
+                    mins = g8_pairs(mins, g8_load(w->pairs[p]),
+                                    g8_bcast4(su + (size_t)i * (k / 32) + (size_t)b * 8 + 2 * p));
+                acc[i] = g8_fnmadd(g8_float(mins),
+                                   g8_fmul(dmin, g8_fset1(xs[(size_t)i * per_row + b])), acc[i]);
+            }
+        }
+        if (wide)
+            for (int i = 0; i < nr; i++)
+                acc[i] = g8_fmadd(g8_float(isum[i]), g8_fmul(d, g8_fset1(xs[(size_t)i * per_row + b])),
+                                  acc[i]);
     }
     for (int i = 0; i < nr; i++) g8_fstore(y + (size_t)i * n_out, acc[i], nw);
 }
 
 #define TILE8_CASE(NR)                                                                           \
     case NR:                                                                                     \
-        if (q6)                                                                                  \
-            tile8(x, k, xs, su, fs, wb, NR, 1, G8_SUM16(1), y, n_out, nw);                       \
+        if (q6 && wide)                                                                          \
+            tile8(x, k, xs, su, fs, wb, NR, 1, 1, G8_SUM16(1), y, n_out, nw);                    \
+        else if (q6)                                                                             \
+            tile8(x, k, xs, su, fs, wb, NR, 1, 0, G8_SUM16(1), y, n_out, nw);                    \
+        else if (wide)                                                                           \
+            tile8(x, k, xs, su, fs, wb, NR, 0, 1, G8_SUM16(0), y, n_out, nw);                    \
         else                                                                                     \
-            tile8(x, k, xs, su, fs, wb, NR, 0, G8_SUM16(0), y, n_out, nw);                       \
+            tile8(x, k, xs, su, fs, wb, NR, 0, 0, G8_SUM16(0), y, n_out, nw);                    \
         break;
 static void tile8_any(const int8_t *x, int k, const float *xs, const int16_t *su,
-                      const float *fs, const built8 *wb, int nr, int q6, float *y, int n_out,
-                      int nw) {
+                      const float *fs, const built8 *wb, int nr, int q6, int wide, float *y,
+                      int n_out, int nw) {
     switch (nr) {
         TILE8_CASE(1) TILE8_CASE(2) TILE8_CASE(3) TILE8_CASE(4)
 #if G8_C == 8
@@ -386,32 +431,34 @@ INLINE int lanes_chunk(int k, int width) {
     return chunk < 4 * G8_C ? 4 * G8_C : chunk;
 }
 
-typedef struct {  /* gemm8's input: round8's codes in order, scales per 32, Q6_K's sums per 16
-                     or Q4_K's scaled sums per 32 */
+typedef struct {  /* gemm8's input: round8's codes in order, scales per 256 (wide) or per 32,
+                     Q6_K's sums per 16 or Q4_K's scaled sums per 32 */
     const int8_t *x;
     const float *xs;
     const int16_t *su;
     const float *fs;
-    int q6;
+    int q6, wide;
 } input8;
 
 static void tile8_job(const lanes_job *job, int i, int nr, const char *built, float *y, int nw) {
     const input8 *in = job->input;
     int k = job->k;
-    tile8_any(in->x + (size_t)i * k, k, in->xs + (size_t)i * (k / 32),
-              in->su ? in->su + (size_t)i * (k / 16) : NULL,
+    tile8_any(in->x + (size_t)i * k, k, in->xs + (size_t)i * (k / (in->wide ? 256 : 32)),
+              in->su ? in->su + (size_t)i * (k / (in->q6 ? 16 : 32)) : NULL,
               in->fs ? in->fs + (size_t)i * (k / 32) : NULL, (const built8 *)built, nr, in->q6,
-              y, job->n, nw);
+              in->wide, y, job->n, nw);
 }
 
 /* y (rows, n) = the 8-bit input (rows > ROW_PATH_MAX: batches, prompt chunks; x8 (rows, k) in
- * order, xs (rows, k / 32); Q6_K (q6 1): su (rows, k / 16) the codes' sums per 16; Q4_K (q6 0):
- * fs (rows, k / 32) the sums per 32 times their scales) times n weight rows of Q4_K or Q6_K
- * (`build` a block, `bytes` a block). Returns 0, -1 when out of memory. */
+ * order, xs (rows, k / per), per 256 or 32; Q6_K (q6 1): su (rows, k / 16) the codes' sums per
+ * 16; Q4_K (q6 0): su (rows, k / 32) the sums per 32 (per 256), or fs (rows, k / 32) the sums
+ * per 32 times their scales (per 32)) times n weight rows of Q4_K or Q6_K (`build` a block,
+ * `bytes` a block). Returns 0, -1 when out of memory. */
 static int blocks_gemm8(void (*build)(const uint8_t *, size_t, int, void *), int q6, int bytes,
-                        const int8_t *x8, const float *xs, const int16_t *su, const float *fs,
-                        int rows, int k, const uint8_t *w, int n, float *y, int threads) {
-    input8 in = {x8, xs, q6 ? su : NULL, q6 ? NULL : fs, q6};
+                        const int8_t *x8, const float *xs, int per, const int16_t *su,
+                        const float *fs, int rows, int k, const uint8_t *w, int n, float *y,
+                        int threads) {
+    input8 in = {x8, xs, su, fs, q6, per == 256};
     lanes_job job = {w, (size_t)(k / 256) * bytes, sizeof(built8), bytes, k / 256, n, k,
                      lanes_chunk(k, 1), build, tile8_job, &in};
     return lanes_gemm(&job, rows, y, threads);

@@ -49,13 +49,12 @@ enum nbq_flag {
     NBQ_ROUND16 = 2, /* inputs of a few rows are rounded to 16 bits per block for the integer
                         row kernels, where the build has them (quant_matmul.c,
                         gguf_blocks.c) */
-    NBQ_ROUND8 = 4,  /* inputs (any rows) are rounded to 8 bits for Q4_K's and Q6_K's integer
-                        kernels, where the build has them (gguf_blocks.c): per 256 (llama.cpp's
-                        Q8_K) for the row kernels, per 32 for gemm8 (more than ROW_PATH_MAX rows,
-                        on the builds that have it); ignored elsewhere, where the other flags
-                        decide */
-    NBQ_ROUND8_MANY = 8, /* NBQ_ROUND8 where gemm8 takes the rows (more than ROW_PATH_MAX rows,
-                        8 bits per 32), ignored elsewhere (prompt chunks: execution/quant.py) */
+    NBQ_ROUND8 = 4,  /* inputs (any rows) are rounded to 8 bits per 256 (llama.cpp's Q8_K)
+                        for Q4_K's and Q6_K's integer kernels, where the build has them
+                        (gguf_blocks.c); ignored elsewhere, where the other flags decide */
+    NBQ_ROUND8_MANY = 8, /* without NBQ_ROUND8: inputs of more than ROW_PATH_MAX rows are
+                        rounded to 8 bits per 32 where gemm8 takes them (gguf_blocks_gemm8.h),
+                        the flag ignored elsewhere (prompt chunks: execution/quant.py) */
 };
 
 /* One weight: kind NBQ_Q4 (codes, d, m), NBQ_Q8 (codes, d), NBQ_F32 (codes: the float32

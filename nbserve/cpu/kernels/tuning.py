@@ -10,14 +10,14 @@ that a machine keeps one choice (and one set of greedy answers) from run to run.
 
 `NBSERVE_ROUND16=1` or `0` decides without measuring.
 
-8-bit inputs (flag NBQ_ROUND8 of `gguf_blocks.c`): Q4_K's and Q6_K's products in decode steps
-take them by default (8 bits per 256 inputs for up to 8 rows, llama.cpp's Q8_K; per 32 for
-gemm8's batches), and so do prompt chunks of more than 8 rows where gemm8 takes them (flag
-NBQ_ROUND8_MANY: 8 bits per 32), where rounding is allowed (weights="blocks" without exact=True)
-and the build has those kernels. `NBSERVE_ROUND8=decode` keeps prompts at 16 bits,
-`NBSERVE_ROUND8=all` rounds every prompt chunk (per 256 up to 8 rows), `NBSERVE_ROUND8=0` keeps
-the 16-bit choice above everywhere. Not measured per machine: the 8-bit kernels read fewer bytes
-of input and do half the integer work of the 16-bit ones on every core measured.
+8-bit inputs (flag NBQ_ROUND8 of `gguf_blocks.c`, llama.cpp's Q8_K: 8 bits per 256 inputs):
+Q4_K's and Q6_K's products in decode steps take them by default, and prompt chunks of more than
+8 rows take 8 bits per 32 where gemm8 takes them (flag NBQ_ROUND8_MANY), where rounding is
+allowed (weights="blocks" without exact=True) and the build has those kernels.
+`NBSERVE_ROUND8=decode` keeps prompts at 16 bits, `NBSERVE_ROUND8=all` rounds every prompt chunk
+per 256, `NBSERVE_ROUND8=0` keeps the 16-bit choice above everywhere. Not measured per machine:
+the 8-bit kernels read fewer bytes of input and do half the integer work of the 16-bit ones on
+every core measured.
 """
 
 from __future__ import annotations
