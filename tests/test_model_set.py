@@ -213,6 +213,27 @@ def test_models_added_removed_and_loaded_over_http_behind_the_keys(folder: Path)
         srv.stop()
 
 
+def test_a_request_may_name_the_model_as_it_was_launched(folder: Path):
+    """launch("smollm2") serves "SmolLM2-135M-Instruct": a request naming "smollm2" (the source
+    as launched) gets that model, not a 404; a model added under the same name comes first.
+    (Before, only the served name was accepted.)"""
+    source = str(folder / "alpha")
+    srv = launch(source, ui=False, wait=True, max_batch=2, max_context=128)
+    try:
+        client = srv.openai_client()
+        assert srv.backend.model_name != source
+        reply = answer(client, source)
+        assert reply.model == srv.backend.model_name
+        assert reply.choices[0].message.content == answer(client, srv.backend.model_name
+                                                          ).choices[0].message.content
+        with pytest.raises(openai.NotFoundError):
+            answer(client, source + "-nope")
+        srv.add(source, str(folder / "beta"))  # a model of that name now: it wins
+        assert answer(client, source).model == source
+    finally:
+        srv.stop()
+
+
 def test_a_model_that_fails_to_load_says_why_and_the_server_stays_healthy(folder: Path):
     srv = launch(str(folder / "alpha"), ui=False, wait=True, max_batch=2, max_context=128)
     try:

@@ -139,8 +139,10 @@ def launch(model: object = "smollm2", *, port: int | None = None, host: str = "1
 
     load = LoadState(default_name or _source_name(model))
     ref = SwappableBackend(LoadingBackend(load))
+    # a request may name the model as it was launched ("smollm2"), not only as it is served
+    aliases = (os.fspath(model),) if isinstance(model, (str, os.PathLike)) else ()
     models = ModelSet(default_name, ref, build_named, others, max_loaded=max_loaded,
-                      max_memory=max_memory, keep_alive=keep_alive)
+                      max_memory=max_memory, keep_alive=keep_alive, default_aliases=aliases)
     if default_name is not None and not is_backend(model):
         build["name"] = default_name
     try:

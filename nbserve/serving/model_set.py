@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,7 +130,8 @@ def folder_of_models(path: str | os.PathLike[str]) -> dict[str, object] | None:
 class ModelSet:
     """The models of one server, by name; satisfies `ModelDirectory` (see the module doc).
 
-    `default_name`: the name given to the default model, if any (it also answers to its own);
+    `default_name`: the name given to the default model, if any (it also answers to its own,
+    and to `default_aliases`: the source it was launched with, "smollm2");
     `default`: the server's own reference (loaded by the server); `build`: makes a backend of
     a named source (with the server's load and engine options); `others`: the other models by name.
     `max_loaded` counts the default too; `max_memory` is in bytes (weights and KV cache as the
@@ -138,7 +139,8 @@ class ModelSet:
 
     def __init__(self, default_name: str | None, default: SwappableBackend, build: BuildBackend,
                  others: Mapping[str, object] | None = None, *, max_loaded: int | None = None,
-                 max_memory: int | None = None, keep_alive: float | None = None):
+                 max_memory: int | None = None, keep_alive: float | None = None,
+                 default_aliases: Iterable[str] = ()):
         if max_loaded is not None and max_loaded < 1:
             raise ValueError(f"max_loaded must be at least 1, got {max_loaded}")
         if keep_alive is not None and keep_alive < 0:
@@ -147,6 +149,7 @@ class ModelSet:
         self.max_loaded, self.max_memory, self.keep_alive = max_loaded, max_memory, keep_alive
         self._lock = threading.Lock()
         self._default = _Model(default_name or "", None, default, state="loaded", owned=False)
+        self._aliases = frozenset(a for a in default_aliases if a)
         self._models: dict[str, _Model] = {}
         self._closed = False
         self._stop = threading.Event()
@@ -170,6 +173,8 @@ class ModelSet:
             return self._default
         with self._lock:
             model = self._models.get(name)
+        if model is None and name in self._aliases:  # a model of that name comes first
+            return self._default
         if model is None:
             raise ModelNotFoundError(name, [e.name for e in self.entries()])
         return model
