@@ -173,6 +173,32 @@ def test_llama_server_runs_as_its_users_run_it(tmp_path: Path, monkeypatch) -> N
     assert spec.levels == (1, 16)  # up to 16 streams; past that 64 slots over 64k tokens
     assert isinstance(wide, PeerSpec) and "-np 64 -c 65536" in " ".join(wide.argv)
     assert wide.levels[0] == 17
+    assert spec.warm == wide.warm == (gguf,)
+
+
+def test_every_peer_starts_with_its_model_file_in_the_page_cache(tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    """The model file a peer serves is read through once before its start clock runs, so that
+    no peer's start to ready pays for the disk while the next one finds the file cached."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" * 1000)
+    ((_, app),) = peers.peer_specs(["nbserve_app"], str(gguf), tmp_path, 2048, 60)
+    ((_, alias),) = peers.peer_specs(["nbserve_app"], "smollm2", tmp_path, 2048, 60)
+    assert isinstance(app, PeerSpec) and app.warm == (gguf,)
+    assert isinstance(alias, PeerSpec) and alias.warm == ()
+    peers.read_through(gguf)  # the real one reads to the end
+    events: list[str] = []
+    monkeypatch.setattr(peers, "read_through", lambda path: events.append(f"read {path.name}"))
+    clock = peers.time.perf_counter
+    monkeypatch.setattr(peers.time, "perf_counter", lambda: events.append("clock") or clock())
+    site = tmp_path / "site"
+    (site / "v1").mkdir(parents=True)
+    (site / "v1" / "models").write_text('{"data": [{"id": "m"}]}')
+    spec = PeerSpec("static", [sys.executable, "-m", "http.server", "{port}", "--bind",
+                               "127.0.0.1", "--directory", str(site)], warm=(gguf,))
+    peer = peers.start_peer(spec, 20, tmp_path)
+    peers.stop_peer(peer)
+    assert events[:2] == ["read m.gguf", "clock"]
 
 
 def test_nbserve_runs_as_python_app_py_beside_the_peers(tmp_path: Path) -> None:
