@@ -198,7 +198,8 @@ def _extreme_blocks(block_type: BlockType, n: int, k: int) -> np.ndarray:
 def test_round8_sums_of_the_largest_products_stay_exact(arch, block_type):
     """Input codes +-127 (inputs +-1, each block's largest) against the largest codes and
     scales: the int16 pairs (2 * 63 * 127) and int32 sums do not overflow, so the product is the
-    float64 one, to float32 rounding."""
+    float64 one, to float32 rounding; in the row kernels (4 rows) and in gemm8 (16 rows, per 256
+    and per 32, where the build has it)."""
     lib = _kernels(arch)
     n, k = 4, 1024
     raw = _extreme_blocks(block_type, n, k)
@@ -208,9 +209,13 @@ def test_round8_sums_of_the_largest_products_stay_exact(arch, block_type):
     signs[1] = -1
     signs[2, ::2] = -1
     signs[3, : k // 2] = -1
-    got = _product(signs, block_type, blocks, n, k, lib, round8=True)
-    want = signs.double() @ w.t()  # inputs +-1 round to themselves
-    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+    want = signs.double() @ w.t()  # inputs +-1 round to themselves, per 256 or per 32
+    batch = signs.repeat(4, 1)
+    for rows, flags in ((signs, {"round8": True}), (batch, {"round8": True}),
+                        (batch, {"round8_many": True})):
+        got = _product(rows, block_type, blocks, n, k, lib, **flags)
+        assert torch.allclose(got, want.repeat(len(rows) // 4, 1), rtol=1e-6,
+                              atol=1e-6 * float(want.abs().max())), flags
 
 
 def test_the_environment_sets_round8_where_rounding_is_allowed(monkeypatch):
