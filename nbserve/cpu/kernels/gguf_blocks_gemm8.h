@@ -254,7 +254,8 @@ static void q4_k_build8(const uint8_t *w, size_t row_bytes, int nw, void *out) {
     for (int p = 0; p < 4; p++) g8_store(o->pairs[p], int16_pairs(f[8 + 2 * p], f[9 + 2 * p]));
     for (int q = 0; q < 8; q++) {
         g8_fstore(o->dm[q], g8_fmul(g8_float(f[8 + q]), g8_fload(o->dmin)), G8_LANES);
-        g8_fstore(o->dsc[q], g8_fmul(g8_float(f[q]), g8_fload(o->d)), G8_LANES);
+        if (G8_FLOAT_SCALES)  /* its only reader: tile8's float_sc */
+            g8_fstore(o->dsc[q], g8_fmul(g8_float(f[q]), g8_fload(o->d)), G8_LANES);
     }
 }
 
